@@ -1,0 +1,5 @@
+import sys
+
+from txl.cli import main
+
+sys.exit(main())

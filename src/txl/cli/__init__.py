@@ -1,0 +1,39 @@
+"""The `txl` command: one entry point, one module per subcommand.
+
+Each subcommand module defines ``add_parser(subparsers)`` (registering its arguments and setting
+``func``) and keeps its heavy imports inside the function it runs, so `txl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from txl.cli import demo
+
+SUBCOMMANDS = [demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="txl", description="Transformer-XL language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+        print(f"txl {args.command}: error: {err}", file=sys.stderr)
+        return 2
