@@ -1,0 +1,161 @@
+"""Multi-head attention over memory + segment, with the paper's relative positions and its ablations.
+
+Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
+H heads, D head width (d_head), d d_model, P learned positions.
+
+Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encoding of the distance,
+
+    A(i, j) = q_i . k_j            (a) content
+            + q_i . W_kR R(i-j)    (b) content-dependent position
+            + u . k_j              (c) global content bias
+            + v . W_kR R(i-j)      (d) global position bias
+            = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
+
+The first sum is one matmul against the keys; the second is one matmul against the K encodings,
+realigned from "key index" to "distance" by ``rel_shift``. Queries are only computed for the T
+segment rows: memory rows need keys and values alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from txl.config import ModelConfig
+
+
+def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
+    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
+                               / d_model))  # (d/2,)
+    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
+
+
+def relative_distances(klen: int, clamp_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """The distances K-1, ..., 1, 0 of key index 0..K-1 from the last query; clamped beyond clamp_len."""
+    dist = torch.arange(klen - 1, -1, -1, device=device)  # (K,)
+    return dist.clamp(max=clamp_len) if clamp_len > 0 else dist
+
+
+def rel_shift(x: torch.Tensor) -> torch.Tensor:
+    """Realign (B, H, T, K) scores from "encoding index p" to "key index j" without a gather.
+
+    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
+    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero
+    column in front and reading the buffer with a row stride of K (one less than the padded row)
+    shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
+    """
+    B, H, T, K = x.shape
+    padded = F.pad(x, (1, 0)).contiguous()  # (B, H, T, K+1)
+    return padded.as_strided(
+        (B, H, T, K), (padded.stride(0), padded.stride(1), K, 1), padded.storage_offset() + T
+    )  # (B, H, T, K)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention over [memory; segment] with residual and layer norm.
+
+    Subclasses add a positional term to the content scores. Parameters mirror the original layout:
+    one fused q/k/v projection (W_q, W_kE, W_v), an output projection, one layer norm.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.d_head = config.n_head, config.d_head
+        self.pre_ln = config.pre_ln
+        self.scale = 1.0 / math.sqrt(config.d_head)
+        hd = config.n_head * config.d_head
+        self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
+        self.out = nn.Linear(hd, config.d_model, bias=False)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+        self.dropatt = nn.Dropout(config.dropatt)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
+                pos: torch.Tensor | None, u: torch.Tensor | None = None,
+                v: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden."""
+        B, T, _ = x.shape
+        H, D = self.n_head, self.d_head
+        context = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, K, d)
+        if self.pre_ln:  # the original pre-LN normalises memory rows too: memory caches raw layer inputs
+            context = self.norm(context)
+        K = context.size(1)
+        w_q, w_kv = self.qkv.weight.split([H * D, 2 * H * D])
+        q = F.linear(context[:, K - T:], w_q).view(B, T, H, D)  # (B, T, H, D): segment rows only
+        k, val = F.linear(context, w_kv).view(B, K, 2, H, D).unbind(2)  # (B, K, H, D) each
+
+        score = self.scores(q, k, pos, u, v) * self.scale  # (B, H, T, K)
+        score = score.masked_fill(mask, float("-inf"))
+        prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype))  # (B, H, T, K)
+        attn = torch.matmul(prob, val.transpose(1, 2))  # (B, H, T, D)
+        attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+        out = self.drop(self.out(attn))  # (B, T, d)
+        return x + out if self.pre_ln else self.norm(x + out)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None,
+               u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """Unscaled scores (B, H, T, K). Plain attention: the content term alone."""
+        return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
+
+
+class RelativeAttention(Attention):
+    """The paper's relative attention, terms (a) + (b) + (c) + (d)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        # W_kR: its own projection of the sinusoid, separate from W_kE inside qkv.
+        self.r_proj = nn.Linear(config.d_model, config.n_head * config.d_head, bias=False)
+        if config.untie_r:  # one pair of global biases per layer
+            self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+            self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+
+    def scores(self, q, k, pos, u, v):
+        B, T, H, D = q.shape
+        u = self.u if u is None else u  # (H, D)
+        v = self.v if v is None else v
+        r = self.r_proj(pos.to(q.dtype)).view(-1, H, D)  # (K, H, D): W_kR R, distances K-1 .. 0
+        content = torch.matmul((q + u).transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K): (a) + (c)
+        position = torch.matmul((q + v).transpose(1, 2), r.permute(1, 2, 0))  # (B, H, T, K): (b) + (d)
+        return content + rel_shift(position)
+
+
+class ShawAttention(Attention):
+    """Shaw et al. 2018 (the paper's Table 6 ablation): a learned embedding per relative distance.
+
+    As the original's attn_type 1: scores (q + u) . k + q . E_dist + b_dist, with E (P, H, D) and
+    b (P, H) indexed like R (row P-1 is distance 0); distances of P or more share row 0.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        P = config.learned_positions
+        self.r_emb = nn.Parameter(torch.zeros(P, config.n_head, config.d_head))
+        self.r_bias = nn.Parameter(torch.zeros(P, config.n_head))
+        self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+
+    def scores(self, q, k, pos, u, v):
+        K = k.size(1)
+        emb, bias = self.r_emb, self.r_bias
+        P = emb.size(0)
+        if K > P:  # farther than learned: repeat the farthest
+            emb = torch.cat([emb[:1].expand(K - P, -1, -1), emb])  # (K, H, D)
+            bias = torch.cat([bias[:1].expand(K - P, -1), bias])  # (K, H)
+        emb, bias = emb[-K:].to(q.dtype), bias[-K:].to(q.dtype)
+        content = torch.matmul((q + self.u).transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
+        position = torch.matmul(q.transpose(1, 2), emb.permute(1, 2, 0))  # (B, H, T, K)
+        position = position + bias.t()[None, :, None, :]  # (B, H, T, K)
+        return content + rel_shift(position)
+
+
+def build_attention(config: ModelConfig) -> Attention:
+    """The attention module for config.attn_type; absolute encodings are added to the layer inputs."""
+    if config.attn_type == "relative":
+        return RelativeAttention(config)
+    if config.attn_type == "shaw":
+        return ShawAttention(config)
+    return Attention(config)  # 'absolute', 'al_rfou': positions live in the inputs

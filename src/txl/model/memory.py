@@ -1,0 +1,71 @@
+"""Segment-level recurrence: the memory of cached hidden states (Dai et al. 2019, section 3.2).
+
+Shapes: B batch, M memory length, T segment length, d d_model, L layers.
+
+A memory is a tuple with one (B, M, d) tensor per layer: the *input* hidden states of that layer for
+the M positions before the current segment. Memory goes in and comes out of the model explicitly;
+these pure functions are the only place where it is built, truncated and detached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Memory = tuple[torch.Tensor, ...]
+"""One (B, M, d_model) tensor per layer, oldest position first."""
+
+
+def empty_memory(n_layer: int, batch_size: int, d_model: int, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> Memory:
+    """The memory of the first segment: nothing to attend to (M = 0)."""
+    return zeros_memory(n_layer, batch_size, d_model, 0, device=device, dtype=dtype)
+
+
+def zeros_memory(n_layer: int, batch_size: int, d_model: int, length: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Memory:
+    """A zero-filled memory of ``length`` positions that *is* attended to.
+
+    Hugging Face's TransfoXL and the original TensorFlow code start every stream this way; checkpoints
+    trained like that expect it, and parity with them needs it.
+    """
+    return tuple(torch.zeros(batch_size, length, d_model, device=device, dtype=dtype) for _ in range(n_layer))
+
+
+def memory_length(memory: Memory | None) -> int:
+    return 0 if not memory else memory[0].size(1)
+
+
+def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0) -> Memory:
+    """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped.
+
+    ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
+    positions of a segment are fed again at the start of the next one (extended context), so they are
+    not written here. Nothing is modified in place: the old memory stays valid.
+    """
+    if mem_len == 0:
+        return tuple(h.new_empty(h.size(0), 0, h.size(2)) for h in hiddens)
+    with torch.no_grad():
+        new = []
+        for l, h in enumerate(hiddens):
+            if ext_len:
+                h = h[:, : h.size(1) - ext_len]
+            cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l], h], dim=1)  # (B, M+T, d)
+            new.append(cat[:, -mem_len:].detach())
+    return tuple(new)
+
+
+def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int) -> None:
+    """Raise a ValueError naming what is wrong with a memory passed in by a caller."""
+    if not isinstance(memory, (tuple, list)):
+        raise ValueError(f"memory must be a tuple of {n_layer} tensors of shape (B, M, {d_model}); "
+                         f"got {type(memory).__name__}. Pass the .memory of the previous output, or None")
+    if len(memory) != n_layer:
+        raise ValueError(f"memory has {len(memory)} layers but the model has n_layer={n_layer}; "
+                         "pass the .memory returned by this model, or None to start afresh")
+    m0 = memory[0].size(1) if memory[0].dim() == 3 else -1
+    for l, m in enumerate(memory):
+        if m.dim() != 3 or m.size(0) != batch_size or m.size(1) != m0 or m.size(2) != d_model:
+            raise ValueError(
+                f"memory[{l}] has shape {tuple(m.shape)}; expected (B={batch_size}, M, d_model={d_model}) "
+                "with the same M in every layer (memory is batch-first; a Hugging Face memory is "
+                "(M, B, d): transpose it with .transpose(0, 1))")

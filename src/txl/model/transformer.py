@@ -1,0 +1,265 @@
+"""The Transformer-XL language model (Dai et al. 2019).
+
+Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, V vocabulary,
+L layers, P learned positions.
+
+A forward pass reads one segment of token ids with the memory of earlier segments, and returns the
+per-token loss (or log-probabilities) and the memory for the next segment:
+
+    embed -> dropout -> [layer_l(h, memory_l) for l in 0..L-1] -> dropout -> adaptive softmax
+
+where memory_l holds the inputs of layer l for the M previous positions (section 3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from txl.config import ModelConfig
+from txl.model.adaptive import IGNORE_INDEX, AdaptiveEmbedding, AdaptiveLogSoftmax
+from txl.model.attention import (
+    Attention,
+    RelativeAttention,
+    ShawAttention,
+    build_attention,
+    relative_distances,
+    sinusoid,
+)
+from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward with residual and layer norm (post-LN, or pre-LN)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_ln = config.pre_ln
+        self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if self.pre_ln else x
+        out = self.drop(self.fc2(self.drop(torch.relu(self.fc1(h)))))  # (B, T, d)
+        return x + out if self.pre_ln else self.norm(x + out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn = build_attention(config)
+        self.ff = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
+                pos: torch.Tensor | None, u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, pos, u, v))
+
+
+@dataclass
+class LMOutput:
+    """What one segment produces. Fields that were not asked for are None."""
+
+    memory: Memory
+    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped."""
+    hidden: torch.Tensor
+    """(B, T, d) final hidden states."""
+    loss: torch.Tensor | None = None
+    """Scalar mean NLL over the labels that are not IGNORE_INDEX (-100)."""
+    nll: torch.Tensor | None = None
+    """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
+    log_probs: torch.Tensor | None = None
+    """(B, T, V) log-probabilities of the next token (float32)."""
+
+
+def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """(T, K) bool, True where query i may not see key j.
+
+    Causal: query i (key index M+i) sees keys j <= M+i. With same_length every query sees the same
+    number of keys, the far ones hidden: mem_len keys in the original PyTorch / Hugging Face convention,
+    mem_len + 1 in the original TensorFlow / NVIDIA one (which also keeps the query's own position).
+    """
+    klen = mlen + qlen
+    ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
+    mask = torch.triu(ones, diagonal=1 + mlen)
+    if same_length:
+        mask_len = klen - mem_len - (1 if style == "tensorflow" else 0)
+        shift = qlen - mask_len if mask_len > 0 else qlen
+        mask = mask | torch.tril(ones, diagonal=-shift)
+    return mask
+
+
+class TransformerXL(nn.Module):
+    """Transformer-XL language model: segment in, loss or log-probabilities and new memory out."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed = AdaptiveEmbedding(c)
+        self.drop = nn.Dropout(c.dropout)
+        if c.attn_type == "relative" and not c.untie_r:  # u, v shared by all layers (section 3.3)
+            self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
+            self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
+        if c.attn_type == "al_rfou":  # a learned absolute position embedding per layer
+            self.pos_embed = nn.Parameter(torch.zeros(c.n_layer, c.learned_positions, c.d_model))
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
+        self.softmax = AdaptiveLogSoftmax(c)
+        self.tie_weights()
+        self.reset_parameters()
+
+    # -- construction ---------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """Share output weights and projections with the input ones, as config.tie_* say."""
+        c = self.config
+        if c.tie_weight:
+            for out_layer, emb_layer in zip(self.softmax.layers, self.embed.layers):
+                out_layer.weight = emb_layer.weight
+        for i, tie in enumerate(c.tie_projs):
+            if tie and len(self.softmax.projs):
+                self.softmax.projs[i] = self.embed.projs[0 if c.div_val == 1 else i]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The original initialisation, one method dispatching on types.
+
+        Linear and embedding weights, cluster weights, biases u and v and learned positions:
+        normal(0, init_std); embedding and softmax projections: normal(0, proj_init_std);
+        LayerNorm weights normal(1, init_std); every bias 0.
+        """
+        c = self.config
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, c.init_std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, c.init_std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
+                for p in module.projs:
+                    nn.init.normal_(p, 0.0, c.proj_init_std)
+                if isinstance(module, AdaptiveLogSoftmax) and module.n_clusters:
+                    nn.init.normal_(module.cluster_weight, 0.0, c.init_std)
+                    nn.init.zeros_(module.cluster_bias)
+            elif isinstance(module, (RelativeAttention, ShawAttention)):
+                for name in ("u", "v", "r_emb", "r_bias"):
+                    if isinstance(getattr(module, name, None), nn.Parameter):
+                        nn.init.normal_(getattr(module, name), 0.0, c.init_std)
+        for name in ("u", "v", "pos_embed"):
+            if hasattr(self, name):
+                nn.init.normal_(getattr(self, name), 0.0, c.init_std)
+
+    def reconfigure(self, **changes) -> None:
+        """Change the evaluation context (mem_len, clamp_len, same_length, same_length_style, ext_len).
+
+        The paper evaluates with longer memory than in training; these fields own no parameters.
+        """
+        allowed = {"mem_len", "clamp_len", "same_length", "same_length_style", "ext_len"}
+        bad = sorted(set(changes) - allowed)
+        if bad:
+            raise ValueError(f"reconfigure cannot change {bad}: they shape the parameters; "
+                             f"only {sorted(allowed)} can change after construction")
+        self.config = self.config.replace(**changes)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def init_memory(self, batch_size: int, length: int = 0) -> Memory:
+        """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
+        p = next(self.parameters())
+        return zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
+                            device=p.device, dtype=p.dtype)
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                memory: Memory | None = None, *, return_log_probs: bool | None = None) -> LMOutput:
+        """Run one segment.
+
+        input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
+        to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
+        (B, T, V) are returned when no labels are given, or when return_log_probs is True.
+        """
+        c = self.config
+        self._check_inputs(input_ids, labels)
+        B, T = input_ids.shape
+        if memory is not None:
+            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
+        M = memory_length(memory)
+        mems = list(memory) if M else [None] * c.n_layer
+        mask = attention_mask(T, M, mem_len=c.mem_len, same_length=c.same_length,
+                              style=c.same_length_style, device=input_ids.device)  # (T, K)
+
+        h = self.drop(self.embed(input_ids))  # (B, T, d)
+        pos = None
+        if c.attn_type == "relative":
+            r = sinusoid(relative_distances(M + T, c.clamp_len, input_ids.device), c.d_model)  # (K, d)
+            pos = self.drop(r.to(h.dtype))
+        absolute = None
+        if c.attn_type == "absolute":  # Vaswani et al.: one sinusoid at the input, positions K-1 .. 0
+            absolute = self.drop(sinusoid(relative_distances(M + T, c.clamp_len, input_ids.device),
+                                          c.d_model).to(h.dtype))  # (K, d)
+
+        u, v = (getattr(self, "u", None), getattr(self, "v", None))
+        hiddens = []
+        for l, layer in enumerate(self.layers):
+            hiddens.append(h)  # memory caches each layer's input, before any absolute positions
+            x, mem = h, mems[l]
+            pos_l = self._absolute_positions(l, M + T, absolute)
+            if pos_l is not None:  # (K, d): memory rows get the earlier positions
+                x = x + pos_l[M:]
+                mem = None if mem is None else mem + pos_l[:M]
+            h = layer(x, mem, mask, pos, u, v)
+        h = self.drop(h)  # (B, T, d)
+        new_memory = update_memory(memory if M else None, hiddens, mem_len=c.mem_len, ext_len=c.ext_len)
+
+        out = LMOutput(memory=new_memory, hidden=h)
+        flat = h.reshape(B * T, -1)  # (B*T, d)
+        if labels is not None:
+            out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
+            n = (labels != IGNORE_INDEX).sum()
+            out.loss = out.nll.sum() / n.clamp(min=1)
+        if return_log_probs or (return_log_probs is None and labels is None):
+            out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
+        return out
+
+    def _absolute_positions(self, layer: int, klen: int, absolute: torch.Tensor | None) -> torch.Tensor | None:
+        """(K, d) absolute encodings added to layer inputs, or None ('relative', 'shaw')."""
+        if absolute is not None:
+            return absolute if layer == 0 else None
+        if self.config.attn_type != "al_rfou":
+            return None
+        emb = self.pos_embed[layer]  # (P, d); row P-1 is the newest position
+        P = emb.size(0)
+        if klen > P:  # older than learned: repeat the oldest
+            emb = torch.cat([emb[:1].expand(klen - P, -1), emb])
+        return self.drop(emb[-klen:])
+
+    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+        c = self.config
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
+                             f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty: pass at least one token")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= c.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is out of range for vocab_size={c.vocab_size}; "
+                             "encode with the vocabulary this model was trained with")
+        if c.ext_len and c.ext_len >= input_ids.size(1):
+            raise ValueError(f"ext_len={c.ext_len} must be shorter than the segment ({input_ids.size(1)} "
+                             "tokens); lower ext_len or feed longer segments")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                                 f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
+            valid = labels[labels != IGNORE_INDEX]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
+                raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
+                                 f"(use {IGNORE_INDEX} to ignore a position)")
+
+
+__all__ = ["Attention", "DecoderLayer", "FeedForward", "LMOutput", "TransformerXL", "attention_mask"]

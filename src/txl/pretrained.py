@@ -1,0 +1,172 @@
+"""Saving and loading models: our format, and Hugging Face `transfo-xl` directories.
+
+Our format is a directory with ``config.json`` ({"format": "txl", "model": <ModelConfig>}) and
+``model.safetensors`` (tied weights stored once). Nothing is ever unpickled: a legacy ``.bin`` is read
+with ``torch.load(weights_only=True)``. Loading is strict: every tensor in the file must be used, every
+parameter must be given, and every shape must match the config, or a ValueError says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from txl.config import ModelConfig
+from txl.convert.hf import (
+    ClusterOrder,
+    config_from_hf,
+    config_to_hf,
+    is_hf_config,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
+from txl.model import TransformerXL
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+LEGACY_WEIGHTS_FILE = "pytorch_model.bin"
+FORMAT = "txl"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as err:  # the core needs only torch and numpy
+        raise ImportError("reading and writing checkpoints needs safetensors: pip install 'txl[io]'") from err
+    return safetensors.torch
+
+
+def tied_keys(model: TransformerXL) -> dict[str, str]:
+    """Parameter names that alias another parameter -> the name stored in checkpoints."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def load_weights(model: TransformerXL, state: dict[str, torch.Tensor], *, source: str) -> TransformerXL:
+    """Load ``state`` into ``model`` strictly, assigning the tensors (works on a meta-device model)."""
+    expected = model.state_dict(keep_vars=True)
+    aliases = tied_keys(model)
+    state = dict(state)
+    for alias, stored in aliases.items():
+        if alias in state and stored in state and not torch.equal(state[alias], state[stored]):
+            raise ValueError(f"{source}: {alias} differs from {stored}, but the config ties them "
+                             "(tie_weight / tie_projs); fix the config to untie them")
+        state.pop(alias, None)
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - set(aliases))
+    if unexpected or missing:
+        raise ValueError(f"{source}: weights and config disagree: missing {missing[:6]}, unexpected "
+                         f"{unexpected[:6]} (is config.json the one saved with these weights?)")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)} but the config needs "
+                             f"{tuple(expected[name].shape)} (is config.json the one saved with these weights?)")
+    dtype = next(iter(expected.values())).dtype
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return model
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: a checkpoint directory needs config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
+
+
+def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of a checkpoint directory (safetensors preferred) and the file they came from."""
+    st = directory / WEIGHTS_FILE
+    legacy = directory / LEGACY_WEIGHTS_FILE
+    if st.exists():
+        try:
+            return _safetensors().load_file(str(st)), str(st)
+        except Exception as err:  # safetensors raises its own error type for damaged files
+            raise ValueError(f"{st} is corrupt or truncated ({err}); restore it or use an earlier "
+                             "checkpoint") from None
+    if legacy.exists():
+        try:
+            state = torch.load(legacy, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"{legacy} could not be read safely ({err}); it may be corrupt, or hold "
+                             "objects other than tensors") from None
+        return state, str(legacy)
+    raise FileNotFoundError(f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {directory}")
+
+
+def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "hf",
+                    device: torch.device | str = "cpu") -> TransformerXL:
+    """Load our checkpoint directory or a Hugging Face `transfo-xl` one; returns the model in eval mode.
+
+    ``cluster_order="original_pytorch"`` reorders the adaptive-softmax cluster rows of a checkpoint
+    converted from the original PyTorch code.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory: pass a checkpoint directory holding "
+                                "config.json and model.safetensors")
+    data = _read_json(directory / CONFIG_FILE)
+    state, source = read_state(directory)
+    if is_hf_config(data):
+        config = config_from_hf(data)
+        state = state_dict_from_hf(state, cluster_order=cluster_order)
+    elif data.get("format") == FORMAT:
+        config = ModelConfig.from_dict(data["model"])
+    else:
+        raise ValueError(f"{directory / CONFIG_FILE} is neither a txl config (format: 'txl') nor a Hugging "
+                         "Face transfo-xl config (model_type: 'transfo-xl')")
+    with torch.device("meta"):  # no time spent initialising weights that are about to be replaced
+        model = TransformerXL(config)
+    load_weights(model, state, source=source)
+    return model.to(device).eval()
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write via a temporary file in the same directory and rename: a crash leaves the old file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_pretrained(model: TransformerXL, path: str | os.PathLike) -> Path:
+    """Write config.json and model.safetensors (tied weights once), each atomically."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    aliases = tied_keys(model)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
+    _atomic_write(directory / WEIGHTS_FILE, lambda tmp: _safetensors().save_file(state, tmp))
+    config = {"format": FORMAT, "version": 1, "model": model.config.to_dict()}
+    _atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    return directory
+
+
+def save_hf(model: TransformerXL, path: str | os.PathLike) -> Path:
+    """Export to the Hugging Face `transfo-xl` layout (config.json + model.safetensors)."""
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = config_to_hf(model.config)
+    state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    hf_state = state_dict_to_hf(state)
+    _atomic_write(directory / WEIGHTS_FILE,
+                  lambda tmp: _safetensors().save_file(hf_state, tmp, metadata={"format": "pt"}))
+    _atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2)))
+    return directory
