@@ -9,3 +9,7 @@ __version__ = "0.1.0"
 from txl.pretrained import from_pretrained, save_hf, save_pretrained  # noqa: E402
 
 __all__ += ["from_pretrained", "save_hf", "save_pretrained"]
+
+from txl.generate import generate, generate_stream  # noqa: E402
+
+__all__ += ["generate", "generate_stream"]

@@ -1,0 +1,190 @@
+"""Text generation with the segment-level recurrence cache (Dai et al. 2019, section 3.2).
+
+Shape legend: B batch, T prompt length, N new tokens, V vocabulary, M memory length, d d_model.
+
+Transformer-XL caches the *input* of every layer for the positions it has read (the memory). A
+prompt is read segment by segment into that memory; afterwards every new token costs one position:
+the model reads a (B, 1) input against the cached memory and the whole context is never re-run. The
+paper's evaluation speed-up (up to 1,874 times over the vanilla model, section 4.4) comes from this.
+
+Memory length for generation (``mem_len``). By default it is ``T + N``: nothing the model has read is
+ever dropped, so token-by-token generation gives exactly the distribution of one full forward pass
+over the whole text (tests/test_generate.py proves it). The cost of a step then grows linearly with
+the context; pass a smaller ``mem_len`` to bound it, and each token attends to the last ``mem_len``
+positions (a sliding window, as the paper evaluates with a memory longer than it trains with).
+``same_length`` is off and ``ext_len`` is 0 while generating: both only make sense for fixed-length
+training or evaluation segments. The model's own config is restored after every call.
+
+The memory starts empty (the original PyTorch code), not as the zeros that Hugging Face and the
+TensorFlow original attend to at the start of a stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from txl.model import Memory, TransformerXL
+from txl.sampling import sample_next
+
+__all__ = ["IncrementalDecoder", "generate", "generate_stream", "inference_context"]
+
+
+@contextmanager
+def inference_context(model: TransformerXL, **changes) -> Iterator[TransformerXL]:
+    """Eval mode, no autograd and a temporary evaluation context (``model.reconfigure(**changes)``).
+
+    The model's training flag and config are restored on exit, so a model in the middle of training
+    can be sampled from without being changed. ``None`` values leave a field as it is.
+    """
+    was_training, config = model.training, model.config
+    changes = {k: v for k, v in changes.items() if v is not None}
+    model.eval()
+    try:
+        if changes:
+            model.reconfigure(**changes)
+        with torch.no_grad():
+            yield model
+    finally:
+        model.config = config
+        model.train(was_training)
+
+
+def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+class IncrementalDecoder:
+    """The state of one generation: the memory of everything read so far.
+
+    ``feed(ids)`` reads (B, T) more tokens, ``segment_len`` at a time, and returns the (B, V)
+    log-probabilities of the token that follows them. A (B, 1) feed is one generation step: one
+    position against the cached memory. Not a module: it holds no parameters, only the memory that
+    the model hands back (the model itself never holds memory).
+    """
+
+    def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256) -> None:
+        self.model = model
+        self.mem_len = _positive_int("mem_len", mem_len)
+        self.segment_len = _positive_int("segment_len", segment_len)
+        self.memory: Memory | None = None
+        self.length = 0
+        """Tokens read so far."""
+
+    def feed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Read (B, T) token ids into the memory; return (B, V) float32 log-probs of the next token."""
+        if ids.dim() != 2 or ids.size(1) == 0:
+            raise ValueError(f"feed() takes a non-empty (B, T) tensor of token ids, got shape {tuple(ids.shape)}")
+        hidden = None
+        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0):
+            for start in range(0, ids.size(1), self.segment_len):
+                segment = ids[:, start:start + self.segment_len]  # (B, S)
+                out = self.model(segment, memory=self.memory, return_log_probs=False)
+                self.memory, hidden = out.memory, out.hidden  # hidden: (B, S, d)
+            # Only the last position is needed: score it alone, not the (B, T, V) of the whole prompt.
+            log_probs = self.model.softmax.log_prob(hidden[:, -1])  # (B, V)
+        self.length += ids.size(1)
+        return log_probs
+
+
+PromptIds = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+"""A (B, T) or (T,) tensor, a list of ids, or a list of equal-length lists of ids."""
+
+
+def _as_prompt(prompt_ids: PromptIds, model: TransformerXL) -> torch.Tensor:
+    """A (B, T) int64 tensor on the model's device from a tensor, a list of ids or equal-length lists."""
+    device = next(model.parameters()).device
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt = prompt_ids.to(device=device, dtype=torch.long)
+    else:
+        rows = list(prompt_ids)
+        if rows and not isinstance(rows[0], (list, tuple)) and not hasattr(rows[0], "__len__"):
+            rows = [rows]
+        lengths = {len(r) for r in rows}
+        if len(lengths) > 1:
+            raise ValueError(f"batched prompts have different lengths {sorted(lengths)}: the memory is one "
+                             "(B, M, d) tensor, so generate for each length separately")
+        prompt = torch.tensor([list(map(int, r)) for r in rows], dtype=torch.long, device=device)
+    if prompt.dim() == 1:
+        prompt = prompt.unsqueeze(0)  # (1, T)
+    if prompt.dim() != 2 or prompt.numel() == 0:
+        raise ValueError(f"the prompt is empty (shape {tuple(prompt.shape)}): give at least one token, "
+                         "e.g. the end-of-sentence token to start from nothing")
+    vocab = model.config.vocab_size
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        raise ValueError(f"prompt token id {int(prompt.max()) if int(prompt.max()) >= vocab else int(prompt.min())} "
+                         f"is out of range for vocab_size={vocab}; encode with this model's vocabulary")
+    return prompt
+
+
+def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Raise a ValueError naming the bad sampling parameter, before any work is done."""
+    _positive_int("max_new_tokens", max_new_tokens, minimum=0)
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):  # rejects NaN too
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 means greedy: the most likely token)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
+
+
+def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
+                    max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    seed: int | None = None, generator: torch.Generator | None = None,
+                    mem_len: int | None = None, segment_len: int = 256) -> Iterator[torch.Tensor]:
+    """Yield each new token, (B,) int64, as soon as it is drawn.
+
+    The prompt (B, T), or a list of ids, is read ``segment_len`` tokens at a time; then each new token
+    is one (B, 1) step against the memory. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every token. Randomness comes only from ``generator``, or a fresh one seeded with ``seed``
+    (neither: torch's global generator). ``mem_len`` None keeps the whole context (see the module
+    docstring). Arguments are checked when this is called, not at the first ``next()``.
+    """
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None and generator is not None:
+        raise ValueError("pass seed or generator, not both")
+    prompt = _as_prompt(prompt_ids, model)  # (B, T)
+    if mem_len is not None:
+        _positive_int("mem_len", mem_len)
+    _positive_int("segment_len", segment_len)
+    if seed is not None:
+        generator = torch.Generator(prompt.device).manual_seed(int(seed))
+    decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len)
+
+    def tokens() -> Iterator[torch.Tensor]:
+        if max_new_tokens == 0:
+            return
+        log_probs = decoder.feed(prompt)  # (B, V)
+        for i in range(max_new_tokens):
+            token = sample_next(log_probs, temperature=temperature, top_k=top_k, top_p=top_p,
+                                generator=generator)  # (B,)
+            yield token
+            if i + 1 < max_new_tokens:  # the last token's successor is never needed
+                log_probs = decoder.feed(token[:, None])  # (B, 1) in, one position of work
+
+    return tokens()
+
+
+def generate(model: TransformerXL, prompt_ids: PromptIds, *,
+             max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             seed: int | None = None, generator: torch.Generator | None = None, mem_len: int | None = None,
+             segment_len: int = 256, on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The (B, N) new token ids (the prompt not included); ``on_token`` sees each (B,) step as drawn.
+
+    Same arguments as :func:`generate_stream`, which this collects.
+    """
+    out = []
+    for token in generate_stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed, generator=generator, mem_len=mem_len,
+                                 segment_len=segment_len):
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+    if not out:
+        batch = _as_prompt(prompt_ids, model).size(0)
+        return torch.zeros(batch, 0, dtype=torch.long, device=next(model.parameters()).device)
+    return torch.stack(out, dim=1)  # (B, N)

@@ -1,0 +1,142 @@
+"""Generation: token-by-token log-probabilities with memory equal one full forward pass; sampling API."""
+
+import pytest
+import torch
+
+import txl
+from txl.generate import IncrementalDecoder, generate_stream, inference_context
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+CONFIGS = {
+    "plain_softmax": dict(vocab_size=61),
+    # Tied adaptive softmax: three clusters, each narrower by div_val, output weights and projections tied.
+    "adaptive_div2_tied": dict(vocab_size=97, cutoffs=[20, 50], div_val=2, d_embed=32, tie_weight=True,
+                               tie_projs=[True, True, True]),
+    "adaptive_div1_projected": dict(vocab_size=97, cutoffs=[30], d_embed=16, tie_projs=[False, True]),
+    "clamp_pre_ln_untie_r": dict(vocab_size=61, clamp_len=5, pre_ln=True, untie_r=True),
+}
+
+
+def tiny_model(**overrides) -> txl.TransformerXL:
+    kwargs = dict(n_layer=3, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6, dropout=0.1)
+    kwargs.update(overrides)
+    model = txl.TransformerXL(txl.ModelConfig(**kwargs))
+    with torch.no_grad():  # perturb every parameter so biases, norms and u, v all matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.train()  # generation must switch dropout off by itself
+
+
+def full_log_probs(model, tokens, **changes):
+    """(B, L, V): one forward pass over the whole text, no memory."""
+    with inference_context(model, **changes):
+        return model(tokens, return_log_probs=True).log_probs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("prompt_len,segment_len", [(1, 4), (13, 4), (13, 64)])
+def test_incremental_equals_full_forward(name, prompt_len, segment_len):
+    """Prompt read in segments into memory, then one position per token == a full pass over the text."""
+    model = tiny_model(**CONFIGS[name])
+    B, L = 2, 29
+    tokens = torch.randint(0, model.config.vocab_size, (B, L))
+    full = full_log_probs(model, tokens, mem_len=L, same_length=False)  # (B, L, V)
+
+    decoder = IncrementalDecoder(model, mem_len=L, segment_len=segment_len)
+    steps = [decoder.feed(tokens[:, :prompt_len])]  # (B, V) after the prompt
+    for t in range(prompt_len, L):
+        steps.append(decoder.feed(tokens[:, t:t + 1]))  # (B, 1) in: one position against the memory
+    incremental = torch.stack(steps, dim=1)  # (B, L - prompt_len + 1, V)
+
+    torch.testing.assert_close(incremental, full[:, prompt_len - 1:], **TOL)
+    assert decoder.memory[0].shape == (B, L, model.config.d_model)
+    assert model.training and model.config.mem_len == 6  # the caller's model is left as it was
+
+
+def test_sliding_window_equals_banded_full_pass():
+    """mem_len smaller than the text: each token sees the last mem_len positions and itself, which is a
+    full pass with the same_length mask of mem_len + 1 keys."""
+    model = tiny_model(**CONFIGS["adaptive_div2_tied"])
+    B, L, window = 2, 25, 5
+    tokens = torch.randint(0, model.config.vocab_size, (B, L))
+    full = full_log_probs(model, tokens, mem_len=window + 1, same_length=True, same_length_style="pytorch")
+    decoder = IncrementalDecoder(model, mem_len=window, segment_len=1)
+    incremental = torch.stack([decoder.feed(tokens[:, t:t + 1]) for t in range(L)], dim=1)
+    torch.testing.assert_close(incremental, full, **TOL)
+    assert decoder.memory[0].size(1) == window
+
+
+def greedy_by_recomputation(model, prompt, n):
+    """The slow reference: re-run the whole context for every new token."""
+    ids = prompt
+    for _ in range(n):
+        lp = full_log_probs(model, ids)[:, -1]  # (B, V)
+        ids = torch.cat([ids, lp.argmax(-1, keepdim=True)], dim=1)
+    return ids[:, prompt.size(1):]
+
+
+def test_greedy_generation_equals_recomputation():
+    model = tiny_model(**CONFIGS["adaptive_div2_tied"])
+    prompt = torch.randint(0, 97, (3, 9))
+    out = txl.generate(model, prompt, max_new_tokens=12, temperature=0, segment_len=4)
+    assert out.shape == (3, 12)
+    torch.testing.assert_close(out, greedy_by_recomputation(model, prompt, 12), atol=0, rtol=0)
+
+
+def test_sampling_is_reproducible_and_streams():
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    prompt = [5, 6, 7]
+    kwargs = dict(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95)
+    a = txl.generate(model, prompt, seed=3, **kwargs)
+    b = txl.generate(model, prompt, generator=torch.Generator().manual_seed(3), **kwargs)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    seen = []
+    c = txl.generate(model, prompt, seed=3, on_token=seen.append, **kwargs)
+    streamed = torch.stack(list(generate_stream(model, prompt, seed=3, **kwargs)), dim=1)
+    torch.testing.assert_close(torch.stack(seen, dim=1), a, atol=0, rtol=0)
+    torch.testing.assert_close(c, a, atol=0, rtol=0)
+    torch.testing.assert_close(streamed, a, atol=0, rtol=0)
+    assert a.shape == (1, 10)
+    assert txl.generate(model, prompt, max_new_tokens=0).shape == (1, 0)
+
+
+def test_each_token_is_one_position(monkeypatch):
+    """After the prompt, the model only ever sees (B, 1) inputs: the context is never re-run."""
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    shapes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, **kw: shapes.append(tuple(ids.shape)) or forward(ids, **kw))
+    txl.generate(model, torch.randint(0, 61, (2, 10)), max_new_tokens=5, segment_len=4, seed=0)
+    assert shapes == [(2, 4), (2, 4), (2, 2)] + [(2, 1)] * 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(mem_len=0), "mem_len"),
+    (dict(segment_len=0), "segment_len"),
+    (dict(seed=1, generator=torch.Generator()), "seed or generator"),
+])
+def test_bad_sampling_parameters(kwargs, match):
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    args = dict(max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate_stream(model, [1, 2], **args)  # raised at the call, before any token is asked for
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"),
+    (torch.zeros(1, 0, dtype=torch.long), "empty"),
+    ([1, 99], "out of range"),
+    ([[1, 2], [3]], "different lengths"),
+])
+def test_bad_prompts(prompt, match):
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    with pytest.raises(ValueError, match=match):
+        txl.generate(model, prompt, max_new_tokens=2)
