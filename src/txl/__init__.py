@@ -13,3 +13,7 @@ __all__ += ["from_pretrained", "save_hf", "save_pretrained"]
 from txl.generate import generate, generate_stream  # noqa: E402
 
 __all__ += ["generate", "generate_stream"]
+
+from txl.score import iter_scores, score_documents  # noqa: E402
+
+__all__ += ["iter_scores", "score_documents"]
