@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
-from txl.cli import demo
+from txl.cli import demo, generate, score
 
-SUBCOMMANDS = [demo]
+SUBCOMMANDS = [demo, generate, score]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,78 @@
+"""`txl generate`: continue a prompt, printing the text as it is produced."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by `txl generate` and `txl score`: the model, its vocabulary, the context."""
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a txl checkpoint directory, or a Hugging Face transfo-xl one")
+    p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none "
+                   "(Hugging Face plain text: one word per line, or JSON)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
+    p.add_argument("--pretokenized", action="store_true",
+                   help="word-level text is already split into tokens (e.g. WikiText files): split on spaces only")
+    p.add_argument("--mem-len", type=int, help="memory length (generate: whole context by default; "
+                   "score: the checkpoint's)")
+    p.add_argument("--segment-len", type=int, default=None, help="tokens read per forward pass")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+
+
+def load_model_and_codec(args: argparse.Namespace):
+    import txl
+    from txl.codec import load_codec
+
+    model = txl.from_pretrained(args.checkpoint, device=args.device)
+    codec = load_codec(args.checkpoint, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
+                       allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
+    return model, codec
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a trained model, streaming the text")
+    add_checkpoint_args(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set with this mass (1: all)")
+    p.add_argument("--seed", type=int, help="random seed, for reproducible samples")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from txl.codec import TextStream
+    from txl.generate import check_sampling, generate_stream
+
+    # Cheap checks first: a typo should not cost loading a model.
+    check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p)
+    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
+    model, codec = load_model_and_codec(args)
+    ids = codec.encode_prompt(text)
+    if not ids:
+        raise ValueError("the prompt has no tokens after tokenisation: give some words")
+    stream = TextStream(codec)
+    tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
+                             segment_len=256 if args.segment_len is None else args.segment_len)
+    # A prompt that ends mid-line continues on the same line.
+    out = sys.stdout
+    if codec.level == "word" and not text.endswith("\n"):
+        out.write(" ")
+    for token in tokens:
+        out.write(stream.push(int(token[0])))
+        out.flush()
+    out.write(stream.finish() + "\n")
+    out.flush()
+    return 0

@@ -1,0 +1,61 @@
+"""`txl score FILE...`: per-token log-probabilities (JSONL) and each file's perplexity or bits per character."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from txl.cli.generate import add_checkpoint_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="score documents: per-token log-probabilities, perplexity or bits/char")
+    add_checkpoint_args(p)
+    p.add_argument("files", nargs="+", metavar="FILE", help="documents to score, one per file")
+    p.add_argument("--batch-size", type=int, default=8, help="documents read together (default 8)")
+    p.add_argument("--output", "-o", default="-", metavar="FILE",
+                   help="JSONL of token scores and document totals (default: standard output)")
+    p.add_argument("--totals-only", action="store_true", help="write only each document's totals")
+    p.set_defaults(func=run)
+
+
+def _lines(path: str):
+    with open(path, encoding="utf-8") as f:
+        yield from f
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from txl.cli.generate import load_model_and_codec
+    from txl.score import DocumentScore, iter_scores
+
+    for path in args.files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
+    model, codec = load_model_and_codec(args)
+    docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
+    unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        for item in iter_scores(model, docs, segment_len=128 if args.segment_len is None else args.segment_len, batch_size=args.batch_size,
+                                mem_len=args.mem_len, context_id=codec.context_id):
+            name = args.files[item.doc]
+            if isinstance(item, DocumentScore):
+                value = item.perplexity if unit == "ppl" else item.bits_per_token
+                total = {"doc": name, "tokens": item.n_tokens, "nll": item.nll, unit: value,
+                         "bits_per_token": item.bits_per_token}
+                out.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                      for k, v in total.items()}) + "\n")
+                print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f}", file=sys.stderr)
+            elif not args.totals_only:
+                for pos, (tid, lp) in enumerate(zip(item.token_ids, item.logprobs), start=item.start):
+                    out.write(json.dumps({"doc": name, "pos": pos, "token": codec.token_text(tid),
+                                          "logprob": round(float(lp), 6)}, ensure_ascii=False) + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
