@@ -1,0 +1,1 @@
+"""Data: vocabularies and tokenizers, the corpora registry, cached token arrays, the ordered iterator."""
