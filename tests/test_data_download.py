@@ -172,3 +172,23 @@ def test_extract_refuses_members_outside_target(tmp_path):
     with pytest.raises(ValueError, match="outside"):
         extract(bad, tmp_path / "out")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_download_corpus_end_to_end_from_local_archive(server, tmp_path):
+    from txl.data.corpora import REGISTRY, Download, download_corpus, load_corpus
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for split, text in (("train", b"a b c\nb c\n"), ("valid", b"a b\n"), ("test", b"c\n")):
+            info = tarfile.TarInfo(f"simple-examples/data/ptb.{split}.txt")
+            info.size = len(text)
+            t.addfile(info, io.BytesIO(text))
+    server.files["/simple-examples.tgz"] = buf.getvalue()
+    archive = Download(url=f"{server.url}/simple-examples.tgz", sha256=_sha(buf.getvalue()),
+                       filename="simple-examples.tgz")
+    spec = REGISTRY["ptb"].replace(downloads=(archive,))
+    data_dir = download_corpus(spec, tmp_path / "ptb")
+    corpus = load_corpus(spec, data_dir, cache_dir=tmp_path / "cache")
+    assert len(corpus.train) == 7 and corpus.vocab_size == 4  # <eos> b c a
+    with pytest.raises(ValueError, match="known|downloaded"):
+        download_corpus("ptb-xl", tmp_path)
