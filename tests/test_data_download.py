@@ -52,9 +52,11 @@ class _Server:
                 self.end_headers()
                 if server.cut_after is not None:  # send part of the body, then drop the connection
                     body, server.cut_after = body[:server.cut_after], None
+                # Log before sending: once the client has the bytes it may retry at once, and the
+                # retry's handler thread must not be able to log first.
+                server.log.append({"path": self.path, "range": header, "start": start, "sent": len(body)})
                 self.wfile.write(body)
                 self.wfile.flush()
-                server.log.append({"path": self.path, "range": header, "start": start, "sent": len(body)})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
