@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
-from txl.cli import demo, generate, score
+from txl.cli import data, demo, generate, score
 
-SUBCOMMANDS = [demo, generate, score]
+SUBCOMMANDS = [demo, data, generate, score]
 
 
 def build_parser() -> argparse.ArgumentParser:

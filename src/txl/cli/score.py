@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
-        for item in iter_scores(model, docs, segment_len=128 if args.segment_len is None else args.segment_len, batch_size=args.batch_size,
+        segment_len = 128 if args.segment_len is None else args.segment_len
+        for item in iter_scores(model, docs, segment_len=segment_len, batch_size=args.batch_size,
                                 mem_len=args.mem_len, context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
