@@ -162,27 +162,35 @@ class TextStream:
     """Turns ids into text as they are generated: ``push(id)`` returns the text to show now.
 
     Decoding is not token-local (WikiText's ``@-@`` joins its neighbours, a byte may be half a
-    character), so the whole output is decoded again and only what has become stable is shown: text
-    before the last token, never a trailing replacement character of an unfinished UTF-8 sequence.
+    character), so the output is decoded again and only text that has become stable is shown: the
+    text before the last token, without a trailing replacement character of an unfinished UTF-8
+    sequence. Shown text cannot be taken back: when a new token changes text already shown (rare
+    detokeniser rules), decoding restarts at the token being shown, after a space for words, so the
+    streamed text can differ from ``codec.decode(ids)`` in spacing there; ``decode`` stays exact.
     """
 
     def __init__(self, codec: Codec) -> None:
-        self.codec, self.ids, self.shown = codec, [], ""
+        self.codec, self.ids = codec, []
+        self.shown = ""
+        self.base, self.prefix = 0, ""  # the current run decodes ids[base:], after the text prefix
 
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.shown):  # an earlier token's text changed: cannot unprint, wait
-            return ""
-        new = text[len(self.shown):]
-        self.shown = text
+    def _emit(self, end: int, *, final: bool = False) -> str:
+        text = self.prefix + (self.codec.decode(self.ids[self.base:end]) if end > self.base else "")
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.shown):  # the new token changed shown text: start a new run
+            self.base = end - 1
+            self.prefix = self.shown + (" " if self.codec.level == "word" else "")
+            return self._emit(end, final=final)
+        new, self.shown = text[len(self.shown):], text
         return new
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        text = self.codec.decode(self.ids[:-1]) if len(self.ids) > 1 else ""
-        return self._emit(text.rstrip("\ufffd"))
+        return self._emit(len(self.ids) - 1)
 
     def finish(self) -> str:
-        return self._emit(self.codec.decode(self.ids))
+        return self._emit(len(self.ids), final=True)
 
 
 def _hf_word_codec(vocab_path: Path, *, allow_pickle: bool, pretokenized: bool) -> WordCodec:

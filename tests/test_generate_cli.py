@@ -1,0 +1,134 @@
+"""Generation and scoring end to end: a tiny Hugging Face transfo-xl directory and a txl checkpoint, via
+the API and the `txl generate` / `txl score` commands; bad input gives one clear line."""
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import txl
+from txl.cli import main
+from txl.codec import TextStream, load_codec
+from txl.text.hf_vocab import write_vocab_txt
+
+WORDS = ("<eos> <unk> the . , cat sat on mat a dog It 's state @-@ of art model 5 @,@ 000 was "
+         "( ) and in to is new big red").split()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random TransfoXLLMHeadModel saved by transformers, with a vocabulary in the HF plain format."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.TransfoXLConfig(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32,
+                                          d_embed=32, n_head=4, d_head=8, d_inner=64, n_layer=2, mem_len=8,
+                                          clamp_len=1000, same_length=True, dropout=0.0, dropatt=0.0)
+    model = transformers.TransfoXLLMHeadModel(config)
+    directory = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(directory)
+    write_vocab_txt(WORDS, directory / "vocab.txt")
+    return directory
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(map(str, argv)))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_hf_generate_api_streams_wt103_text(hf_dir):
+    model = txl.from_pretrained(hf_dir)
+    codec = load_codec(hf_dir, vocab_size=model.config.vocab_size)
+    ids = codec.encode_prompt("It's a state-of-the-art model, 5,000")
+    assert codec.decode(ids) == "It's a state-of-the-art model, 5,000"  # WikiText-103 round trip
+    assert [codec.symbols[i] for i in ids][:4] == ["It", "'s", "a", "state"]
+    new = txl.generate(model, ids, max_new_tokens=30, seed=1)[0].tolist()
+    stream = TextStream(codec)
+    shown = "".join(stream.push(t) for t in new) + stream.finish()
+    assert shown.split() and "".join(shown.split()) == "".join(codec.decode(new).split())  # spacing may differ
+    words = [codec.index[w] for w in "the cat sat on a mat . <eos> It 's 5 @,@ 000 .".split()]
+    stream = TextStream(codec)
+    pieces = [stream.push(t) for t in words] + [stream.finish()]
+    assert "".join(pieces) == codec.decode(words) == "the cat sat on a mat.\nIt's 5,000."
+    assert pieces[:3] == ["", "the", " cat"]  # shown as produced, one token behind
+
+
+def test_unknown_words_warn_and_vocab_without_unk_fails(hf_dir, tmp_path, caplog):
+    codec = load_codec(hf_dir)
+    with caplog.at_level(logging.WARNING, logger="txl.codec"):
+        ids = codec.encode_prompt("the zebra sat on the quokka")
+    assert ids.count(codec.unk_id) == 2
+    assert "'zebra'" in caplog.text and "'quokka'" in caplog.text
+    write_vocab_txt([w for w in WORDS if w != "<unk>"], tmp_path / "vocab.txt")
+    with pytest.raises(ValueError, match="no <unk>"):
+        load_codec(hf_dir, vocab_file=tmp_path / "vocab.txt").encode_prompt("the zebra")
+
+
+def test_cli_generate_is_reproducible(hf_dir, capsys):
+    args = ["generate", "--checkpoint", hf_dir, "--prompt", "the cat sat", "--max-new-tokens", 12,
+            "--temperature", 0.8, "--top-k", 10, "--top-p", 0.9, "--seed", 3]
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0 and len(out.split()) >= 3, err
+    assert run_cli(capsys, *args)[1] == out
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt", "x", "--top-k", "-3"], "top_k"),
+    (["--prompt", "x", "--max-new-tokens", "-1"], "max_new_tokens"),
+])
+def test_cli_bad_input_is_one_line(hf_dir, capsys, extra, match):
+    rc, out, err = run_cli(capsys, "generate", "--checkpoint", hf_dir, *extra)
+    assert rc == 2 and match in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_checkpoint_without_vocabulary(tmp_path, capsys):
+    model = txl.TransformerXL(txl.ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32))
+    txl.save_pretrained(model, tmp_path)
+    rc, _, err = run_cli(capsys, "generate", "--checkpoint", tmp_path, "--prompt", "hello")
+    assert rc == 2 and "has no vocabulary" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_score_jsonl_and_perplexity(hf_dir, tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the cat sat on the mat .\nIt 's a big red dog .\n")
+    b.write_text("a dog .\n")
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, a, b)
+    assert rc == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    tokens = [r for r in lines if "token" in r and r["doc"] == str(a)]
+    assert [r["token"] for r in tokens] == a.read_text().replace("\n", " <eos> ").split()  # every word scored
+    [total] = [r for r in lines if "ppl" in r and r["doc"] == str(a)]
+    assert total["tokens"] == len(tokens)
+    mean = -sum(r["logprob"] for r in tokens) / len(tokens)
+    assert math.isclose(total["ppl"], math.exp(mean), rel_tol=1e-4)
+    assert f"{a}: {len(tokens)} tokens, ppl" in err
+
+
+def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsys):
+    from txl.data import fit_tokenizer, make_spec
+    from txl.data.sources import Source
+
+    text = tmp_path / "train.txt"
+    text.write_text("hello world\nhello there\n")
+    tok = fit_tokenizer(make_spec("byte"), [Source(text)])
+    model = txl.TransformerXL(txl.ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2,
+                                              d_inner=32, mem_len=4))
+    ckpt = tmp_path / "ckpt"
+    txl.save_pretrained(model, ckpt)
+    tok.save(ckpt / "tokenizer")
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", ckpt, "--totals-only", text)
+    assert rc == 0, err
+    [total] = [json.loads(line) for line in out.splitlines()]
+    assert total["tokens"] == len(text.read_bytes()) - 1 and total["bpc"] == pytest.approx(total["bits_per_token"])
+    rc, out, err = run_cli(capsys, "generate", "--checkpoint", ckpt, "--prompt", "hel", "--max-new-tokens", 5,
+                           "--seed", 0)
+    assert rc == 0, err
+    codec = load_codec(ckpt)
+    assert np.array_equal(codec.encode_prompt("hé"), list("hé".encode()))
