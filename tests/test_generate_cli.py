@@ -4,6 +4,7 @@ the API and the `txl generate` / `txl score` commands; bad input gives one clear
 import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,16 @@ import txl
 from txl.cli import main
 from txl.codec import TextStream, load_codec
 from txl.text.hf_vocab import write_vocab_txt
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops gain nothing from threads and stall on a shared, busy CPU; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 WORDS = ("<eos> <unk> the . , cat sat on mat a dog It 's state @-@ of art model 5 @,@ 000 was "
          "( ) and in to is new big red").split()
@@ -132,3 +143,17 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     assert rc == 0, err
     codec = load_codec(ckpt)
     assert np.array_equal(codec.encode_prompt("hé"), list("hé".encode()))
+
+
+def test_readme_generation_example_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    section = readme.read_text().split("## Generation and scoring", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120,
+                            env={"PYTHONPATH": str(readme.parent / "src"), "PATH": "", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr

@@ -13,6 +13,15 @@ from txl.score import DocumentScore, ScoredSegment, iter_scores, score_documents
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops gain nothing from threads and stall on a shared, busy CPU; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(**overrides):
     kwargs = dict(vocab_size=97, cutoffs=[20, 50], div_val=2, d_embed=32, n_layer=2, d_model=32, n_head=4,
                   d_head=8, d_inner=64, mem_len=10, dropout=0.1)
