@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
                     out.write(json.dumps({"doc": name, "pos": pos, "token": codec.token_text(tid),
                                           "logprob": round(float(lp), 6)}, ensure_ascii=False) + "\n")
             out.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     finally:
         if out is not sys.stdout:
             out.close()
