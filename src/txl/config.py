@@ -32,8 +32,8 @@ class ModelConfig:
     """Width of the hidden states (and of the sinusoidal position encoding R)."""
     n_head: int = 4
     """Attention heads per layer."""
-    d_head: int = 64
-    """Width of each head. n_head * d_head need not equal d_model (the paper's large models do not)."""
+    d_head: int | None = None
+    """Width of each head; None means d_model // n_head. n_head * d_head need not equal d_model."""
     d_inner: int = 1024
     """Hidden width of the position-wise feed-forward network."""
     d_embed: int | None = None
@@ -91,6 +91,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.d_embed is None:
             self.d_embed = self.d_model
+        if self.d_head is None:
+            if not isinstance(self.n_head, int) or self.n_head < 1 or self.d_model % self.n_head:
+                raise ValueError(
+                    f"ModelConfig.n_head={self.n_head} does not divide d_model={self.d_model}: choose n_head "
+                    "that divides d_model, or set d_head explicitly (n_head * d_head need not equal d_model)")
+            self.d_head = self.d_model // self.n_head
         self.cutoffs = [int(c) for c in self.cutoffs]
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed",
                      "div_val", "learned_positions"):

@@ -188,7 +188,8 @@ class TransformerXL(nn.Module):
         if memory is not None:
             check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
         M = memory_length(memory)
-        mems = list(memory) if M else [None] * c.n_layer
+        # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
+        mems = [m.detach() for m in memory] if M else [None] * c.n_layer
         mask = attention_mask(T, M, mem_len=c.mem_len, same_length=c.same_length,
                               style=c.same_length_style, device=input_ids.device)  # (T, K)
 

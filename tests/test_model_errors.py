@@ -1,0 +1,73 @@
+"""Bad input gets a ValueError that names the field and says how to fix it."""
+
+import pytest
+import torch
+
+import txl
+
+BASE = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_inner=48, dropout=0.0, mem_len=4)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(n_head=3), r"n_head=3 does not divide d_model=32.*set d_head"),
+    (dict(cutoffs=[20, 10]), r"cutoffs=\[20, 10\] must be strictly increasing"),
+    (dict(cutoffs=[10, 50]), r"cutoffs=\[10, 50\] must all be below vocab_size=50"),
+    (dict(cutoffs=[10], tie_projs=[True]), r"tie_projs has 1 entries but there are 2 clusters"),
+    (dict(attn_type="rotary"), r"attn_type='rotary' is unknown; choose one of relative, shaw"),
+    (dict(same_length_style="jax"), r"same_length_style='jax' is unknown"),
+    (dict(dropout=1.5), r"dropout=1.5 must be in \[0, 1\)"),
+    (dict(mem_len=-1), r"mem_len=-1 must be an integer >= 0"),
+    (dict(d_model=33, n_head=3), r"d_model=33 must be even"),
+    (dict(div_val=8, cutoffs=[10, 20], d_embed=32), r"div_val=8 leaves the last cluster"),
+])
+def test_config_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        txl.ModelConfig(**{**BASE, **overrides})
+
+
+def test_unknown_config_key():
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layers'\]"):
+        txl.ModelConfig.from_dict({**BASE, "n_layers": 3})
+
+
+@pytest.fixture
+def model():
+    return txl.TransformerXL(txl.ModelConfig(**BASE)).eval()
+
+
+def test_token_ids_out_of_range(model):
+    with pytest.raises(ValueError, match="token id 50 is out of range for vocab_size=50"):
+        model(torch.tensor([[1, 50]]))
+    with pytest.raises(ValueError, match="token id -1 is out of range"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="a label is out of range"):
+        model(torch.tensor([[1, 2]]), labels=torch.tensor([[3, 99]]))
+
+
+def test_input_shape_errors(model):
+    with pytest.raises(ValueError, match=r"input_ids must be a \(B, T\) integer tensor.*unsqueeze"):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="input_ids must be"):
+        model(torch.rand(1, 3))
+    with pytest.raises(ValueError, match="empty"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels shape"):
+        model(torch.tensor([[1, 2]]), labels=torch.tensor([[1, 2, 3]]))
+
+
+def test_memory_errors(model):
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="memory has 1 layers but the model has n_layer=2"):
+        model(x, memory=(torch.zeros(1, 4, 32),))
+    with pytest.raises(ValueError, match=r"memory\[1\] has shape \(1, 4, 16\).*transpose"):
+        model(x, memory=(torch.zeros(1, 4, 32), torch.zeros(1, 4, 16)))
+    with pytest.raises(ValueError, match=r"memory\[0\] has shape \(4, 1, 32\)"):  # sequence-first (HF style)
+        model(x, memory=(torch.zeros(4, 1, 32), torch.zeros(4, 1, 32)))
+    with pytest.raises(ValueError, match="memory must be a tuple"):
+        model(x, memory=torch.zeros(1, 4, 32))
+
+
+def test_ext_len_longer_than_segment():
+    m = txl.TransformerXL(txl.ModelConfig(**{**BASE, "ext_len": 3}))
+    with pytest.raises(ValueError, match="ext_len=3 must be shorter than the segment"):
+        m(torch.tensor([[1, 2, 3]]))
