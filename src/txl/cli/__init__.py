@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
-from txl.cli import demo
+from txl.cli import data, demo
 
-SUBCOMMANDS = [demo]
+SUBCOMMANDS = [demo, data]
 
 
 def build_parser() -> argparse.ArgumentParser:

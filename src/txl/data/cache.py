@@ -1,0 +1,119 @@
+"""The token cache: encoded corpora as memory-mapped ``.npy`` arrays, written atomically.
+
+An entry is a directory named by a key: the sha256 of the JSON of everything the tokens depend on
+(the content digest of every source file and byte range, the tokenizer spec, the corpus options).
+A changed file or tokenisation gives a new key, so stale tokens are never reused; an unchanged one
+finds its entry and loads at once (the arrays are memory-mapped, not read). Entries are built in a
+temporary sibling directory and renamed into place, so a crash never leaves a half-written entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "meta.json"  # written last: its presence marks a complete entry
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/txl/tokens`` (``~/.cache/txl/tokens``), read when called, not at import."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "txl" / "tokens"
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of ``parts``."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds ids ``0 .. vocab_size - 1``."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dt).max + 1:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+def write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> int:
+    """Stream id chunks into ``path`` (.npy) atomically; return the number of tokens.
+
+    The length is unknown until the last chunk, so chunks go to a raw temporary file first and are
+    then copied block by block into the ``.npy`` (memory stays bounded by one chunk).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = np.iinfo(dtype)
+    fd, raw_name = tempfile.mkstemp(dir=path.parent, suffix=".raw")
+    raw = Path(raw_name)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    try:
+        n = 0
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                if len(chunk) and (chunk.min() < 0 or chunk.max() > info.max):
+                    raise ValueError(f"token id out of range for {dtype}: [{chunk.min()}, {chunk.max()}]")
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+                n += len(chunk)
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+        if n:
+            src = np.memmap(raw, dtype=dtype, mode="r", shape=(n,))
+            step = 1 << 24
+            for i in range(0, n, step):
+                out[i:i + step] = src[i:i + step]
+            del src
+        out.flush()
+        del out
+        os.replace(tmp, path)
+        return n
+    finally:
+        raw.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    """A read-only memory map of a token array (an empty array is returned in memory)."""
+    arr = np.load(path, mmap_mode="r")
+    return arr
+
+
+def lookup(cache_dir: Path, key: str) -> Path | None:
+    """The entry for ``key`` if it is complete, else None."""
+    entry = cache_dir / key
+    return entry if (entry / COMPLETE).is_file() else None
+
+
+def build(cache_dir: Path, key: str, fill: Callable[[Path], dict[str, Any]]) -> Path:
+    """Create the entry for ``key``: ``fill(tmpdir)`` writes the files and returns the metadata.
+
+    The metadata is written last, then the directory is renamed into place. If another process
+    finished the same entry first, its entry is kept and ours discarded (they are identical).
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key[:16]}-"))
+    try:
+        meta = fill(tmp)
+        (tmp / COMPLETE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        entry = cache_dir / key
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if lookup(cache_dir, key) is None:
+                raise
+            log.debug("cache entry %s was built concurrently; keeping the existing one", key)
+        return entry
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_meta(entry: Path) -> dict[str, Any]:
+    return json.loads((entry / COMPLETE).read_text(encoding="utf-8"))

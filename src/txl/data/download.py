@@ -1,0 +1,145 @@
+"""Downloading corpus archives: resumable, verified, atomic.
+
+``download`` fetches a URL with ``urllib`` into ``<dest>.part``. An interrupted transfer is resumed
+with an HTTP ``Range`` request (a server that ignores Range sends the whole file, and the download
+restarts cleanly from byte 0). Once complete, the sha256 is checked and the file renamed to
+``dest``, so ``dest`` only ever holds a whole, verified file. ``extract`` unpacks zip and tar(.gz)
+archives without letting a member escape the target directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import tarfile
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verify(path: Path, url: str, sha256: str | None) -> str:
+    digest = sha256_of(path)
+    if sha256 is None:
+        log.warning("no published sha256 is recorded for %s, so it cannot be verified; the downloaded "
+                    "file's sha256 is %s", url, digest)
+    elif digest != sha256.lower():
+        raise ValueError(f"checksum mismatch for {path} (from {url}): expected sha256 {sha256}, "
+                         f"got {digest}; the file is corrupt or changed upstream: delete {path} and "
+                         "download again")
+    return digest
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _fetch_once(url: str, part: Path, timeout: float) -> None:
+    """One request: resume ``part`` from its current size, or start it. Raises _Interrupted if cut."""
+    offset = part.stat().st_size if part.exists() else 0
+    headers = {"User-Agent": "txl-data/1"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    try:
+        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    except urllib.error.HTTPError as err:
+        if err.code == 416 and offset:  # nothing left to send: the part file is already whole
+            log.info("%s: server has no bytes past %d; checking the file", url, offset)
+            return
+        raise
+    except (urllib.error.URLError, OSError) as err:
+        raise _Interrupted(str(err)) from err
+    with resp:
+        length = resp.headers.get("Content-Length")
+        if offset and resp.status == 206 and (resp.headers.get("Content-Range") or "").startswith(
+                f"bytes {offset}-"):
+            mode, start = "ab", offset
+            log.info("resuming %s at byte %d", url, offset)
+        else:
+            if offset:
+                log.warning("%s: server did not honour the Range request (status %d); restarting the "
+                            "download from byte 0", url, resp.status)
+            mode, start = "wb", 0
+        expected = start + int(length) if length is not None else None
+        written = start
+        with open(part, mode) as f:
+            try:
+                while block := resp.read(CHUNK):
+                    f.write(block)
+                    written += len(block)
+            except (http.client.HTTPException, OSError) as err:
+                raise _Interrupted(f"{err!r} after {written} bytes") from err
+        if expected is not None and written < expected:
+            # http.client returns a short read, not an error, when the server closes early.
+            raise _Interrupted(f"connection closed after {written} of {expected} bytes")
+
+
+def download(url: str, dest: str | Path, *, sha256: str | None, retries: int = 3,
+             timeout: float = 60.0) -> Path:
+    """Fetch ``url`` to ``dest`` (resuming ``dest.part``), verify ``sha256``, and return ``dest``.
+
+    ``sha256=None`` means no checksum is known: the file is kept but a warning says so. A checksum
+    mismatch raises ValueError naming both digests; the bad file is left at ``dest.part``.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        _verify(dest, url, sha256)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(retries + 1):
+        try:
+            _fetch_once(url, part, timeout)
+            break
+        except _Interrupted as err:
+            size = part.stat().st_size if part.exists() else 0
+            if attempt == retries:
+                raise ConnectionError(f"download of {url} was interrupted ({err}); {size} bytes are kept in "
+                                      f"{part}: run the same command again to resume") from None
+            log.warning("download of %s interrupted (%s); resuming from byte %d", url, err, size)
+    _verify(part, url, sha256)
+    os.replace(part, dest)
+    return dest
+
+
+def _inside(root: Path, name: str) -> Path:
+    target = (root / name).resolve()
+    if target != root and root not in target.parents:
+        raise ValueError(f"archive member {name!r} would be written outside {root}; refusing to extract")
+    return target
+
+
+def extract(archive: str | Path, into: str | Path) -> list[str]:
+    """Unpack a .zip, .tar, .tar.gz/.tgz archive into ``into``; return the member names."""
+    archive, into = Path(archive), Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    root = into.resolve()
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            names = z.namelist()
+            for name in names:
+                _inside(root, name)
+            z.extractall(into)
+        return names
+    if tarfile.is_tarfile(archive):
+        with tarfile.open(archive) as t:
+            names = t.getnames()
+            for name in names:
+                _inside(root, name)
+            t.extractall(into, filter="data")
+        return names
+    raise ValueError(f"{archive} is neither a zip nor a tar archive; cannot extract it")
