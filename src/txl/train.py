@@ -117,8 +117,9 @@ def batches(it: OrderedIterator) -> Iterator[Batch]:
 # -- state ----------------------------------------------------------------------------------------------
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(legacy=False),
-             "python": random.getstate()}
+    name, keys, pos, has_gauss, gauss = np.random.get_state()  # tensors and numbers only: weights_only loads it
+    state = {"torch": torch.get_rng_state(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                       has_gauss, gauss], "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -126,7 +127,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = RunConfig.from_dict(apply_overrides(base, overrides))
     try:
         result = train(cfg, resume=args.resume)
-    except (TrainingError, OSError) as err:
+    except FileNotFoundError:
+        raise  # bad input: the entry point prints it as one line (exit code 2)
+    except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
         print(f"txl train: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
