@@ -387,11 +387,17 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
                   **arrays)
 
 
-def download_corpus(name: str, directory: str | Path | None = None, *, retries: int = 3) -> Path:
-    """Fetch and unpack a named corpus into ``directory`` (default ``data/<name>``); return it."""
-    spec, _ = get_spec(name)
-    if spec.name not in REGISTRY:
-        raise ValueError(f"only named corpora can be downloaded; known: {', '.join(REGISTRY)}")
+def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None, *, retries: int = 3) -> Path:
+    """Fetch, verify and unpack a named corpus into ``directory`` (default ``data/<name>``); return it."""
+    if isinstance(name, CorpusSpec):
+        spec = name
+    elif name in REGISTRY:
+        spec = REGISTRY[name]
+    else:
+        raise ValueError(f"unknown corpus {name!r}; corpora that can be downloaded: {', '.join(REGISTRY)}")
+    if not spec.downloads:
+        raise ValueError(f"corpus {spec.name!r} has no downloads; put its files in a folder and pass it as "
+                         "data_dir / --data-dir")
     directory = Path(directory) if directory is not None else Path("data") / spec.name
     for item in spec.downloads:
         if item.sha256 is None:

@@ -101,8 +101,9 @@ class OrderedIterator:
         seq_len = min(seq_len, self.stream_len - 1 - i)
         beg = max(0, i - self.ext_len)
         rows = self._streams[self._rows]
-        inputs = np.asarray(rows[:, beg:i + seq_len], dtype=np.int64)  # (B_local, C + T)
-        labels = np.asarray(rows[:, beg + 1:i + seq_len + 1], dtype=np.int64)  # (B_local, C + T)
+        # Always copies: the batch must never alias (and -100 must never be written into) the tokens.
+        inputs = np.array(rows[:, beg:i + seq_len], dtype=np.int64, copy=True)  # (B_local, C + T)
+        labels = np.array(rows[:, beg + 1:i + seq_len + 1], dtype=np.int64, copy=True)  # (B_local, C + T)
         labels[:, :i - beg] = IGNORE_INDEX
         return Batch(input_ids=torch.from_numpy(inputs).to(self.device),
                      labels=torch.from_numpy(labels).to(self.device), context_len=i - beg, start=i)

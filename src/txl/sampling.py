@@ -1,0 +1,116 @@
+"""Next-token samplers as pure functions of the logits.
+
+Every function here takes logits (or log-probabilities: the filters and the softmax are invariant to
+a per-row additive constant, so either works) whose last dimension is the vocabulary ``V``, and
+returns new tensors; nothing is modified in place and no global random state is used. Randomness
+comes only from an optional ``torch.Generator`` passed to :func:`sample_next`.
+
+Order of operations in :func:`sample_next` (the usual one, e.g. Hugging Face ``generate``):
+temperature, then top-k, then top-p (nucleus, Holtzman et al. 2020), then one categorical draw.
+Filtered-out tokens get logit ``-inf`` and therefore probability exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_temperature", "top_k_filter", "top_p_filter", "sample_next"]
+
+
+def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {logits.dtype}")
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Return ``logits / temperature``.
+
+    ``temperature`` must be > 0: values below 1 sharpen the distribution, above 1 flatten it.
+    Greedy decoding (temperature 0) is not a rescaling; ask :func:`sample_next` for it.
+    """
+    _check_logits(logits)
+    if not temperature > 0:  # also rejects NaN
+        raise ValueError(
+            f"temperature={temperature} must be > 0 here; for greedy decoding call "
+            "sample_next(..., temperature=0)"
+        )
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row and set the others to ``-inf``.
+
+    ``k == 0`` disables the filter, as does ``k >= V``. Logits tied with the k-th largest value are
+    all kept (the result never depends on the order of tied tokens), so a row may keep more than
+    ``k`` tokens when there are ties at the boundary.
+    """
+    _check_logits(logits)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"top_k={k!r} must be an int >= 0 (0 disables top-k filtering)")
+    if k == 0 or k >= logits.shape[-1]:
+        return logits.clone()
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1): the k-th largest value per row
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most probable tokens whose mass reaches ``p``.
+
+    A token is kept when the probability mass of the tokens strictly more probable than it (in
+    sorted order) is below ``p``; so the token that crosses ``p`` is kept, and the most probable
+    token is always kept. ``p == 1`` disables the filter. ``p`` must lie in (0, 1].
+    """
+    _check_logits(logits)
+    if not (0.0 < p <= 1.0):
+        raise ValueError(f"top_p={p} must be in (0, 1]; 1.0 disables nucleus filtering")
+    if p == 1.0:
+        return logits.clone()
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V) each
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
+    remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False  # the top token survives even with rounding error
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)  # back to vocab order
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one next token per row from ``logits`` of shape ``(B, V)``; returns ``(B,)`` int64.
+
+    ``temperature == 0`` means greedy decoding: the argmax of each row (``top_k``/``top_p`` cannot
+    change the argmax, so they are only validated). Otherwise the logits are divided by
+    ``temperature``, filtered by :func:`top_k_filter` and :func:`top_p_filter`, and one token is
+    drawn from the softmax with ``torch.multinomial`` using ``generator`` (which must live on the
+    same device as ``logits``). The same generator state gives the same tokens.
+    """
+    _check_logits(logits)
+    if logits.dim() != 2:
+        raise ValueError(
+            f"logits must have shape (B, V), got shape {tuple(logits.shape)}; "
+            "take the last position first, e.g. logits[:, -1, :]"
+        )
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy argmax)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables top-k filtering)")
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p} must be in (0, 1]; 1.0 disables nucleus filtering")
+
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    filtered = top_p_filter(top_k_filter(apply_temperature(logits, temperature), top_k), top_p)
+    probs = torch.softmax(filtered.float(), dim=-1)  # (B, V); float32 even for half-precision logits
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)

@@ -1,0 +1,1 @@
+"""Text conventions and vocabularies: WikiText-103 tokenisation and Hugging Face vocabulary files."""

@@ -1,0 +1,241 @@
+"""Read a Hugging Face / original Transformer-XL word vocabulary without trusting pickle.
+
+Supported inputs (the format is detected from the file's content, not its name):
+
+* **plain text**, the original ``vocab_file`` / ``vocab.txt`` format: one symbol per line; a line
+  may carry more fields after the symbol (``symbol count``), of which only the first is used, as
+  in the original ``Vocab._build_from_file`` and Hugging Face's ``TransfoXLTokenizer``. Empty lines
+  are skipped; a repeated symbol keeps its first index (what both of those implementations do).
+* **JSON**: a list of symbols in index order, or a ``{symbol: id}`` map whose ids are 0..n-1.
+* **pickle** (only with ``allow_pickle=True``): the published ``vocab.pkl`` / ``vocab.bin`` of
+  ``transfo-xl-wt103`` (``torch.save`` of the original ``Vocab.__dict__``, legacy or zip format) or
+  a file written by ``TransfoXLTokenizer.save_vocabulary`` (``pickle.dump(tokenizer.__dict__)``).
+
+Unpickling runs code named by the file, so pickles are refused unless the caller opts in, and even
+then they are read with a restricted unpickler: it resolves only builtin containers and scalars
+and ``collections.Counter`` / ``OrderedDict``. A few names that Hugging Face stores alongside the
+vocabulary (its Moses tokenizer objects, compiled regular expressions, ``AddedToken``, ``Trie``) are
+replaced by inert placeholders that only record their arguments: none of those modules is imported
+and none of their code runs. Any other global (``os.system``, ``builtins.eval``, ...) is an error.
+Convert once with :func:`write_vocab_txt` and keep the plain-text file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "InertObject",
+    "Vocab",
+    "read_vocab",
+    "restricted_unpickle",
+    "vocab_from_pickled_dict",
+    "write_vocab_txt",
+]
+
+UNK_TOKENS = ("<unk>", "<UNK>")
+EOS_TOKEN = "<eos>"
+
+_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("builtins", name): obj
+    for name, obj in {
+        "dict": dict,
+        "list": list,
+        "tuple": tuple,
+        "set": set,
+        "frozenset": frozenset,
+        "str": str,
+        "int": int,
+        "float": float,
+        "bool": bool,
+    }.items()
+} | {
+    ("collections", "Counter"): Counter,
+    ("collections", "OrderedDict"): OrderedDict,
+}
+# Data-only objects Hugging Face pickles next to the vocabulary; read as InertObject placeholders.
+_INERT_MODULE_PREFIXES = ("sacremoses",)
+_INERT_GLOBALS = frozenset(
+    {
+        ("re", "_compile"),
+        ("tokenizers", "AddedToken"),
+        ("transformers.tokenization_utils", "Trie"),
+        ("transformers.tokenization_utils_base", "AddedToken"),
+    }
+)
+_TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # first object of a legacy (pre-zip) torch.save file
+
+
+class InertObject:
+    """Placeholder for an allowed-but-untrusted global: records arguments and state, runs nothing."""
+
+    qualified_name = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> InertObject:
+        obj = super().__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"InertObject({self.qualified_name})"
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return _SAFE_GLOBALS[(module, name)]
+        if (module, name) in _INERT_GLOBALS or module.split(".")[0] in _INERT_MODULE_PREFIXES:
+            return type(name, (InertObject,), {"qualified_name": f"{module}.{name}"})
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a vocabulary pickle")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("the pickle references tensor storages; a vocabulary has none")
+
+
+def restricted_unpickle(data: bytes | io.BufferedIOBase) -> Any:
+    """Unpickle one object, resolving only the allowed globals (see the module docstring).
+
+    Raises ``ValueError`` naming the offending global when the pickle references anything else.
+    """
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+    try:
+        return _RestrictedUnpickler(stream).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, IndexError, KeyError) as e:
+        raise ValueError(f"refusing or unable to read the pickle: {e}") from e
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """An ordered word vocabulary: ``symbols[i]`` is the symbol of index ``i``."""
+
+    symbols: tuple[str, ...]
+    unk_token: str | None
+    """``<unk>`` (or ``<UNK>``) if present, else None."""
+    eos_token: str | None
+    """``<eos>`` if present, else None."""
+
+    def sym2idx(self) -> dict[str, int]:
+        return {s: i for i, s in enumerate(self.symbols)}
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+
+def _make_vocab(symbols: Iterable[str]) -> Vocab:
+    ordered = tuple(dict.fromkeys(symbols))  # keep the first occurrence of a repeated symbol
+    present = set(ordered)
+    unk = next((u for u in UNK_TOKENS if u in present), None)
+    return Vocab(symbols=ordered, unk_token=unk, eos_token=EOS_TOKEN if EOS_TOKEN in present else None)
+
+
+def _parse_text(text: str) -> Vocab:
+    return _make_vocab(line.split()[0] for line in text.splitlines() if line.strip())
+
+
+def _parse_json(text: str, path: Path) -> Vocab:
+    data = json.loads(text)
+    if isinstance(data, list):
+        if not all(isinstance(s, str) for s in data):
+            raise ValueError(f"{path}: a JSON vocabulary list must contain only strings")
+        return _make_vocab(data)
+    if isinstance(data, dict):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in data.values()):
+            raise ValueError(f"{path}: a JSON {{symbol: id}} vocabulary must have integer ids")
+        if sorted(data.values()) != list(range(len(data))):
+            raise ValueError(
+                f"{path}: the ids of a JSON {{symbol: id}} vocabulary must be exactly 0..{len(data) - 1}"
+            )
+        return _make_vocab(sorted(data, key=data.__getitem__))
+    raise ValueError(f"{path}: JSON vocabulary must be a list of symbols or a {{symbol: id}} object")
+
+
+def vocab_from_pickled_dict(state: Any) -> Vocab:
+    """Build a :class:`Vocab` from an unpickled ``Vocab.__dict__`` / ``TransfoXLTokenizer.__dict__``."""
+    if not isinstance(state, dict) or "idx2sym" not in state:
+        raise ValueError(
+            "the pickle does not hold a Transformer-XL vocabulary dict (expected a dict with 'idx2sym'), "
+            f"got {type(state).__name__}"
+        )
+    idx2sym = state["idx2sym"]
+    if not isinstance(idx2sym, list) or not all(isinstance(s, str) for s in idx2sym):
+        raise ValueError("'idx2sym' in the pickle must be a list of strings")
+    if len(set(idx2sym)) != len(idx2sym):
+        raise ValueError("'idx2sym' in the pickle contains repeated symbols")
+    sym2idx = state.get("sym2idx")
+    if sym2idx is not None and dict(sym2idx) != {s: i for i, s in enumerate(idx2sym)}:
+        raise ValueError("'sym2idx' and 'idx2sym' in the pickle disagree")
+    return _make_vocab(idx2sym)
+
+
+def _load_pickle(raw: bytes) -> Any:
+    if zipfile.is_zipfile(io.BytesIO(raw)):  # torch.save, zip format (torch >= 1.6)
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            names = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if len(names) != 1:
+                raise ValueError("zip file is not a torch.save archive (no single data.pkl)")
+            return restricted_unpickle(archive.read(names[0]))
+    stream = io.BytesIO(raw)
+    first = restricted_unpickle(stream)
+    if (
+        isinstance(first, int) and first == _TORCH_LEGACY_MAGIC
+    ):  # legacy torch.save: magic, protocol, sys info
+        restricted_unpickle(stream)
+        restricted_unpickle(stream)
+        return restricted_unpickle(stream)
+    return first
+
+
+def read_vocab(path: str | Path, *, allow_pickle: bool = False) -> Vocab:
+    """Read a Transformer-XL vocabulary file (plain text, JSON, or, with ``allow_pickle``, a pickle).
+
+    Returns the ordered symbols and the special tokens. A pickled vocabulary raises ``ValueError``
+    unless ``allow_pickle=True``; see the module docstring for what is then allowed.
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw[:1] == b"\x80" or raw[:4] == b"PK\x03\x04":  # pickle protocol >= 2, or a torch zip archive
+        if not allow_pickle:
+            raise ValueError(
+                f"{path} is a pickle: unpickling can execute arbitrary code, so it is refused by default. "
+                "If you trust its origin, pass allow_pickle=True (it is then read with a restricted "
+                "unpickler that only builds plain containers), and store it as text with write_vocab_txt."
+            )
+        return vocab_from_pickled_dict(_load_pickle(raw))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is neither UTF-8 text/JSON nor a pickle (protocol >= 2)") from e
+    stripped = text.lstrip("\ufeff \t\r\n")
+    if stripped[:1] in ("[", "{"):
+        return _parse_json(stripped, path)
+    return _parse_text(text)
+
+
+def write_vocab_txt(symbols: Iterable[str], path: str | Path) -> Path:
+    """Write ``symbols`` one per line (UTF-8) in index order; :func:`read_vocab` reads it back."""
+    symbols = list(symbols)
+    for i, s in enumerate(symbols):
+        if not isinstance(s, str) or not s or s != "".join(s.split()):
+            raise ValueError(
+                f"symbol {i} ({s!r}) cannot be stored one per line: symbols must be non-empty strings "
+                "without whitespace"
+            )
+    if len(set(symbols)) != len(symbols):
+        raise ValueError("symbols contain repeats; a vocabulary file needs each symbol once")
+    path = Path(path)
+    path.write_text("".join(s + "\n" for s in symbols), encoding="utf-8")
+    return path
