@@ -53,6 +53,16 @@ def test_lr_schedules_are_pure():
     assert lr_at(50, OptimConfig(lr=0.3, schedule="constant"), 10) == 0.3
 
 
+def test_time_budget_sets_the_schedule_horizon():
+    """20 steps in 10 s with 100 s left: 90% of the remaining 90 s at 2 steps/s is 162 more steps."""
+    single = txl.train.DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
+    assert txl.train._time_horizon(20, 20, 10.0, 100.0, 10_000, single) == 20 + 162
+    assert txl.train._time_horizon(20, 20, 10.0, 100.0, 50, single) == 50  # max_steps comes first
+    assert txl.train._time_horizon(20, 20, 200.0, 100.0, 10_000, single) == 21  # over budget: stop next
+    cos = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(182, cos, 182) == pytest.approx(0.1)  # the decay completes at the horizon
+
+
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch, capsys):
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "6", "--train.grad_accum", "2")]) == 0
     calls = {"n": 0}

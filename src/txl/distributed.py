@@ -57,6 +57,15 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_min(values: list[float], info: DistInfo) -> list[float]:
+    """Element-wise minimum of a few float64 numbers over all processes (identity in a single process)."""
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

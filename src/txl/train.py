@@ -26,7 +26,7 @@ import torch
 from txl import checkpoint as ckpt
 from txl.config import RunConfig
 from txl.data import Batch, Corpus, OrderedIterator
-from txl.distributed import DistInfo, all_reduce_sum, barrier, init_distributed, shutdown
+from txl.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.model import Memory, TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -47,6 +47,9 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     best_valid: float = math.inf
+    horizon: int = 0
+    """The step the schedule decays to: max_steps, or fewer when a time budget ends the run first
+    (calibrated once from the measured step rate and saved, so a resumed run keeps the same schedule)."""
     memories: list[Memory | None] = field(default_factory=list)
     """One memory per accumulation chunk of this process's streams."""
 
@@ -242,7 +245,7 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
         if info.is_main:
             extra = {"valid_loss": valid.loss} if valid else {}
             payload = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
-                       "tokens": state.tokens, "best_valid": state.best_valid, "rng": rngs,
+                       "tokens": state.tokens, "best_valid": state.best_valid, "horizon": state.horizon, "rng": rngs,
                        "iterator": it.state_dict(), "memories": memories, "world_size": info.world_size}
             try:
                 ckpt.save_checkpoint(out, step=state.step, model=model, run=cfg, tokenizer=corpus.tokenizer,
@@ -255,14 +258,22 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
     start, stopped, seen_since, time_since = time.perf_counter(), "max_steps", 0, time.perf_counter()
     stream = batches(it)
     valid = None
-    while state.step < t.max_steps:
-        if t.minutes and time.perf_counter() - start > t.minutes * 60:
+    start_step = state.step
+    while state.step < (state.horizon or t.max_steps):
+        elapsed = time.perf_counter() - start
+        if t.minutes and not state.horizon and state.step - start_step == CALIBRATION_STEPS:
+            state.horizon = _time_horizon(state.step, state.step - start_step, elapsed, t.minutes * 60,
+                                          t.max_steps, info)
+            if state.horizon < t.max_steps:
+                log.info("time budget of %g min: the schedule decays over %d steps (max_steps %d)",
+                         t.minutes, state.horizon, t.max_steps)
+        if t.minutes and not info.enabled and elapsed > t.minutes * 60:  # safety net; DDP stops at the horizon
             stopped = "time"
             break
         batch = next(stream)
         if batch.start == 0:  # a new epoch: streams restart, nothing to remember
             state.memories = [None] * t.grad_accum
-        lr = lr_at(state.step, cfg.optim, t.max_steps)
+        lr = lr_at(state.step, cfg.optim, state.horizon or t.max_steps)
         stats, state.memories = train_step(ddp, optimizer, scaler, batch, state.memories, lr=lr, clip=cfg.optim.clip,
                                            precision=t.precision, info=info)
         if not math.isfinite(stats.loss):
@@ -318,7 +329,26 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
             plot_learning_curve(out / "metrics.jsonl", out / "learning_curve.png", corpus.metric)
         if t.sample_tokens:
             sample = _sample(model, corpus, t.sample_tokens, mem_len=mem, seed=t.seed)
+    if state.horizon and state.horizon < t.max_steps and stopped == "max_steps":
+        stopped = "time"
     return TrainResult(out_dir=out, steps=state.step, valid=valid, test=test, sample=sample, stopped=stopped)
+
+
+CALIBRATION_STEPS = 20
+"""Steps timed before a time budget fixes the schedule's horizon."""
+
+
+def _time_horizon(step: int, steps_timed: int, elapsed: float, budget: float, max_steps: int,
+                  info: DistInfo) -> int:
+    """The last step that fits in the time budget at the measured rate (90%: evaluations take time too).
+
+    Every rank gets the same answer (the smallest), so distributed runs stop together.
+    """
+    rate = steps_timed / max(elapsed, 1e-9)
+    horizon = min(max_steps, step + int(0.9 * rate * max(budget - elapsed, 0.0)))
+    if info.enabled:
+        horizon = int(all_reduce_min([float(horizon)], info)[0])
+    return max(horizon, step + 1)
 
 
 def _progress(t: Any, initial: int, info: DistInfo) -> Any:
@@ -352,6 +382,7 @@ def _restore(resume: str | Path, model: TransformerXL, optimizer: torch.optim.Op
     scaler.load_state_dict(s["scaler"])
     it.load_state_dict(s["iterator"])
     state.step, state.tokens, state.best_valid = int(s["step"]), int(s["tokens"]), float(s["best_valid"])
+    state.horizon = int(s.get("horizon", 0))
     memories = s["memories"][info.rank]
     if len(memories) != len(state.memories):
         raise ValueError(f"the checkpoint was trained with grad_accum={len(memories)}; resume with the same "
