@@ -131,10 +131,11 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     tok = fit_tokenizer(make_spec("byte"), [Source(text)])
     model = txl.TransformerXL(txl.ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2,
                                               d_inner=32, mem_len=4))
-    ckpt = tmp_path / "ckpt"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"  # a training run's layout: found through best.json
     txl.save_pretrained(model, ckpt)
     tok.save(ckpt / "tokenizer")
-    rc, out, err = run_cli(capsys, "score", "--checkpoint", ckpt, "--totals-only", text)
+    (tmp_path / "run" / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", text)
     assert rc == 0, err
     [total] = [json.loads(line) for line in out.splitlines()]
     assert total["tokens"] == len(text.read_bytes()) - 1 and total["bpc"] == pytest.approx(total["bits_per_token"])

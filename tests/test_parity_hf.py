@@ -33,7 +33,7 @@ def test_parity_over_segments(name):
     # Hugging Face starts from zeros that are attended to: ours takes the same with init_memory.
     memory = ours.init_memory(BATCH, cfg.mem_len)
     hf_mems = None
-    max_diff = 0.0
+    diff = {"log_probs": 0.0, "nll": 0.0, "memory": 0.0}
     with torch.no_grad():
         for s in range(N_SEGMENTS):
             x = tokens[:, s * SEGMENT:(s + 1) * SEGMENT]
@@ -48,6 +48,10 @@ def test_parity_over_segments(name):
                     torch.testing.assert_close(ours_m, hf_m.transpose(0, 1), **TOL)
             else:
                 assert ref.mems is None and all(m.size(1) == 0 for m in out.memory)
-            max_diff = max(max_diff, (out.log_probs - ref.prediction_scores).abs().max().item())
+            diff["log_probs"] = max(diff["log_probs"], (out.log_probs - ref.prediction_scores).abs().max().item())
+            diff["nll"] = max(diff["nll"], (out.nll[:, :-1] - ref_nll).abs().max().item())
+            if cfg.mem_len:
+                diff["memory"] = max(diff["memory"], max((a - b.transpose(0, 1)).abs().max().item()
+                                                         for a, b in zip(out.memory, ref.mems, strict=True)))
             memory, hf_mems = out.memory, ref.mems
-    print(f"{name}: max |log_prob diff| = {max_diff:.2e}")
+    print(f"{name}: max abs diff " + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))

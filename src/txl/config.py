@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou"]
@@ -164,3 +167,345 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+# -- training and evaluation ---------------------------------------------------------------------------
+
+OptimizerName = Literal["adam", "adamw"]
+Schedule = Literal["cosine", "inv_sqrt", "constant"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{cls}.{name}={value!r} {need}")
+
+
+def _check_literal(cls: str, obj: Any, name: str, kind: Any) -> None:
+    value, choices = getattr(obj, name), typing.get_args(kind)
+    if value not in choices:
+        raise ValueError(f"{cls}.{name}={value!r} is unknown; choose one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Which corpus to train on and how to tokenise it."""
+
+    corpus: str = "stdlib"
+    """A corpus name (enwik8, text8, wt103, wt2, ptb, pennchar, lm1b), a text file, a directory with
+    train/valid/test.txt, or 'stdlib': this Python's standard-library source (always available)."""
+    data_dir: str | None = None
+    """Folder holding a named corpus's files (default data/<name>)."""
+    level: str | None = None
+    """Tokenisation level override: byte, char, word or bpe (None: the corpus's own)."""
+    cache_dir: str | None = None
+    """Where token arrays are cached (default ~/.cache/txl/tokens)."""
+    max_bytes: int = 4_000_000
+    """'stdlib' only: how many bytes of source to read (files in sorted order)."""
+
+    def __post_init__(self) -> None:
+        _check("DataConfig", "corpus", isinstance(self.corpus, str) and bool(self.corpus), "must be a name or path",
+               self.corpus)
+        if self.level is not None and self.level not in ("byte", "char", "word", "bpe"):
+            raise ValueError(f"DataConfig.level={self.level!r} is unknown; choose one of byte, char, word, bpe")
+        _check("DataConfig", "max_bytes", self.max_bytes >= 1000, "must be at least 1000", self.max_bytes)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimiser and the learning-rate schedule."""
+
+    optimizer: OptimizerName = "adam"
+    """'adam' (the paper) or 'adamw' (decoupled weight decay)."""
+    lr: float = 2.5e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay (the original's eta_min)."""
+    schedule: Schedule = "cosine"
+    """'cosine': linear warm-up then cosine decay to min_lr over train.max_steps;
+    'inv_sqrt': linear warm-up then lr * sqrt(warmup / step); 'constant': warm-up then flat."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to lr."""
+    weight_decay: float = 0.0
+    """L2 penalty ('adam') or decoupled weight decay ('adamw')."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip: float = 0.25
+    """Clip the global gradient norm to this value (<= 0: no clipping). The paper uses 0.25."""
+
+    def __post_init__(self) -> None:
+        _check_literal("OptimConfig", self, "optimizer", OptimizerName)
+        _check_literal("OptimConfig", self, "schedule", Schedule)
+        _check("OptimConfig", "lr", self.lr > 0, "must be positive", self.lr)
+        _check("OptimConfig", "min_lr", 0 <= self.min_lr <= self.lr, "must lie in [0, lr]", self.min_lr)
+        _check("OptimConfig", "warmup_steps", self.warmup_steps >= 0, "must be >= 0", self.warmup_steps)
+        _check("OptimConfig", "weight_decay", self.weight_decay >= 0, "must be >= 0", self.weight_decay)
+        for name in ("beta1", "beta2"):
+            _check("OptimConfig", name, 0 <= getattr(self, name) < 1, "must lie in [0, 1)", getattr(self, name))
+        _check("OptimConfig", "eps", self.eps > 0, "must be positive", self.eps)
+        if self.schedule == "inv_sqrt" and self.warmup_steps == 0:
+            raise ValueError("OptimConfig.schedule='inv_sqrt' needs warmup_steps > 0 (the decay is "
+                             "lr * sqrt(warmup_steps / step)); set --optim.warmup_steps")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop: batches, precision, validation, checkpoints and logging."""
+
+    out_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics.jsonl, TensorBoard events, the learning-curve plot."""
+    max_steps: int = 1000
+    """Optimiser steps to train for (also the horizon of the cosine schedule)."""
+    minutes: float = 0.0
+    """Stop after this many minutes of training, whatever the step (0: no time limit)."""
+    batch_size: int = 16
+    """Global batch: parallel token streams over all processes and accumulation chunks."""
+    grad_accum: int = 1
+    """Split each process's streams into this many chunks, each with its own memory, and accumulate."""
+    tgt_len: int = 128
+    """Tokens per segment (the paper's target length)."""
+    var_len: bool = False
+    """Vary the segment length as the original training script does."""
+    seed: int = 0
+    """Seeds the weights, dropout and the segment lengths."""
+    precision: Precision = "fp32"
+    """'fp32'; 'bf16' autocast (CPU and GPU); 'fp16' autocast with a gradient scaler (CUDA only)."""
+    device: str = "auto"
+    """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'."""
+    eval_interval: int = 200
+    """Validate every this many steps (0: only at the end)."""
+    eval_batches: int = 50
+    """Validation segments per periodic evaluation (0: the whole split). The final one uses all."""
+    ckpt_interval: int = 200
+    """Write a checkpoint every this many steps (0: only at validations and the end)."""
+    keep_last: int = 3
+    """Step checkpoints kept besides the best one."""
+    log_interval: int = 10
+    """Write a metrics row every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events when the tensorboard package is installed (pip install 'txl[tb]')."""
+    plot: bool = True
+    """Write learning_curve.png at the end when matplotlib is installed."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+    sample_tokens: int = 0
+    """After training, print a continuation of this many tokens of a test prompt (0: none)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum", "tgt_len", "keep_last", "log_interval"):
+            value = getattr(self, name)
+            _check("TrainConfig", name, isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   "must be a positive integer", value)
+        for name in ("eval_interval", "eval_batches", "ckpt_interval", "sample_tokens"):
+            _check("TrainConfig", name, getattr(self, name) >= 0, "must be >= 0", getattr(self, name))
+        _check("TrainConfig", "minutes", self.minutes >= 0, "must be >= 0", self.minutes)
+        _check_literal("TrainConfig", self, "precision", Precision)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
+                             f"grad_accum={self.grad_accum} (each chunk takes batch_size / grad_accum streams)")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"TrainConfig.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """The evaluation context. None means 'as in training'; the paper evaluates with longer memory."""
+
+    batch_size: int = 10
+    """Parallel streams (the original evaluates with 10; 1 reads the split as one stream)."""
+    tgt_len: int | None = None
+    """Tokens per segment."""
+    mem_len: int | None = None
+    """Memory length; longer than in training is what Transformer-XL is for."""
+    clamp_len: int | None = None
+    """Relative distances beyond this share one encoding (<= 0: none)."""
+    same_length: bool | None = None
+    """Every query attends to the same number of keys."""
+    ext_len: int | None = None
+    """Extended context re-fed from the previous segment."""
+
+    def __post_init__(self) -> None:
+        _check("EvalConfig", "batch_size", self.batch_size >= 1, "must be a positive integer", self.batch_size)
+        if self.tgt_len is not None:
+            _check("EvalConfig", "tgt_len", self.tgt_len >= 1, "must be a positive integer", self.tgt_len)
+        for name in ("mem_len", "ext_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _check("EvalConfig", name, value >= 0, "must be >= 0", value)
+
+
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+                             "train": TrainConfig, "eval": EvalConfig}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs, saved with every checkpoint. model.vocab_size is the corpus's."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        m, t = self.model, self.train
+        if m.ext_len and m.ext_len >= t.tgt_len:
+            raise ValueError(f"model.ext_len={m.ext_len} must be shorter than train.tgt_len={t.tgt_len}")
+        if t.precision == "fp16" and t.device == "cpu":
+            raise ValueError("train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only); "
+                             "use --train.precision bf16 on CPU")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Build from nested dicts ({'model': {...}, ...}); unknown sections or fields are errors."""
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown config section(s) {unknown}; valid sections are {sorted(SECTIONS)}")
+        sections = {}
+        for name, kind in SECTIONS.items():
+            values = dict(data.get(name, {}))
+            if not isinstance(values, dict):
+                raise ValueError(f"config section [{name}] must be a table of fields")
+            known = {f.name for f in dataclasses.fields(kind)}
+            bad = sorted(set(values) - known)
+            if bad:
+                raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}; valid {name} "
+                                 f"fields are: {', '.join(sorted(known))}")
+            for key, value in values.items():
+                values[key] = _coerce(name, key, value, _field_types(kind)[key])
+            if name == "model":
+                values.setdefault("vocab_size", 256)
+            sections[name] = kind(**values)
+        return cls(**sections)
+
+    def replace(self, **sections: Any) -> RunConfig:
+        return dataclasses.replace(self, **sections)
+
+
+# -- presets and command-line overrides --------------------------------------------------------------
+
+PRESET_DIR = Path(__file__).parent / "configs"
+"""Presets ship inside the package (the repository's configs/ links here)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
+    """The nested dict of a preset name (configs/<name>.toml) or of a TOML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise ValueError(f"unknown preset {str(name_or_path)!r}; presets are: {', '.join(preset_names())} "
+                             "(or pass the path of a .toml file)")
+    try:
+        with open(path, "rb") as f:
+            return _toml().load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path} not found") from None
+    except _toml().TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+
+
+def _toml() -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def _field_types(kind: type) -> dict[str, Any]:
+    return typing.get_type_hints(kind)
+
+
+def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
+    """Convert ``value`` (a TOML value or a command-line string) to the field's type, or say why not."""
+    where = f"{section}.{name}"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(section, name, value, a)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{where}={value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{where}={value!r} is not a list; write e.g. 1,2,3 or [1, 2, 3]") from None
+            else:
+                value = [v for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{where}={value!r} must be a list")
+        return [_coerce(section, name, v, args[0]) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where}={value!r} must be a boolean (true or false)")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"{where}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where}={value!r} must be a string")
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """A copy of nested ``data`` with 'section.field' -> value overrides (values are strings or typed)."""
+    out = {k: dict(v) for k, v in data.items()}
+    for dotted, value in overrides.items():
+        section, _, name = dotted.partition(".")
+        if section not in SECTIONS or not name:
+            raise ValueError(f"unknown option --{dotted}; options are --SECTION.FIELD with SECTION one of "
+                             f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
+        hints = _field_types(SECTIONS[section])
+        if name not in hints:
+            raise ValueError(f"unknown field {section}.{name}; valid {section} fields are: "
+                             f"{', '.join(sorted(hints))}")
+        out.setdefault(section, {})[name] = _coerce(section, name, value, hints[name])
+    return out
+
+
+def run_config(preset: str | os.PathLike = "default", overrides: dict[str, str] | None = None) -> RunConfig:
+    """Load a preset, apply overrides, validate."""
+    return RunConfig.from_dict(apply_overrides(load_preset(preset), overrides or {}))

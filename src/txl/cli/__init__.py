@@ -11,8 +11,10 @@ import logging
 import sys
 
 from txl.cli import data, demo, generate, score
+from txl.cli import eval as eval_cmd
+from txl.cli import train as train_cmd
 
-SUBCOMMANDS = [demo, data, generate, score]
+SUBCOMMANDS = [demo, data, train_cmd, eval_cmd, generate, score]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra  # `txl train --SECTION.FIELD VALUE` overrides
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     if not getattr(args, "func", None):

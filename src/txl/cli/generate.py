@@ -9,7 +9,8 @@ import sys
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `txl generate` and `txl score`: the model, its vocabulary, the context."""
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a txl checkpoint directory, or a Hugging Face transfo-xl one")
+                   help="a txl checkpoint or training run directory (its best checkpoint), or a Hugging "
+                   "Face transfo-xl directory")
     p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none "
                    "(Hugging Face plain text: one word per line, or JSON)")
     p.add_argument("--allow-pickle", action="store_true",
@@ -24,10 +25,12 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def load_model_and_codec(args: argparse.Namespace):
     import txl
+    from txl.checkpoint import find_checkpoint
     from txl.codec import load_codec
 
-    model = txl.from_pretrained(args.checkpoint, device=args.device)
-    codec = load_codec(args.checkpoint, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
+    directory = find_checkpoint(args.checkpoint, "best")  # a run directory: its best, else latest, checkpoint
+    model = txl.from_pretrained(directory, device=args.device)
+    codec = load_codec(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                        allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
     return model, codec
 

@@ -1,0 +1,133 @@
+"""Evaluation: loss, perplexity or bits per character over a split, in any attention context.
+
+Transformer-XL is trained with one memory length and evaluated with a longer one (Dai et al. 2019,
+section 3.2: the effective context grows with the memory); ``eval_context`` changes the context of a
+trained model for the duration of an evaluation, since these fields own no parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from txl.distributed import DistInfo, all_reduce_sum
+from txl.model import TransformerXL
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    """Mean NLL per token, in nats."""
+    tokens: int
+    seconds: float
+    metric: str
+    """'ppl' or 'bpc'."""
+
+    @property
+    def value(self) -> float:
+        return metric_value(self.loss, self.metric)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def describe(self) -> str:
+        return (f"loss {self.loss:.4f}, {self.metric} {self.value:.4f}, {self.tokens:,} tokens, "
+                f"{self.tokens_per_s:,.0f} tokens/s")
+
+
+def metric_value(loss: float, metric: str) -> float:
+    """Perplexity exp(loss) for words, bits per character loss / ln 2 for bytes and characters."""
+    if metric == "bpc":
+        return loss / math.log(2)
+    return math.exp(min(loss, 700.0))
+
+
+@contextlib.contextmanager
+def eval_context(model: TransformerXL, **changes: object) -> Iterator[TransformerXL]:
+    """Temporarily change mem_len / clamp_len / same_length / ext_len (None: keep) and use eval mode."""
+    old_config, was_training = model.config, model.training
+    changes = {k: v for k, v in changes.items() if v is not None}
+    model.reconfigure(**changes)
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.config = old_config
+        model.train(was_training)
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
+             mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None,
+             ext_len: int | None = None, max_batches: int = 0, precision: str = "fp32",
+             info: DistInfo | None = None) -> EvalResult:
+    """Mean NLL of ``tokens`` read as ``batch_size`` streams of ``tgt_len``-token segments carrying memory.
+
+    In a process group each rank reads its share of the streams and the sums are all-reduced.
+    ``max_batches`` > 0 stops early (periodic validation).
+    """
+    from txl.data import eval_iterator
+
+    device = next(model.parameters()).device
+    info = info or DistInfo(rank=0, world_size=1, device=device)
+    if batch_size % info.world_size:
+        raise ValueError(f"eval.batch_size={batch_size} must be divisible by the {info.world_size} processes")
+    ext = model.config.ext_len if ext_len is None else ext_len
+    it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
+                       world_size=info.world_size, device=device)
+    start = time.perf_counter()
+    nll_sum, count = 0.0, 0
+    with eval_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
+        memory = None
+        for i, batch in enumerate(it):
+            if max_batches and i >= max_batches:
+                break
+            with autocast(device, precision):
+                out = model(batch.input_ids, labels=batch.labels, memory=memory)
+            memory = out.memory
+            nll_sum += float(out.nll.double().sum())
+            count += int((batch.labels != IGNORE_INDEX).sum())
+    nll_sum, count = all_reduce_sum([nll_sum, float(count)], info)
+    if count == 0:
+        raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
+    return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)
+
+
+def sweep_memory(model: TransformerXL, tokens: np.ndarray, mem_lens: list[int], **kwargs) -> list[EvalResult]:
+    """Evaluate once per memory length (the paper's 'effective context' study)."""
+    return [evaluate(model, tokens, mem_len=m, **kwargs) for m in mem_lens]
+
+
+def plot_sweep(mem_lens: list[int], results: list[EvalResult], tgt_len: int, path: str) -> bool:
+    """Metric against attention length (mem_len + tgt_len); False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([m + tgt_len for m in mem_lens], [r.value for r in results], marker="o")
+    ax.set_xlabel("attention length (mem_len + tgt_len)")
+    ax.set_ylabel(results[0].metric)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,39 @@
+"""Optimiser construction and the learning-rate schedules, as pure functions of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from txl.config import OptimConfig
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate of optimiser step ``step`` (0-based) out of ``max_steps``.
+
+    Warm-up rises linearly to cfg.lr over cfg.warmup_steps (the first step gets lr / warmup_steps);
+    then 'cosine' decays to cfg.min_lr at max_steps (the original's CosineAnnealingLR), 'inv_sqrt' decays
+    as lr * sqrt(warmup / step) (Vaswani et al. 2017), and 'constant' stays at lr.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "inv_sqrt":
+        return cfg.lr * math.sqrt(cfg.warmup_steps / (step + 1))
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Adam (the paper) or AdamW. Tied parameters appear once (parameters() deduplicates them)."""
+    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return kind(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                weight_decay=cfg.weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
