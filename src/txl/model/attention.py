@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
+from txl.model.dropout import Dropout
 
 
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -71,8 +72,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = nn.Dropout(config.dropout)
-        self.dropatt = nn.Dropout(config.dropatt)
+        self.drop = Dropout(config.dropout)
+        self.dropatt = Dropout(config.dropatt)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 pos: torch.Tensor | None, u: torch.Tensor | None = None,
