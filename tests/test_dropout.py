@@ -2,7 +2,7 @@
 
 import torch
 
-from txl.model.dropout import Dropout, keep_mask
+from txl.model.dropout import Dropout, ReLUDropout, keep_mask
 
 
 def test_identity_in_eval_and_at_zero():
@@ -39,3 +39,17 @@ def test_gradient_is_the_mask_times_scale():
     torch.testing.assert_close(out, torch.where(kept, x * scale, 0))
     torch.testing.assert_close(x.grad, torch.where(kept, weight * scale, 0))
 
+
+def test_relu_dropout_equals_dropout_of_relu():
+    x = torch.randn(5, 33, requires_grad=True)
+    weight = torch.randn(5, 33)
+    torch.manual_seed(7)
+    fused = ReLUDropout(0.2).train()(x)
+    (fused * weight).sum().backward()
+    grad, x.grad = x.grad, None
+    torch.manual_seed(7)
+    plain = Dropout(0.2).train()(torch.relu(x))
+    (plain * weight).sum().backward()
+    torch.testing.assert_close(fused, plain, atol=0, rtol=0)
+    torch.testing.assert_close(grad, x.grad, atol=0, rtol=0)
+    assert torch.equal(ReLUDropout(0.2).eval()(x), torch.relu(x))

@@ -51,9 +51,9 @@ def rel_shift(x: torch.Tensor) -> torch.Tensor:
     padded row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are
     meaningless. A pad, a slice and views: their backward is a slice copy, not as_strided's scatter.
     """
-    B, H, T, K = x.shape
-    padded = F.pad(x, (1, 0)).view(B, H, T * (K + 1))  # (B, H, T*(K+1))
-    return padded[:, :, T:T + T * K].view(B, H, T, K)  # (B, H, T, K)
+    *lead, T, K = x.shape  # any leading dims, e.g. (B, H) or (H, B)
+    padded = F.pad(x, (1, 0)).view(*lead, T * (K + 1))  # (..., T*(K+1))
+    return padded[..., T:T + T * K].view(*lead, T, K)  # (..., T, K)
 
 
 class Attention(nn.Module):
@@ -135,8 +135,11 @@ class RelativeAttention(Attention):
         v = self.v if v is None else v
         r = self.r_proj(pos.to(q.dtype)).view(-1, H, D)  # (K, H, D): W_kR R, distances K-1 .. 0
         query = (q + u) * self.scale  # (B, T, H, D): (a) + (c) against the keys
-        position = torch.matmul(((q + v) * self.scale).transpose(1, 2), r.permute(1, 2, 0))  # (B, H, T, K): (b) + (d)
-        return query, rel_shift(position)
+        # (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not copied
+        # B times, as a (B, H, T, D) x (H, D, K) broadcast would.
+        qv = ((q + v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
+        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, B, T, -1)  # (H, B, T, K)
+        return query, rel_shift(position).permute(1, 0, 2, 3)  # (B, H, T, K) view
 
 
 class ShawAttention(Attention):

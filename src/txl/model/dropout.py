@@ -46,3 +46,13 @@ class Dropout(nn.Dropout):
             return x
         keep, scale = keep_mask(x.shape, self.p, x.device)
         return _ScaleWhere.apply(x, keep, scale)
+
+
+class ReLUDropout(Dropout):
+    """dropout(relu(x)) in one step: one mask (kept and positive), and no ReLU output kept for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return torch.relu(x)
+        keep, scale = keep_mask(x.shape, self.p, x.device)
+        return _ScaleWhere.apply(x, keep.logical_and_(x > 0), scale)

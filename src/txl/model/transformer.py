@@ -28,7 +28,7 @@ from txl.model.attention import (
     relative_distances,
     sinusoid,
 )
-from txl.model.dropout import Dropout
+from txl.model.dropout import Dropout, ReLUDropout
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
 
 
@@ -42,10 +42,11 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.drop = Dropout(config.dropout)
+        self.relu_drop = ReLUDropout(config.dropout)  # dropout(relu(.)), fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
-        out = self.drop(self.fc2(self.drop(torch.relu(self.fc1(h)))))  # (B, T, d)
+        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
 
