@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
+from txl.model.dropout import Dropout
 
 
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -46,14 +47,13 @@ def rel_shift(x: torch.Tensor) -> torch.Tensor:
 
     Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
     is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero
-    column in front and reading the buffer with a row stride of K (one less than the padded row)
-    shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
+    column in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the
+    padded row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are
+    meaningless. A pad, a slice and views: their backward is a slice copy, not as_strided's scatter.
     """
-    B, H, T, K = x.shape
-    padded = F.pad(x, (1, 0)).contiguous()  # (B, H, T, K+1)
-    return padded.as_strided(
-        (B, H, T, K), (padded.stride(0), padded.stride(1), K, 1), padded.storage_offset() + T
-    )  # (B, H, T, K)
+    *lead, T, K = x.shape  # any leading dims, e.g. (B, H) or (H, B)
+    padded = F.pad(x, (1, 0)).view(*lead, T * (K + 1))  # (..., T*(K+1))
+    return padded[..., T:T + T * K].view(*lead, T, K)  # (..., T, K)
 
 
 class Attention(nn.Module):
@@ -72,8 +72,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = nn.Dropout(config.dropout)
-        self.dropatt = nn.Dropout(config.dropatt)
+        self.drop = Dropout(config.dropout)
+        self.dropatt = Dropout(config.dropatt)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 pos: torch.Tensor | None, u: torch.Tensor | None = None,
@@ -89,18 +89,33 @@ class Attention(nn.Module):
         q = F.linear(context[:, K - T:], w_q).view(B, T, H, D)  # (B, T, H, D): segment rows only
         k, val = F.linear(context, w_kv).view(B, K, 2, H, D).unbind(2)  # (B, K, H, D) each
 
-        score = self.scores(q, k, pos, u, v) * self.scale  # (B, H, T, K)
-        score = score.masked_fill(mask, float("-inf"))
-        prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype))  # (B, H, T, K)
-        attn = torch.matmul(prob, val.transpose(1, 2))  # (B, H, T, D)
+        query, bias = self.query_and_bias(q, K, pos, u, v)  # (B, T, H, D), (B, H, T, K) or None; both scaled
+        # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections, never copied for the fused kernel.
+        query, k, val = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
+        dropatt = self.dropatt.p > 0 and self.training
+        if not dropatt and (bias is None or not (torch.is_grad_enabled() and bias.requires_grad)):
+            # One fused kernel (scaled_dot_product_attention): softmax(query k^T + bias) val, no (B, H, T, K)
+            # probabilities kept. It cannot return the bias gradient, so training relative models take the
+            # explicit path below.
+            attn_mask = ~mask if bias is None else bias.masked_fill(mask, float("-inf"))  # (T, K) or (B, H, T, K)
+            attn = F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)  # (B, H, T, D)
+        else:
+            score = torch.matmul(query, k.transpose(2, 3))  # (B, H, T, K)
+            if bias is not None:
+                score = score.add_(bias)
+            score = score.masked_fill_(mask, float("-inf"))
+            prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype))  # (B, H, T, K)
+            attn = torch.matmul(prob, val)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None,
-               u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        """Unscaled scores (B, H, T, K). Plain attention: the content term alone."""
-        return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
+    def query_and_bias(self, q: torch.Tensor, klen: int, pos: torch.Tensor | None, u: torch.Tensor | None,
+                       v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scaled content query (B, T, H, D) and the scaled positional score (B, H, T, K) added to
+        query . k, or None. Scaling the query instead of the scores saves a pass over (B, H, T, K).
+        Plain attention: the query alone."""
+        return q * self.scale, None
 
 
 class RelativeAttention(Attention):
@@ -114,14 +129,17 @@ class RelativeAttention(Attention):
             self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
             self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
-    def scores(self, q, k, pos, u, v):
+    def query_and_bias(self, q, klen, pos, u, v):
         B, T, H, D = q.shape
         u = self.u if u is None else u  # (H, D)
         v = self.v if v is None else v
         r = self.r_proj(pos.to(q.dtype)).view(-1, H, D)  # (K, H, D): W_kR R, distances K-1 .. 0
-        content = torch.matmul((q + u).transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K): (a) + (c)
-        position = torch.matmul((q + v).transpose(1, 2), r.permute(1, 2, 0))  # (B, H, T, K): (b) + (d)
-        return content + rel_shift(position)
+        query = (q + u) * self.scale  # (B, T, H, D): (a) + (c) against the keys
+        # (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not copied
+        # B times, as a (B, H, T, D) x (H, D, K) broadcast would.
+        qv = ((q + v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
+        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, B, T, -1)  # (H, B, T, K)
+        return query, rel_shift(position).permute(1, 0, 2, 3)  # (B, H, T, K) view
 
 
 class ShawAttention(Attention):
@@ -138,18 +156,18 @@ class ShawAttention(Attention):
         self.r_bias = nn.Parameter(torch.zeros(P, config.n_head))
         self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
-    def scores(self, q, k, pos, u, v):
-        K = k.size(1)
+    def query_and_bias(self, q, klen, pos, u, v):
+        K = klen
         emb, bias = self.r_emb, self.r_bias
         P = emb.size(0)
         if K > P:  # farther than learned: repeat the farthest
             emb = torch.cat([emb[:1].expand(K - P, -1, -1), emb])  # (K, H, D)
             bias = torch.cat([bias[:1].expand(K - P, -1), bias])  # (K, H)
         emb, bias = emb[-K:].to(q.dtype), bias[-K:].to(q.dtype)
-        content = torch.matmul((q + self.u).transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
+        q = q * self.scale
         position = torch.matmul(q.transpose(1, 2), emb.permute(1, 2, 0))  # (B, H, T, K)
-        position = position + bias.t()[None, :, None, :]  # (B, H, T, K)
-        return content + rel_shift(position)
+        position = position + (bias * self.scale).t()[None, :, None, :]  # (B, H, T, K)
+        return q + self.u * self.scale, rel_shift(position)
 
 
 def build_attention(config: ModelConfig) -> Attention:

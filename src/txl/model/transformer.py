@@ -28,6 +28,7 @@ from txl.model.attention import (
     relative_distances,
     sinusoid,
 )
+from txl.model.dropout import Dropout, ReLUDropout
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
 
 
@@ -40,11 +41,12 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
+        self.relu_drop = ReLUDropout(config.dropout)  # dropout(relu(.)), fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
-        out = self.drop(self.fc2(self.drop(torch.relu(self.fc1(h)))))  # (B, T, d)
+        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
 
@@ -101,7 +103,7 @@ class TransformerXL(nn.Module):
         self.config = config
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
         if c.attn_type == "relative" and not c.untie_r:  # u, v shared by all layers (section 3.3)
             self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
             self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
