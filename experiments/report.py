@@ -47,9 +47,11 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     tokens = args["steps"] * args["batch_size"] * args["tgt_len"]
     out = ["## 1. Ablation: recurrence x positional encoding (the paper's Table 6), PTB words", ""]
     if reduced:
-        out += [f"**Reduced budget.** This run used {', '.join(reduced)}. The full budget (about 2 hours on "
-                "2 CPU cores) is `python -m experiments.ablation` with its defaults; rerun "
-                "`python -m experiments.report` afterwards.", ""]
+        per_step = sum(r["train"]["wall_s"] / max(1, r["train"]["steps"]) for r in runs.values())
+        out += [f"**Reduced budget.** This run used {', '.join(reduced)}. The full budget is "
+                "`python -m experiments.ablation` with its defaults (then `python -m experiments.recl` and "
+                "`python -m experiments.report`); at this run's time per step its training would take about "
+                f"{per_step * defaults['steps'] / 3600:.1f} h on this shared machine.", ""]
     out += [f"Command: `{a['command']}` (total wall time {_mins(a['wall_s'])}, training included unless "
             "a run had finished earlier).", "",
             f"Every run: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, d_inner {m['d_inner']}, "
