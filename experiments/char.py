@@ -68,10 +68,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     train_len = args.tgt_len + args.mem_len
     corpus = common.load_trimmed_corpus(args.corpus, args.data_dir, valid_tokens=args.valid_tokens)
     record = common.train_or_skip(run_config(args, corpus.vocab_size), corpus)
-    t0 = time.perf_counter()
     losses = common.cached_position_losses(common.load_trained(args.out), corpus.valid, grid, Path(args.out) / "losses",
                                            n_streams=args.streams, seg_len=args.eval_seg_len, skip=grid[-1] - 1)
-    eval_wall = time.perf_counter() - t0
+    eval_wall = common.eval_seconds(Path(args.out) / "losses", grid)
     bpc = {c: float(np.mean(arr)) / math.log(2) for c, arr in losses.items()}
     best = min(bpc, key=lambda c: (bpc[c], c))
     rows = [[c, bpc[c], "training" if c == train_len else ("best" if c == best else "")] for c in grid]

@@ -151,7 +151,7 @@ def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: S
     meta = cache / "meta.json"
     if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8")) != key:
         cache.mkdir(parents=True, exist_ok=True)
-        for old in cache.glob("c*.npy"):
+        for old in [*cache.glob("c*.npy"), *cache.glob("c*.seconds")]:
             old.unlink()
         meta.write_text(json.dumps(key, indent=2) + "\n", encoding="utf-8")
     out = {}
@@ -163,9 +163,16 @@ def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: S
         start = time.perf_counter()
         out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip)
         np.save(file, out[c])
+        (cache / f"c{c}.seconds").write_text(f"{time.perf_counter() - start:.3f}\n", encoding="utf-8")
         log.info("%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, c, out[c].mean(),
                  out[c].size, time.perf_counter() - start)
     return out
+
+
+def eval_seconds(cache: Path, contexts: Sequence[int]) -> float:
+    """Wall time spent computing the cached losses of ``contexts`` (whenever that was)."""
+    files = [cache / f"c{c}.seconds" for c in contexts]
+    return sum(float(f.read_text(encoding="utf-8")) for f in files if f.is_file())
 
 
 # -- tables, JSON, plots ------------------------------------------------------------------------------

@@ -82,8 +82,9 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
             f"{'reproduced' if f['recurrence_with_ours_is_best'] else 'not reproduced'}; the best run is "
             f"`{f['best_run']}` (PPL best {runs[f['best_run']]['ppl_best']:.2f}).",
             f"* *Only our encoding keeps improving as the evaluation attention grows*: "
-            f"{'reproduced' if f['only_ours_keeps_improving'] else 'not reproduced'}; runs whose PPL best is at "
-            f"least {100 * ablation.IMPROVES:g}% below PPL init: "
+            f"{'reproduced' if f['only_ours_keeps_improving'] else 'not reproduced'}; runs whose loss at the best "
+            f"length is below the one at the training length by more than {ablation.SIGNIFICANCE:g} standard "
+            "errors of the paired per-position difference (column gain / SE): "
             f"{', '.join(f'`{n}`' for n in improving) if improving else 'none'}.", ""]
     return out
 
