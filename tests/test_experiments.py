@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-import txl.train
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
+import txl.train
 from experiments import ablation, char, common, recl, report, speedup
 from txl.config import ModelConfig
 from txl.model import TransformerXL
@@ -148,3 +148,22 @@ def test_speedup_hook_calls_the_benchmark_when_present():
     out = speedup.measure(FakeBenchmark, "small", [64, 128], 1)
     assert out["status"] == "measured" and [r["speedup"] for r in out["rows"]] == [8, 16]
     assert speedup.measure(None, "small", [64], 1)["status"] == "pending"
+
+
+def test_summary_and_findings_on_synthetic_losses():
+    import argparse
+
+    args = argparse.Namespace(tgt_len=4, mem_len=4)
+    rng = np.random.default_rng(0)
+    base = rng.uniform(2, 6, size=2000)
+    better = {4: base + 0.2, 8: base + 0.1, 12: base}  # keeps improving with longer attention
+    flat = {c: base + 0.3 + rng.normal(0, 0.01, size=base.size) for c in (4, 8, 12)}  # noise only
+    rows = {"relative-rec": ablation.summarise(ablation.Variant("relative", True), better, args),
+            "al_rfou-norec": ablation.summarise(ablation.Variant("al_rfou", False), flat, args)}
+    rel, van = rows["relative-rec"], rows["al_rfou-norec"]
+    assert rel["init_len"] == 8 and rel["best_len"] == 12 and rel["improves"]
+    assert rel["ppl_init"] == pytest.approx(math.exp(np.mean(base) + 0.1))
+    assert van["init_len"] == 4 and not van["improves"]
+    f = ablation.findings(rows)
+    assert f["recurrence_with_ours_is_best"] and f["only_ours_keeps_improving"]
+    assert f["improving_with_longer_attention"] == ["relative-rec"]
