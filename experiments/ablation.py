@@ -1,0 +1,256 @@
+"""The paper's Table 6 at small scale: segment-level recurrence x positional encoding on PTB words.
+
+Eight runs with one fixed budget (the same model size, steps, batch and segment length): recurrence
+on (mem_len = --mem-len) and off (mem_len 0), crossed with the paper's relative encoding ('relative'),
+Shaw et al. 2018 ('shaw'), Vaswani et al. 2017 absolute sinusoids ('absolute') and Al-Rfou et al.
+2018 learned absolute positions ('al_rfou').
+
+Every trained model is then scored on the same validation positions with attention lengths A from
+--contexts (each query attends to exactly A keys: mem_len = A with same_length, see
+``common.position_losses``). Reported, as in the paper:
+
+* PPL init: perplexity at the training attention length, the most keys a query saw in training
+  (mem_len + tgt_len with recurrence, tgt_len without);
+* PPL best: the best perplexity over attention lengths >= the training one, and the shortest
+  length that reaches it (Attn Len).
+
+    python -m experiments.ablation --steps 3000                 # the full budget (about 2 h on 2 cores)
+    python -m experiments.ablation --steps 2 --valid-tokens 600 --contexts 8,16 ...   # a smoke test
+
+Finished runs (``runs/ablation/<name>/done.json``) and computed losses are reused, so the command
+can be interrupted and rerun; results/ablation.{json,md,png} are rewritten from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments import common
+from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = ("relative", "shaw", "absolute", "al_rfou")
+ENCODING_NAMES = {"relative": "Ours (relative)", "shaw": "Shaw et al. (2018)",
+                  "absolute": "Vaswani et al. (2017)", "al_rfou": "Al-Rfou et al. (2018)"}
+SIGNIFICANCE = 2.0
+"""A model 'improves with longer attention' when its mean per-position loss at the best length is below
+the one at the training length by more than SIGNIFICANCE standard errors of the paired difference
+(positions of running text are correlated, so this is optimistic; it still filters pure noise)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    attn_type: str
+    recurrence: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.attn_type}-{'rec' if self.recurrence else 'norec'}"
+
+
+VARIANTS = tuple(Variant(a, r) for r in (True, False) for a in ENCODINGS)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the ablation runs (shared by experiments.recl, which reuses the same models)."""
+    g = p.add_argument_group("budget (identical for every run)")
+    g.add_argument("--steps", type=int, default=3000, help="optimiser steps per run (the budget)")
+    g.add_argument("--minutes-per-run", type=float, default=0.0,
+                   help="also stop a run after this many minutes (0: no limit; steps are the budget)")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--tgt-len", type=int, default=32, help="training segment length")
+    g.add_argument("--mem-len", type=int, default=32, help="training memory length of the recurrent runs")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model")
+    m.add_argument("--n-layer", type=int, default=3)
+    m.add_argument("--d-model", type=int, default=128)
+    m.add_argument("--n-head", type=int, default=4)
+    m.add_argument("--d-inner", type=int, default=512)
+    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--cutoffs", default="2000,6000",
+                   help="adaptive softmax clusters (cheaper output layer on CPU); empty: a full softmax")
+    e = p.add_argument_group("data and evaluation")
+    e.add_argument("--data-dir", default=str(common.SHARED_DATA / "ptb"), help="folder of ptb.{train,valid}.txt")
+    e.add_argument("--valid-tokens", type=int, default=0, help="score the first N validation tokens (0: all)")
+    e.add_argument("--contexts", default="32,64,96,128,160,192,224,256",
+                   help="evaluation attention lengths, increasing; must include the training ones")
+    e.add_argument("--streams", type=int, default=8, help="parallel evaluation streams")
+    e.add_argument("--eval-seg-len", type=int, default=64, help="evaluation segment length (no effect on losses)")
+    e.add_argument("--variants", default="all", help="comma-separated run names (e.g. relative-rec), or all")
+    p.add_argument("--out", default=str(common.RUNS_DIR / "ablation"), help="run directories go here")
+    p.add_argument("--results", default=str(common.RESULTS_DIR), help="tables and plots go here")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def contexts_of(args: argparse.Namespace) -> list[int]:
+    grid = [int(c) for c in args.contexts.split(",") if c.strip()]
+    if grid != sorted(set(grid)) or grid[0] < 1:
+        raise SystemExit(f"--contexts {args.contexts}: give strictly increasing positive lengths")
+    for need in (args.tgt_len, args.tgt_len + args.mem_len):
+        if need not in grid:
+            raise SystemExit(f"--contexts {args.contexts} lacks {need}, a training attention length "
+                             f"(tgt_len={args.tgt_len}, mem_len + tgt_len={args.tgt_len + args.mem_len})")
+    return grid
+
+
+def variants_of(args: argparse.Namespace) -> list[Variant]:
+    if args.variants == "all":
+        return list(VARIANTS)
+    by_name = {v.name: v for v in VARIANTS}
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    bad = [n for n in names if n not in by_name]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def train_attention_length(v: Variant, args: argparse.Namespace) -> int:
+    """The most keys a query attends to in training: memory + segment, or the segment alone."""
+    return args.tgt_len + (args.mem_len if v.recurrence else 0)
+
+
+def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConfig:
+    """One run of the ablation: only attn_type and mem_len differ between runs."""
+    max_len = max(contexts_of(args)) + args.eval_seg_len  # keys per evaluation forward
+    model = ModelConfig(vocab_size=vocab_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                        d_inner=args.d_inner, dropout=args.dropout, dropatt=0.0, attn_type=v.attn_type,
+                        cutoffs=[int(c) for c in args.cutoffs.split(",") if c.strip()],
+                        mem_len=args.mem_len if v.recurrence else 0,
+                        learned_positions=max(512, max_len))  # longer-than-trained rows stay untrained
+    return RunConfig(
+        data=DataConfig(corpus="ptb", data_dir=args.data_dir),
+        model=model,
+        optim=OptimConfig(lr=args.lr, min_lr=args.lr / 100, schedule="cosine",
+                          warmup_steps=max(1, args.steps // 20), clip=0.25),
+        train=TrainConfig(out_dir=str(Path(args.out) / v.name), max_steps=args.steps,
+                          minutes=args.minutes_per_run, batch_size=args.batch_size, tgt_len=args.tgt_len,
+                          seed=args.seed, device="cpu", eval_interval=0, ckpt_interval=max(1, args.steps // 4),
+                          keep_last=1, log_interval=max(1, args.steps // 50), tensorboard=False, plot=True,
+                          progress=False))
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Train (or reuse) every variant and score it at every context: {name: {record, losses}}."""
+    common.set_threads(args.threads)
+    grid = contexts_of(args)
+    corpus = common.load_trimmed_corpus("ptb", args.data_dir, valid_tokens=args.valid_tokens)
+    runs = {}
+    for v in variants_of(args):
+        record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
+        run_dir = Path(args.out) / v.name
+        losses = common.cached_position_losses(common.load_trained(run_dir), corpus.valid, grid,
+                                               run_dir / "losses", n_streams=args.streams,
+                                               seg_len=args.eval_seg_len, skip=grid[-1] - 1)
+        runs[v.name] = {"variant": v, "record": record, "losses": losses,
+                        "eval_wall_s": common.eval_seconds(run_dir / "losses", grid)}
+    return runs
+
+
+def summarise(v: Variant, losses: dict[int, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
+    """PPL at every context, PPL init, PPL best (over contexts >= the training one) and its length."""
+    ppl = {c: math.exp(float(np.mean(arr))) for c, arr in losses.items()}
+    init_len = train_attention_length(v, args)
+    longer = [c for c in sorted(ppl) if c >= init_len]
+    best_len = min(longer, key=lambda c: (ppl[c], c))  # the shortest length reaching the best
+    diff = losses[init_len] - losses[best_len]  # (P,) paired per-position gain, nats
+    se = float(np.std(diff, ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else math.inf
+    return {"ppl": ppl, "init_len": init_len, "ppl_init": ppl[init_len], "ppl_best": ppl[best_len],
+            "best_len": best_len, "gain_pct": 100 * (1 - ppl[best_len] / ppl[init_len]),
+            "gain_nats": float(diff.mean()), "gain_se_nats": se,
+            "improves": bool(diff.mean() > SIGNIFICANCE * se),
+            "positions": int(next(iter(losses.values())).size)}
+
+
+def findings(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The paper's two qualitative claims, checked on our numbers."""
+    out: dict[str, Any] = {}
+    if rows:
+        best = min(rows, key=lambda n: rows[n]["ppl_best"])
+        out["best_run"] = best
+        out["recurrence_with_ours_is_best"] = best == "relative-rec"
+        improving = sorted(n for n, r in rows.items() if r["improves"])
+        out["improving_with_longer_attention"] = improving
+        out["only_ours_keeps_improving"] = bool(improving) and all(n.startswith("relative-") for n in improving)
+    return out
+
+
+def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall_s: float) -> dict[str, Any]:
+    rows = {name: summarise(r["variant"], r["losses"], args) for name, r in runs.items()}
+    table_rows = []
+    for name, r in runs.items():
+        v, s, rec = r["variant"], rows[name], r["record"]
+        table_rows.append([name, "yes" if v.recurrence else "no", ENCODING_NAMES[v.attn_type], s["init_len"],
+                           s["ppl_init"], s["ppl_best"], s["best_len"], f"{s['gain_pct']:.2f}",
+                           f"{s['gain_nats'] / s['gain_se_nats']:.1f}" if s["gain_se_nats"] > 0 else "-",
+                           rec["steps"], f"{rec['wall_s']:.0f}", f"{r['eval_wall_s']:.0f}"])
+    md = common.markdown_table(["run", "recurrence", "encoding", "train attn len", "PPL init", "PPL best",
+                                "attn len (best)", "gain %", "gain / SE", "steps", "train s", "eval s"],
+                               table_rows)
+    payload = {
+        "experiment": "ablation", "command": common.command_line("experiments.ablation", argv),
+        "args": {k: v for k, v in vars(args).items()}, "contexts": contexts_of(args), "wall_s": wall_s,
+        "runs": {name: {"attn_type": r["variant"].attn_type, "recurrence": r["variant"].recurrence,
+                        "train": {k: v for k, v in r["record"].items() if k != "run"},
+                        "model": r["record"]["run"]["model"], "eval_wall_s": r["eval_wall_s"],
+                        **{k: v for k, v in rows[name].items() if k != "ppl"},
+                        "ppl": {str(c): p for c, p in rows[name]["ppl"].items()}}
+                 for name, r in runs.items()},
+        "findings": findings(rows),
+    }
+    results = Path(args.results)
+    common.write_results("ablation", payload, md, results)
+    plot(runs, rows, results / "ablation.png")
+    return payload
+
+
+def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1")))
+    for name, r in runs.items():
+        v, s = r["variant"], rows[name]
+        cs = sorted(s["ppl"])
+        ax.plot(cs, [s["ppl"][c] for c in cs], color=colors[v.attn_type], linestyle="-" if v.recurrence else "--",
+                marker="o", markersize=3,
+                label=f"{ENCODING_NAMES[v.attn_type]}, {'recurrence' if v.recurrence else 'no recurrence'}")
+        ax.plot([s["init_len"]], [s["ppl_init"]], color=colors[v.attn_type], marker="s", markersize=7,
+                markerfacecolor="none")
+    ax.set_xlabel("evaluation attention length (keys per query)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.set_title("PTB ablation (squares: training attention length)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    common.setup_logging()
+    start = time.perf_counter()
+    runs = collect(args)
+    payload = report(runs, args, argv, time.perf_counter() - start)
+    print(Path(args.results, "ablation.md").read_text(encoding="utf-8"))
+    print(json.dumps(payload["findings"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

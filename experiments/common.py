@@ -1,0 +1,210 @@
+"""What every experiment shares: corpora, train-or-skip, per-position losses at a fixed attention
+length, and the table / JSON / plot writers.
+
+Shape legend: S streams, L tokens per stream, T segment length, P scored positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from experiments import ROOT
+from txl.config import RunConfig
+from txl.data import Corpus, load_corpus
+from txl.model import TransformerXL
+
+log = logging.getLogger(__name__)
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+"""The shared read-only corpora (../shared/data from the repository root)."""
+RUNS_DIR = ROOT / "runs"
+"""Checkpoints and cached losses (git-ignored)."""
+RESULTS_DIR = ROOT / "docs" / "results"
+"""Tables (markdown + JSON) and plots, committed and read by docs/results.md."""
+DONE_FILE = "done.json"
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def load_trimmed_corpus(name: str, data_dir: str | Path, *, valid_tokens: int, test_tokens: int = 2000,
+                        cache_dir: str | Path | None = None) -> Corpus:
+    """A corpus whose validation split is cut to its first ``valid_tokens`` tokens (0: all of it).
+
+    The test split is cut to ``test_tokens``: ``txl.train`` scores it once at the end, and the
+    experiments report validation numbers only, as the paper's ablations do.
+    """
+    corpus = load_corpus(name, data_dir, cache_dir=cache_dir)
+    valid = corpus.valid[:valid_tokens] if valid_tokens else corpus.valid
+    return dataclasses.replace(corpus, valid=valid, test=corpus.test[:test_tokens] if test_tokens else corpus.test)
+
+
+# -- training -----------------------------------------------------------------------------------------
+
+def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
+    """Train ``cfg`` unless its run directory already holds a finished run of the same config.
+
+    A run directory with checkpoints but no ``done.json`` (an interrupted run) is resumed. The returned
+    record (also ``done.json``) has the steps, the final validation loss and the wall time.
+    """
+    from txl.train import train
+
+    cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
+    out = Path(cfg.train.out_dir)
+    done = out / DONE_FILE
+    if done.is_file():
+        record = json.loads(done.read_text(encoding="utf-8"))
+        if record["run"] == cfg.to_dict():
+            log.info("%s: finished earlier (%d steps, %.0f s), skipped", out, record["steps"], record["wall_s"])
+            return record
+        raise ValueError(f"{out} holds a finished run of another config; delete it or choose another --out")
+    resume = None
+    if (out / "latest.json").is_file():
+        saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        if saved != cfg.to_dict():
+            raise ValueError(f"{out} holds an unfinished run of another config; delete it or choose another --out")
+        resume = out
+        log.info("%s: resuming an interrupted run", out)
+    start = time.perf_counter()
+    result = train(cfg, resume=resume, corpus=corpus)
+    record = {"run": cfg.to_dict(), "steps": result.steps, "stopped": result.stopped,
+              "valid_loss": result.valid.loss if result.valid else None,
+              "wall_s": time.perf_counter() - start, "resumed": resume is not None,
+              "n_params": sum(p.numel() for p in load_trained(out).parameters())}
+    done.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
+
+
+def load_trained(run_dir: str | Path, which: str = "best") -> TransformerXL:
+    """The model of a run directory's ``best`` (by validation loss) checkpoint, in eval mode."""
+    from txl.checkpoint import load_checkpoint
+
+    return load_checkpoint(run_dir, which=which, with_state=False).model.eval()
+
+
+# -- per-position losses at a fixed attention length ---------------------------------------------------
+
+@torch.no_grad()
+def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n_streams: int, seg_len: int,
+                    skip: int) -> np.ndarray:
+    """Loss (nats) of every scored position when each query attends to exactly ``context`` keys.
+
+    ``tokens`` is cut into ``n_streams`` contiguous streams read in ``seg_len``-token segments with
+    memory. With ``mem_len = context`` and ``same_length`` (PyTorch convention), query t sees the keys
+    t - context + 1 .. t in every layer, its own included: that is the attention length. The memory
+    rows hold hidden states that were themselves computed the same way, so information can still
+    reach further back through the layers (up to n_layer * context tokens): that is what segment-level
+    recurrence adds, and what the paper measures. The result does not depend on ``seg_len``.
+
+    The first ``skip`` positions of each stream are dropped (they see fewer keys); with ``skip >=
+    max context - 1`` every model and context is scored on the same positions, as RECL requires.
+    Returns a float64 array of length n_streams * (L - skip), stream after stream.
+    """
+    L = (len(tokens) - 1) // n_streams
+    if L <= skip:
+        raise ValueError(f"{len(tokens)} tokens in {n_streams} streams leave {L} per stream, not more than "
+                         f"skip={skip}; evaluate more tokens or use fewer streams")
+    data = torch.as_tensor(np.asarray(tokens[: n_streams * L + 1], dtype=np.int64))
+    device = next(model.parameters()).device
+    x = data[:-1].view(n_streams, L).to(device)  # (S, L)
+    y = data[1:].view(n_streams, L).to(device)  # (S, L): y[:, t] follows x[:, t]
+    old_config, was_training = model.config, model.training
+    model.reconfigure(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
+    model.eval()
+    try:
+        memory, nll = None, []
+        for s in range(0, L, seg_len):
+            out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory)
+            memory = out.memory
+            nll.append(out.nll.double().cpu())  # (S, T)
+    finally:
+        model.config = old_config
+        model.train(was_training)
+    return torch.cat(nll, dim=1)[:, skip:].reshape(-1).numpy()  # (P,)
+
+
+def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: Sequence[int], cache: Path, *,
+                           n_streams: int, seg_len: int, skip: int) -> dict[int, np.ndarray]:
+    """``position_losses`` for each context, cached as ``cache/c{context}.npy`` (reused while the
+    evaluation setup and the tokens are unchanged)."""
+    key = {"n_streams": n_streams, "seg_len": seg_len, "skip": skip,
+           "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()}
+    meta = cache / "meta.json"
+    if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8")) != key:
+        cache.mkdir(parents=True, exist_ok=True)
+        for old in [*cache.glob("c*.npy"), *cache.glob("c*.seconds")]:
+            old.unlink()
+        meta.write_text(json.dumps(key, indent=2) + "\n", encoding="utf-8")
+    out = {}
+    for c in contexts:
+        file = cache / f"c{c}.npy"
+        if file.is_file():
+            out[c] = np.load(file)
+            continue
+        start = time.perf_counter()
+        out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip)
+        np.save(file, out[c])
+        (cache / f"c{c}.seconds").write_text(f"{time.perf_counter() - start:.3f}\n", encoding="utf-8")
+        log.info("%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, c, out[c].mean(),
+                 out[c].size, time.perf_counter() - start)
+    return out
+
+
+def eval_seconds(cache: Path, contexts: Sequence[int]) -> float:
+    """Wall time spent computing the cached losses of ``contexts`` (whenever that was)."""
+    files = [cache / f"c{c}.seconds" for c in contexts]
+    return sum(float(f.read_text(encoding="utf-8")) for f in files if f.is_file())
+
+
+# -- tables, JSON, plots ------------------------------------------------------------------------------
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.2f}" if math.isfinite(v) else str(v)
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(stem: str, payload: dict[str, Any], table_md: str, results_dir: Path) -> tuple[Path, Path]:
+    """``results_dir/stem.json`` (everything) and ``results_dir/stem.md`` (the table)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    js, md = results_dir / f"{stem}.json", results_dir / f"{stem}.md"
+    js.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    md.write_text(table_md, encoding="utf-8")
+    log.info("wrote %s and %s", js, md)
+    return js, md
+
+
+def pyplot():
+    """matplotlib's pyplot with a file-only backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The command that reproduces a run, as the report prints it."""
+    return " ".join(["python -m", module, *argv])

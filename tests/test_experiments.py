@@ -1,0 +1,169 @@
+"""The experiment drivers on tiny budgets (seconds): they train, evaluate, write tables, JSON and plots,
+reuse finished runs, and the report is generated from their JSON. Full runs are not tested here."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
+import txl.train
+from experiments import ablation, char, common, recl, report, speedup
+from txl.config import ModelConfig
+from txl.model import TransformerXL
+
+WORDS = "the cat sat on a mat and dog ran to big red house with small green tree by river".split()
+
+
+def _word_text(rng, n_lines):
+    return "".join(" ".join(rng.choice(WORDS, size=rng.integers(3, 9))) + "\n" for _ in range(n_lines))
+
+
+@pytest.fixture
+def ptb_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    d = tmp_path / "ptb"
+    d.mkdir()
+    for split, n in (("train", 300), ("valid", 60), ("test", 30)):
+        (d / f"ptb.{split}.txt").write_text(_word_text(rng, n))
+    return d
+
+
+@pytest.fixture
+def char_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rng = np.random.default_rng(1)
+    d = tmp_path / "ptb-char"
+    d.mkdir()
+    for split, n in (("train", 200), ("valid", 40), ("test", 20)):
+        lines = _word_text(rng, n).splitlines()
+        (d / f"ptb.char.{split}.txt").write_text("".join(" ".join(line.replace(" ", "_")) + "\n" for line in lines))
+    return d
+
+
+TINY_MODEL = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--d-inner", "32", "--batch-size", "4",
+              "--streams", "2", "--eval-seg-len", "4", "--threads", "1"]
+
+
+def ablation_args(ptb_dir, tmp_path, *more):
+    return ["--data-dir", str(ptb_dir), "--steps", "2", "--tgt-len", "4", "--mem-len", "4", "--contexts", "4,8,12",
+            "--cutoffs", "", "--variants", "relative-rec,al_rfou-norec", *TINY_MODEL, "--out", str(tmp_path / "runs"),
+            "--results", str(tmp_path / "results"), *more]
+
+
+def test_position_losses_see_exactly_context_keys():
+    """One layer, no memory effect beyond attention: the loss of position t at context c equals a fresh
+    forward over the c-token window ending at t; and segment length does not matter."""
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32, dropout=0.0,
+                                      mem_len=0)).eval()
+    tokens = np.random.default_rng(0).integers(0, 30, size=41)
+    c, skip = 5, 7
+    got = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=3, skip=skip)
+    again = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=8, skip=skip)
+    np.testing.assert_allclose(got, again, rtol=1e-5, atol=1e-6)
+    assert got.shape == (40 - skip,)
+    x = torch.as_tensor(tokens[:-1])
+    y = torch.as_tensor(tokens[1:])
+    for t in (skip, 20, 39):
+        with torch.no_grad():
+            out = model(x[None, t - c + 1:t + 1], labels=y[None, t - c + 1:t + 1])
+        assert got[t - skip] == pytest.approx(float(out.nll[0, -1]), rel=1e-5)
+    assert model.config.mem_len == 0 and not model.config.same_length  # config restored
+
+
+def test_position_losses_rejects_too_few_tokens():
+    model = TransformerXL(ModelConfig(vocab_size=10, n_layer=1, d_model=8, n_head=2, d_inner=16))
+    with pytest.raises(ValueError, match="skip"):
+        common.position_losses(model, np.zeros(20, dtype=np.int64), context=4, n_streams=4, seg_len=4, skip=8)
+
+
+def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
+    assert ablation.main(ablation_args(ptb_dir, tmp_path)) == 0
+    res = tmp_path / "results"
+    a = json.loads((res / "ablation.json").read_text())
+    assert set(a["runs"]) == {"relative-rec", "al_rfou-norec"}
+    rel, van = a["runs"]["relative-rec"], a["runs"]["al_rfou-norec"]
+    assert rel["init_len"] == 8 and van["init_len"] == 4  # memory + segment, segment alone
+    for r in (rel, van):
+        assert r["train"]["steps"] == 2 and math.isfinite(r["ppl_init"]) and r["ppl_best"] <= r["ppl_init"]
+        assert r["best_len"] >= r["init_len"] and set(r["ppl"]) == {"4", "8", "12"}
+    assert f"{rel['ppl_init']:.2f}" in (res / "ablation.md").read_text()
+    assert (res / "ablation.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "relative-rec" / "losses" / "c12.npy").is_file()
+
+    # RECL reuses the trained models and the cached losses: no training, no re-evaluation.
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(txl.train, "train", no_training)
+    monkeypatch.setattr(common, "position_losses", no_training)
+    assert recl.main(ablation_args(ptb_dir, tmp_path)) == 0
+    r = json.loads((res / "recl.json").read_text())
+    assert set(r["recl"]) == {"0.1", "0.5", "1.0"} and r["group"] == ["relative-rec", "al_rfou-norec"]
+    assert all(v["recl"] in (4, 8, 12) for v in r["recl"]["1.0"].values())
+    assert (res / "recl.png").stat().st_size > 0
+
+    assert speedup.main(["--results", str(res)]) == 0  # benchmarks/ is not on this branch: pending
+    doc = tmp_path / "docs" / "results.md"
+    text = report.render(res, doc)
+    assert "Reduced budget" in text and "Pending" in text and "results/ablation.png" in text
+    assert f"{rel['ppl_best']:.2f}" in text and "27.02" in text  # ours from JSON, the paper's from paper.py
+
+
+def test_ablation_rejects_grid_without_training_lengths(ptb_dir, tmp_path):
+    with pytest.raises(SystemExit, match="training attention length"):
+        ablation.main(ablation_args(ptb_dir, tmp_path, "--contexts", "4,12"))
+
+
+def test_changed_config_is_not_silently_reused(ptb_dir, tmp_path):
+    args = ablation_args(ptb_dir, tmp_path, "--variants", "relative-rec")
+    assert ablation.main(args) == 0
+    with pytest.raises(ValueError, match="another config"):
+        ablation.main([*args, "--lr", "0.002"])
+
+
+def test_char_driver(char_dir, tmp_path):
+    args = ["--data-dir", str(char_dir), "--steps", "2", "--tgt-len", "4", "--mem-len", "4", "--contexts", "4,8,16",
+            *TINY_MODEL, "--out", str(tmp_path / "char"), "--results", str(tmp_path / "results")]
+    assert char.main(args) == 0
+    c = json.loads((tmp_path / "results" / "char.json").read_text())
+    assert c["train_attn_len"] == 8 and set(c["bpc"]) == {"4", "8", "16"}
+    assert c["bpc_best"] == min(c["bpc"].values()) and (tmp_path / "results" / "char.png").stat().st_size > 0
+    assert "bits per character" in report.render(tmp_path / "results", tmp_path / "docs" / "results.md")
+
+
+def test_speedup_hook_calls_the_benchmark_when_present():
+    class FakeBenchmark:
+        SHAPES = {"small": "shape"}
+
+        @staticmethod
+        def worker_speedup(shape, lengths, reps):
+            return [{"length": n, "xl_ms_per_token": 1.0, "vanilla_ms_per_token": n / 8, "speedup": n / 8}
+                    for n in lengths]
+
+    out = speedup.measure(FakeBenchmark, "small", [64, 128], 1)
+    assert out["status"] == "measured" and [r["speedup"] for r in out["rows"]] == [8, 16]
+    assert speedup.measure(None, "small", [64], 1)["status"] == "pending"
+
+
+def test_summary_and_findings_on_synthetic_losses():
+    import argparse
+
+    args = argparse.Namespace(tgt_len=4, mem_len=4)
+    rng = np.random.default_rng(0)
+    base = rng.uniform(2, 6, size=2000)
+    better = {4: base + 0.2, 8: base + 0.1, 12: base}  # keeps improving with longer attention
+    flat = {c: base + 0.3 + rng.normal(0, 0.01, size=base.size) for c in (4, 8, 12)}  # noise only
+    rows = {"relative-rec": ablation.summarise(ablation.Variant("relative", True), better, args),
+            "al_rfou-norec": ablation.summarise(ablation.Variant("al_rfou", False), flat, args)}
+    rel, van = rows["relative-rec"], rows["al_rfou-norec"]
+    assert rel["init_len"] == 8 and rel["best_len"] == 12 and rel["improves"]
+    assert rel["ppl_init"] == pytest.approx(math.exp(np.mean(base) + 0.1))
+    assert van["init_len"] == 4 and not van["improves"]
+    f = ablation.findings(rows)
+    assert f["recurrence_with_ours_is_best"] and f["only_ours_keeps_improving"]
+    assert f["improving_with_longer_attention"] == ["relative-rec"]
