@@ -31,6 +31,7 @@ def load_benchmark(path: Path = BENCHMARK) -> ModuleType | None:
         return None
     spec = importlib.util.spec_from_file_location("txl_benchmarks_run", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the module look themselves up there
     spec.loader.exec_module(module)
     if not all(hasattr(module, name) for name in ("worker_speedup", "SHAPES")):
         return None
