@@ -74,7 +74,8 @@ def test_relative_scores_use_R_of_the_true_distance():
     q, k = torch.randn(B, T, H, D), torch.randn(B, K, H, D)
     pos = sinusoid(relative_distances(K, -1), 32)
     zero = torch.zeros(H, D)
-    scores = attn.scores(q, k, pos, zero, model.v)
+    query, bias = attn.query_and_bias(q, K, pos, zero, model.v)  # both carry the 1/sqrt(D) scale
+    scores = (torch.einsum("bthd,bkhd->bhtk", query, k) + bias) / attn.scale
     content = torch.einsum("bthd,bkhd->bhtk", q, k)
     r = attn.r_proj(sinusoid(torch.arange(K), 32)).view(K, H, D)  # row n: distance n
     for i in range(T):
