@@ -168,14 +168,12 @@ def same_batch_loss(model, x, y, memory, dtype, seed: int) -> float:
         return model(x, labels=y, memory=memory).loss.item()
 
 
-def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, compile_model: bool,
+def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int,
                  peak: MatmulPeak) -> tuple[list[dict], dict]:
     """Timed training steps (forward, backward, clipped Adam step, memory carried), a peak sample after each."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape)).train()
-    if compile_model:
-        model = txl.compile_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=2.5e-4)
     memory, samples, extra = None, [], {}
     for i, (x, y) in enumerate(batches(shape, warmup + steps, gen)):
@@ -191,14 +189,11 @@ def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, comp
 
 
 @torch.inference_mode()
-def worker_eval(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, compile_model: bool,
-                peak: MatmulPeak) -> tuple[list[dict], dict]:
+def worker_eval(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak: MatmulPeak) -> tuple[list[dict], dict]:
     """Timed evaluation segments (per-token NLL, memory carried), a peak sample after each."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape)).eval()
-    if compile_model:
-        model = txl.compile_model(model)
     memory, samples = None, []
     for i, (x, y) in enumerate(batches(shape, warmup + steps, gen)):
         t0 = peak.clock()
@@ -262,14 +257,14 @@ def run_worker(args) -> None:
     peak = MatmulPeak(dtype, time.process_time if args.clock == "cpu" else time.perf_counter)
     fn = worker_train if args.worker == "train" else worker_eval
     t0 = time.perf_counter()
-    samples, extra = fn(shape, dtype, args.warmup, args.steps, args.compile, peak)
+    samples, extra = fn(shape, dtype, args.warmup, args.steps, peak)
     wall = time.perf_counter() - t0
     tokens = shape.batch * shape.tgt_len
     fpt = flops_per_token(shape, args.worker)
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     mfu = statistics.median(fpt * tokens / s["step"] / s["peak"] for s in samples)  # each step by its own peak
     print(json.dumps(dict(kind=args.worker, shape=args.shape, dtype=args.dtype, threads=args.threads, clock=args.clock,
-                          compile=args.compile, steps=len(samples), tokens_per_step=tokens,
+                          steps=len(samples), tokens_per_step=tokens,
                           tokens_per_s=tokens / med["step"], flops_per_token=fpt,
                           achieved_flops=fpt * tokens / med["step"], peak_flops=med["peak"], mfu=mfu,
                           peak_rss_mb=peak_rss_mb(), phase_wall_s=wall,
@@ -360,7 +355,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: time by process CPU time, steadier on a shared machine; use with --threads 1")
-    p.add_argument("--compile", action="store_true", help="run the model through txl.compile_model")
     p.add_argument("--lengths", nargs="*", type=int, default=[128, 256, 512, 800, 1600],
                    help="attention lengths of the speed-up sweep (none: skip it)")
     p.add_argument("--speedup-shape", default="small", choices=list(SHAPES))
@@ -376,7 +370,6 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results = []
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock]
-    common += ["--compile"] if args.compile else []
     for shape in args.shapes:
         for dtype in args.dtypes:
             for phase in args.phases:

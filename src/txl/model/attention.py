@@ -117,6 +117,13 @@ class Attention(nn.Module):
         Plain attention: the query alone."""
         return q * self.scale, None
 
+    def scores(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None, u: torch.Tensor | None,
+               v: torch.Tensor | None) -> torch.Tensor:
+        """Unscaled scores (B, H, T, K), content plus positional term, as forward computes them (for tests)."""
+        query, bias = self.query_and_bias(q, k.size(1), pos, u, v)
+        score = torch.matmul(query.transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
+        return (score if bias is None else score + bias) / self.scale
+
 
 class RelativeAttention(Attention):
     """The paper's relative attention, terms (a) + (b) + (c) + (d)."""
