@@ -41,7 +41,8 @@ def _mins(seconds: float) -> str:
 def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     runs, f = a["runs"], a["findings"]
     defaults = _defaults(ablation.add_arguments)
-    reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "valid_tokens", "contexts"))
+    reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "batch_size", "tgt_len", "mem_len",
+                                                  "valid_tokens", "contexts"))
     any_run = next(iter(runs.values()))
     m, args = any_run["model"], a["args"]
     tokens = args["steps"] * args["batch_size"] * args["tgt_len"]
@@ -132,7 +133,8 @@ def speedup_section(s: dict[str, Any] | None) -> list[str]:
 
 def char_section(c: dict[str, Any], img: str) -> list[str]:
     defaults = _defaults(char.add_arguments)
-    reduced = _reduced(c["args"], defaults, ("steps", "minutes", "valid_tokens", "contexts"))
+    reduced = _reduced(c["args"], defaults, ("steps", "minutes", "batch_size", "tgt_len", "mem_len", "valid_tokens",
+                                                  "contexts"))
     m, t = c["model"], c["train"]
     out = ["## 4. Character level: bits per character against attention length", ""]
     if reduced:
