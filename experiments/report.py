@@ -159,7 +159,9 @@ def wall_times(a: dict[str, Any] | None) -> list[str]:
             for n, r in a["runs"].items()]
     total = sum(r["train"]["wall_s"] for r in a["runs"].values())
     return ["## Wall time of each ablation run", "",
-            "Measured on a 2-core CPU shared with other jobs, at `nice -n 10`; timings are indicative only. "
+            "Measured on a 2-core CPU shared with other jobs, at `nice -n 10` (in this session most runs went two at "
+            "a time with `--threads 1` and `--variants`, then the listed command reused them); timings are "
+            "indicative only. "
             "'eval' is the latest command's evaluation time for that run (0 when cached losses were reused).", "",
             common.markdown_table(["run", "train", "steps", "stopped by", "eval"], rows),
             f"Training total: {_mins(total)}.", ""]
