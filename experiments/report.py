@@ -41,7 +41,8 @@ def _mins(seconds: float) -> str:
 def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     runs, f = a["runs"], a["findings"]
     defaults = _defaults(ablation.add_arguments)
-    reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "valid_tokens", "contexts"))
+    reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "batch_size", "tgt_len", "mem_len",
+                                                  "valid_tokens", "contexts"))
     any_run = next(iter(runs.values()))
     m, args = any_run["model"], a["args"]
     tokens = args["steps"] * args["batch_size"] * args["tgt_len"]
@@ -132,7 +133,8 @@ def speedup_section(s: dict[str, Any] | None) -> list[str]:
 
 def char_section(c: dict[str, Any], img: str) -> list[str]:
     defaults = _defaults(char.add_arguments)
-    reduced = _reduced(c["args"], defaults, ("steps", "minutes", "valid_tokens", "contexts"))
+    reduced = _reduced(c["args"], defaults, ("steps", "minutes", "batch_size", "tgt_len", "mem_len", "valid_tokens",
+                                                  "contexts"))
     m, t = c["model"], c["train"]
     out = ["## 4. Character level: bits per character against attention length", ""]
     if reduced:
@@ -157,7 +159,9 @@ def wall_times(a: dict[str, Any] | None) -> list[str]:
             for n, r in a["runs"].items()]
     total = sum(r["train"]["wall_s"] for r in a["runs"].values())
     return ["## Wall time of each ablation run", "",
-            "Measured on a 2-core CPU shared with other jobs, at `nice -n 10`; timings are indicative only. "
+            "Measured on a 2-core CPU shared with other jobs, at `nice -n 10` (in this session most runs went two at "
+            "a time with `--threads 1` and `--variants`, then the listed command reused them); timings are "
+            "indicative only. "
             "'eval' is the latest command's evaluation time for that run (0 when cached losses were reused).", "",
             common.markdown_table(["run", "train", "steps", "stopped by", "eval"], rows),
             f"Training total: {_mins(total)}.", ""]

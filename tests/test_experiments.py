@@ -107,7 +107,7 @@ def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
     assert all(v["recl"] in (4, 8, 12) for v in r["recl"]["1.0"].values())
     assert (res / "recl.png").stat().st_size > 0
 
-    assert speedup.main(["--results", str(res)]) == 0
+    assert speedup.main(["--results", str(res), "--shape", "tiny", "--lengths", "8,16", "--reps", "1"]) == 0
     doc = tmp_path / "docs" / "results.md"
     text = report.render(res, doc)
     assert "Reduced budget" in text and "results/ablation.png" in text
