@@ -2,7 +2,8 @@
 
 For each context length C, a random small model reads a C-token prompt, then draws N tokens greedily:
 
-* cached: ``IncrementalDecoder`` with mem_len = C, a (B, 1) step per token against the memory;
+* cached: ``IncrementalDecoder`` with mem_len = C, a (B, 1) step per token against the memory and its
+  key/value cache (the memory rows' keys and values are not projected again);
 * recompute: a full forward pass over the last C tokens for every new token (a vanilla Transformer's
   sliding-window evaluation, as in section 4.4 of the paper).
 

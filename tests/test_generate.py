@@ -149,3 +149,93 @@ def test_bad_prompts(prompt, match):
     model = tiny_model(**CONFIGS["plain_softmax"])
     with pytest.raises(ValueError, match=match):
         txl.generate(model, prompt, max_new_tokens=2)
+
+
+# -- key/value cache ---------------------------------------------------------------------------------
+
+KV_CONFIGS = {
+    "adaptive_div2_tied": CONFIGS["adaptive_div2_tied"],
+    "clamp_pre_ln_untie_r": CONFIGS["clamp_pre_ln_untie_r"],
+    "shaw": dict(vocab_size=61, attn_type="shaw", learned_positions=7),
+    "ext_len": dict(vocab_size=61, ext_len=1),
+}
+
+
+@pytest.mark.parametrize("name", list(KV_CONFIGS))
+def test_kv_cache_equals_uncached_forward(name):
+    """Segments, then (B, 1) steps, past mem_len: cached keys give the uncached log-probs and memory."""
+    model = tiny_model(**KV_CONFIGS[name]).eval()
+    B, mem_len = 2, model.config.mem_len
+    tokens = torch.randint(0, model.config.vocab_size, (B, 20))
+    lengths = [4, 3] + [1] * 7 + [5] if name != "ext_len" else [4, 3, 2, 2, 5, 2, 2]  # ext_len needs T > 1
+    memory, cache, start = None, txl.KVCache(), 0
+    with torch.no_grad():
+        for T in lengths:
+            ids = tokens[:, start:start + T]
+            start += T
+            ref = model(ids, memory=memory)
+            out = model(ids, memory=memory, kv_cache=cache)
+            torch.testing.assert_close(out.log_probs, ref.log_probs, **TOL)
+            for m, r in zip(out.memory, ref.memory):
+                torch.testing.assert_close(m, r, **TOL)
+            assert out.kv_cache.length == ref.memory[0].size(1) <= mem_len  # aligned with the memory
+            memory, cache = ref.memory, out.kv_cache
+    if model.config.attn_type == "relative" and model.config.clamp_len > 0:
+        assert cache.positions[0].size(0) == model.config.clamp_len + 1  # clamped distances share a row
+
+
+def test_kv_cache_built_from_memory_and_projects_one_position_per_step(monkeypatch):
+    """KVCache() next to a memory is filled from it; afterwards a step projects W_kR R only for new distances."""
+    model = tiny_model(**CONFIGS["adaptive_div2_tied"]).eval()
+    tokens = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        ref = [model(tokens[:, :8])]
+        for t in range(8, 16):
+            ref.append(model(tokens[:, t:t + 1], memory=ref[-1].memory))  # (B, 1) steps without a cache
+    rows = []
+    attn = model.layers[0].attn
+    monkeypatch.setattr(attn, "position_keys", lambda pos, f=attn.position_keys: rows.append(pos.size(0)) or f(pos))
+    with torch.no_grad():
+        out = model(tokens[:, 8:9], memory=ref[0].memory, kv_cache=txl.KVCache())
+        assert out.kv_cache.length == out.memory[0].size(1) == 6
+        for t in range(9, 16):
+            out = model(tokens[:, t:t + 1], memory=out.memory, kv_cache=out.kv_cache)
+            torch.testing.assert_close(out.log_probs, ref[t - 7].log_probs, **TOL)
+    assert rows == [7]  # K = 7 throughout: distances 0..6 are projected once, not K rows per step
+
+
+def test_generation_uses_the_kv_cache():
+    model = tiny_model(**CONFIGS["clamp_pre_ln_untie_r"])
+    decoder = IncrementalDecoder(model, mem_len=8, segment_len=4)
+    tokens = torch.randint(0, 61, (2, 12))
+    decoder.feed(tokens[:, :6])
+    for t in range(6, 12):
+        decoder.feed(tokens[:, t:t + 1])
+    assert decoder.kv_cache.length == decoder.memory[0].size(1) == 8
+    assert decoder.kv_cache.keys[0].shape == (2, 8, 4, 8)  # (B, M, H, D)
+
+
+def test_kv_cache_rejected_where_it_would_be_wrong():
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    ids = torch.randint(0, 61, (2, 3))
+    with pytest.raises(ValueError, match="eval mode"):
+        model(ids, kv_cache=txl.KVCache())  # training mode
+    model.eval()
+    with pytest.raises(ValueError, match="no_grad"):
+        model(ids, kv_cache=txl.KVCache())  # autograd on
+    with torch.no_grad():
+        first = model(ids, kv_cache=txl.KVCache())
+        second = model(ids, memory=first.memory, kv_cache=first.kv_cache)
+        with pytest.raises(ValueError, match="kv_cache holds 3 rows"):
+            model(ids, memory=second.memory, kv_cache=first.kv_cache)  # wrong length for this memory
+        with pytest.raises(ValueError, match="KVCache"):
+            model(ids, memory=first.memory, kv_cache=first.kv_cache.keys)
+        model.layers[0].attn.qkv.weight.add_(0.1)
+        with pytest.raises(ValueError, match="other weights"):
+            model(ids, memory=first.memory, kv_cache=first.kv_cache)
+    for attn_type in ("absolute", "al_rfou"):
+        other = tiny_model(vocab_size=61, attn_type=attn_type).eval()
+        with torch.no_grad(), pytest.raises(ValueError, match=f"attn_type='{attn_type}'"):
+            other(ids, kv_cache=txl.KVCache())
+        with torch.no_grad():  # generation falls back to the memory alone
+            assert txl.generate(other, ids, max_new_tokens=3, seed=0).shape == (2, 3)

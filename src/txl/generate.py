@@ -6,6 +6,9 @@ Transformer-XL caches the *input* of every layer for the positions it has read (
 prompt is read segment by segment into that memory; afterwards every new token costs one position:
 the model reads a (B, 1) input against the cached memory and the whole context is never re-run. The
 paper's evaluation speed-up (up to 1,874 times over the vanilla model, section 4.4) comes from this.
+On top of the memory, a ``KVCache`` keeps the memory rows' projected keys and values and the projected
+relative encodings ('relative' and 'shaw' attention), so a step projects one position, not M: its
+cost grows with M d (attention), not M d^2 (projections).
 
 Memory length for generation (``mem_len``). By default it is ``T + N``: nothing the model has read is
 ever dropped, so token-by-token generation gives exactly the distribution of one full forward pass
@@ -26,7 +29,8 @@ from contextlib import contextmanager
 
 import torch
 
-from txl.model import Memory, TransformerXL
+from txl.model import KVCache, Memory, TransformerXL
+from txl.model.kv_cache import weights_version
 from txl.sampling import sample_next
 
 __all__ = ["IncrementalDecoder", "generate", "generate_stream", "inference_context"]
@@ -63,8 +67,8 @@ class IncrementalDecoder:
 
     ``feed(ids)`` reads (B, T) more tokens, ``segment_len`` at a time, and returns the (B, V)
     log-probabilities of the token that follows them. A (B, 1) feed is one generation step: one
-    position against the cached memory. Not a module: it holds no parameters, only the memory that
-    the model hands back (the model itself never holds memory).
+    position against the cached memory. Not a module: it holds no parameters, only the memory (and
+    its key/value cache) that the model hands back (the model itself never holds either).
     """
 
     def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256) -> None:
@@ -72,6 +76,8 @@ class IncrementalDecoder:
         self.mem_len = _positive_int("mem_len", mem_len)
         self.segment_len = _positive_int("segment_len", segment_len)
         self.memory: Memory | None = None
+        # 'absolute' and 'al_rfou' shift the positions of memory rows every step: their keys cannot be cached.
+        self.kv_cache: KVCache | None = KVCache() if model.config.attn_type in ("relative", "shaw") else None
         self.length = 0
         """Tokens read so far."""
 
@@ -81,10 +87,12 @@ class IncrementalDecoder:
             raise ValueError(f"feed() takes a non-empty (B, T) tensor of token ids, got shape {tuple(ids.shape)}")
         hidden = None
         with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0):
+            if self.kv_cache is not None and self.kv_cache.weights_version not in (None, weights_version(self.model)):
+                self.kv_cache = KVCache()  # the weights changed between feeds: rebuild from the memory
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
-                out = self.model(segment, memory=self.memory, return_log_probs=False)
-                self.memory, hidden = out.memory, out.hidden  # hidden: (B, S, d)
+                out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache)
+                self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
             # Only the last position is needed: score it alone, not the (B, T, V) of the whole prompt.
             log_probs = self.model.softmax.log_prob(hidden[:, -1])  # (B, V)
         self.length += ids.size(1)

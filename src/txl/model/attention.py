@@ -77,17 +77,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 pos: torch.Tensor | None, u: torch.Tensor | None = None,
-                v: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden."""
+                v: torch.Tensor | None = None, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden.
+
+        kv: the keys and values (B, K, H, D) of [memory; segment] already projected (``keys_values``,
+        the memory rows' from a KVCache); memory is then None and only the query is projected here.
+        """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
         context = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, K, d)
         if self.pre_ln:  # the original pre-LN normalises memory rows too: memory caches raw layer inputs
             context = self.norm(context)
-        K = context.size(1)
         w_q, w_kv = self.qkv.weight.split([H * D, 2 * H * D])
-        q = F.linear(context[:, K - T:], w_q).view(B, T, H, D)  # (B, T, H, D): segment rows only
-        k, val = F.linear(context, w_kv).view(B, K, 2, H, D).unbind(2)  # (B, K, H, D) each
+        q = F.linear(context[:, -T:], w_q).view(B, T, H, D)  # (B, T, H, D): segment rows only
+        if kv is None:
+            K = context.size(1)
+            k, val = F.linear(context, w_kv).view(B, K, 2, H, D).unbind(2)  # (B, K, H, D) each
+        else:
+            k, val = kv  # (B, K, H, D) each
+            K = k.size(1)
 
         query, bias = self.query_and_bias(q, K, pos, u, v)  # (B, T, H, D), (B, H, T, K) or None; both scaled
         # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections, never copied for the fused kernel.
@@ -109,6 +117,18 @@ class Attention(nn.Module):
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
+
+    def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each.
+
+        The same projection as ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per
+        row), so keys cached from here are the ones the uncached pass would recompute.
+        """
+        B, N, _ = rows.shape
+        h = self.norm(rows) if self.pre_ln else rows
+        w_kv = self.qkv.weight[self.n_head * self.d_head:]  # (2*H*D, d): W_kE and W_v
+        k, val = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
+        return k, val
 
     def query_and_bias(self, q: torch.Tensor, klen: int, pos: torch.Tensor | None, u: torch.Tensor | None,
                        v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,11 +156,17 @@ class RelativeAttention(Attention):
             self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
             self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
+    def position_keys(self, pos: torch.Tensor) -> torch.Tensor:
+        """W_kR R: (N, d) encodings -> (N, H, D)."""
+        return self.r_proj(pos).view(-1, self.n_head, self.d_head)  # (N, H, D)
+
     def query_and_bias(self, q, klen, pos, u, v):
+        """pos: (K, d) encodings R, or (K, H, D) ones already projected by W_kR (a KVCache's table)."""
         B, T, H, D = q.shape
         u = self.u if u is None else u  # (H, D)
         v = self.v if v is None else v
-        r = self.r_proj(pos.to(q.dtype)).view(-1, H, D)  # (K, H, D): W_kR R, distances K-1 .. 0
+        # (K, H, D): W_kR R, distances K-1 .. 0
+        r = pos.to(q.dtype) if pos.dim() == 3 else self.position_keys(pos.to(q.dtype))
         query = (q + u) * self.scale  # (B, T, H, D): (a) + (c) against the keys
         # (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not copied
         # B times, as a (B, H, T, D) x (H, D, K) broadcast would.

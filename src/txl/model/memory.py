@@ -43,7 +43,7 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
     not written here. Nothing is modified in place: the old memory stays valid.
     """
     if mem_len == 0:
-        return tuple(h.new_empty(h.size(0), 0, h.size(2)) for h in hiddens)
+        return tuple(h.new_empty((h.size(0), 0, *h.shape[2:])) for h in hiddens)  # any trailing shape: KVCache too
     with torch.no_grad():
         new = []
         for l, h in enumerate(hiddens):

@@ -29,6 +29,7 @@ from txl.model.attention import (
     sinusoid,
 )
 from txl.model.dropout import Dropout, ReLUDropout
+from txl.model.kv_cache import KVCache, weights_version
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
 
 
@@ -57,8 +58,9 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(config)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
-                pos: torch.Tensor | None, u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, pos, u, v))
+                pos: torch.Tensor | None, u: torch.Tensor | None, v: torch.Tensor | None,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, pos, u, v, kv=kv))
 
 
 @dataclass
@@ -75,6 +77,8 @@ class LMOutput:
     """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
     log_probs: torch.Tensor | None = None
     """(B, T, V) log-probabilities of the next token (float32)."""
+    kv_cache: KVCache | None = None
+    """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
 
 
 def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
@@ -177,12 +181,18 @@ class TransformerXL(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                memory: Memory | None = None, *, return_log_probs: bool | None = None) -> LMOutput:
+                memory: Memory | None = None, *, return_log_probs: bool | None = None,
+                kv_cache: KVCache | None = None) -> LMOutput:
         """Run one segment.
 
         input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
         to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
         (B, T, V) are returned when no labels are given, or when return_log_probs is True.
+
+        kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
+        for incremental decoding: the memory rows' keys and values are read from it instead of being
+        projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
+        ``txl.model.kv_cache``.
         """
         c = self.config
         self._check_inputs(input_ids, labels)
@@ -190,6 +200,8 @@ class TransformerXL(nn.Module):
         if memory is not None:
             check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
         M = memory_length(memory)
+        if kv_cache is not None:
+            self._check_kv_cache(kv_cache, M, B)
         # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer
         mask = attention_mask(T, M, mem_len=c.mem_len, same_length=c.same_length,
@@ -197,7 +209,13 @@ class TransformerXL(nn.Module):
 
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         pos = None
-        if c.attn_type == "relative":
+        positions = None
+        if c.attn_type == "relative" and kv_cache is not None:
+            # W_kR R depends on the distance alone: index a table of projected encodings, grown as K grows.
+            dist = relative_distances(M + T, c.clamp_len, input_ids.device)  # (K,)
+            farthest = min(M + T - 1, c.clamp_len) if c.clamp_len > 0 else M + T - 1  # dist[0], without a sync
+            positions = self._position_table(kv_cache.positions, farthest + 1, h.dtype)
+        elif c.attn_type == "relative":
             r = sinusoid(relative_distances(M + T, c.clamp_len, input_ids.device), c.d_model)  # (K, d)
             pos = self.drop(r.to(h.dtype))
         absolute = None
@@ -206,7 +224,7 @@ class TransformerXL(nn.Module):
                                           c.d_model).to(h.dtype))  # (K, d)
 
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
-        hiddens = []
+        hiddens, keys, values = [], [], []
         for l, layer in enumerate(self.layers):
             hiddens.append(h)  # memory caches each layer's input, before any absolute positions
             x, mem = h, mems[l]
@@ -214,11 +232,29 @@ class TransformerXL(nn.Module):
             if pos_l is not None:  # (K, d): memory rows get the earlier positions
                 x = x + pos_l[M:]
                 mem = None if mem is None else mem + pos_l[:M]
-            h = layer(x, mem, mask, pos, u, v)
+            kv = None
+            if kv_cache is not None:
+                # Project the T new rows only; an empty cache projects the memory rows once, here.
+                rows = x if kv_cache.keys or mem is None else torch.cat([mem.to(x.dtype), x], dim=1)
+                k, val = layer.attn.keys_values(rows)  # (B, T or K, H, D)
+                if kv_cache.keys:
+                    k = torch.cat([kv_cache.keys[l].to(k.dtype), k], dim=1)  # (B, K, H, D)
+                    val = torch.cat([kv_cache.values[l].to(val.dtype), val], dim=1)  # (B, K, H, D)
+                kv, mem = (k, val), None
+                keys.append(k)
+                values.append(val)
+                if positions is not None:
+                    pos = positions[l][dist]  # (K, H, D): W_kR R(distance) of key index 0..K-1
+            h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
         new_memory = update_memory(memory if M else None, hiddens, mem_len=c.mem_len, ext_len=c.ext_len)
 
         out = LMOutput(memory=new_memory, hidden=h)
+        if kv_cache is not None:
+            # keys/values cover all K rows, so truncating them as a whole keeps them aligned with new_memory.
+            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=c.mem_len, ext_len=c.ext_len),
+                                   values=update_memory(None, values, mem_len=c.mem_len, ext_len=c.ext_len),
+                                   positions=positions or (), weights_version=weights_version(self))
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -239,6 +275,48 @@ class TransformerXL(nn.Module):
         if klen > P:  # older than learned: repeat the oldest
             emb = torch.cat([emb[:1].expand(klen - P, -1), emb])
         return self.drop(emb[-klen:])
+
+    def _position_table(self, table: tuple[torch.Tensor, ...], need: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Per layer (N, H, D), row n = W_kR R(n), with N >= need (the largest distance + 1).
+
+        Grown by doubling, so a stream of (B, 1) steps projects each distance once; clamp_len caps it.
+        """
+        have = table[0].size(0) if table else 0
+        if have >= need:
+            return table
+        cap = self.config.clamp_len + 1 if self.config.clamp_len > 0 else None
+        size = max(need, 2 * have) if cap is None else min(max(need, 2 * have), cap)
+        device = next(self.parameters()).device
+        r = sinusoid(torch.arange(have, size, device=device), self.config.d_model).to(dtype)  # (size-have, d)
+        new = [layer.attn.position_keys(r) for layer in self.layers]  # (size-have, H, D) each
+        return tuple(new) if not table else tuple(torch.cat([old, n]) for old, n in zip(table, new))
+
+    def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int) -> None:
+        """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
+        c = self.config
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"kv_cache must be a KVCache (KVCache() to start one), got {type(cache).__name__}")
+        if c.attn_type not in ("relative", "shaw"):
+            raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
+                             "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
+        if self.training or torch.is_grad_enabled():
+            raise ValueError("kv_cache needs eval mode under torch.no_grad(): cached keys are detached (weight "
+                             "gradients through memory rows would be lost) and dropout would change them; "
+                             "call model.eval() and wrap the call in torch.no_grad(), or pass kv_cache=None")
+        if not cache.keys:
+            return  # an empty cache is filled from the memory
+        if len(cache.keys) != c.n_layer or len(cache.values) != c.n_layer:
+            raise ValueError(f"kv_cache has {len(cache.keys)} layers but the model has n_layer={c.n_layer}; "
+                             "pass the .kv_cache returned by this model, or KVCache()")
+        k = cache.keys[0]
+        if cache.length != mlen or k.size(0) != batch_size:
+            raise ValueError(f"kv_cache holds {cache.length} rows for batch {k.size(0)} but the memory has "
+                             f"{mlen} rows for batch {batch_size}: pass the kv_cache returned with this memory "
+                             "(both come from the same output), or KVCache() to rebuild it from the memory")
+        if cache.weights_version != weights_version(self):
+            raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
+                             "stale; pass KVCache() to rebuild it from the memory")
 
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
         c = self.config
@@ -265,4 +343,4 @@ class TransformerXL(nn.Module):
                                  f"(use {IGNORE_INDEX} to ignore a position)")
 
 
-__all__ = ["Attention", "DecoderLayer", "FeedForward", "LMOutput", "TransformerXL", "attention_mask"]
+__all__ = ["Attention", "DecoderLayer", "FeedForward", "KVCache", "LMOutput", "TransformerXL", "attention_mask"]
