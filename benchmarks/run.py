@@ -325,6 +325,7 @@ def plot(results: list[dict], path: Path) -> None:
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in (r for r in results if r["kind"] == "speedup"):
@@ -334,6 +335,9 @@ def plot(results: list[dict], path: Path) -> None:
     ax1.plot(list(PAPER_SPEEDUP), list(PAPER_SPEEDUP.values()), "^:", label="paper, Table 9 (GPU)")
     ax1.set(xscale="log", yscale="log", xlabel="attention length L", ylabel="speed-up over vanilla",
             title="Evaluation speed-up")
+    ticks = sorted({row["length"] for r in results if r["kind"] == "speedup" for row in r["rows"]} | set(PAPER_SPEEDUP))
+    ax1.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax1.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
     ax1.legend()
     runs = [r for r in results if r["kind"] in ("train", "eval")]
     labels = [f"{r['shape']}\n{r['dtype']} {r['kind']}" for r in runs]
