@@ -217,7 +217,7 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
 
 def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path) -> None:
     plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1")))
     for name, r in runs.items():
         v, s = r["variant"], rows[name]
@@ -229,10 +229,9 @@ def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path) -> No
                 markerfacecolor="none")
     ax.set_xlabel("evaluation attention length (keys per query)")
     ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
     ax.set_title("PTB ablation (squares: training attention length)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

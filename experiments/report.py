@@ -53,8 +53,8 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
                 "`python -m experiments.ablation` with its defaults (then `python -m experiments.recl` and "
                 "`python -m experiments.report`); at this run's time per step its training would take about "
                 f"{per_step * defaults['steps'] / 3600:.1f} h on this shared machine.", ""]
-    out += [f"Command: `{a['command']}` (total wall time {_mins(a['wall_s'])}, training included unless "
-            "a run had finished earlier).", "",
+    out += [f"Command: `{a['command']}` (this invocation took {_mins(a['wall_s'])}: it reuses finished runs "
+            "and cached losses; each run's own training and evaluation times are in the table, in seconds).", "",
             f"Every run: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, d_inner {m['d_inner']}, "
             f"dropout {m['dropout']}, adaptive softmax cutoffs {m['cutoffs']}; {args['steps']} steps of "
             f"{args['batch_size']} x {args['tgt_len']} tokens ({tokens:,} training tokens), Adam lr {args['lr']} "
@@ -124,7 +124,10 @@ def speedup_section(s: dict[str, Any] | None) -> list[str]:
                 "`worker_speedup` once `benchmarks/run.py` is merged; the paper's numbers (Table 9, GPU) for "
                 "reference:", ""]
     else:
-        out += [f"Command: `{s['command']}` (wall time {_mins(s['wall_s'])}), shape `{s['shape']}`:", "",
+        out += [f"Command: `{s['command']}` (wall time {_mins(s['wall_s'])}), benchmark shape `{s['shape']}`, "
+                "batch 1: Transformer-XL reads segments of L tokens with L cached states; the vanilla model "
+                "(Al-Rfou et al.'s learned absolute positions, no memory) re-reads an L-token window for every "
+                "predicted token (`benchmarks/run.py`, `worker_speedup`):", "",
                 Path(s["_md"]).read_text(encoding="utf-8"), "The paper (Table 9, GPU):", ""]
     out.append(common.markdown_table(["attention length", "speed-up"], [[k, f"{v}x"] for k, v in
                                                                         paper.TABLE9_SPEEDUP.items()]))
@@ -162,7 +165,7 @@ def wall_times(a: dict[str, Any] | None) -> list[str]:
             "Measured on a 2-core CPU shared with other jobs, at `nice -n 10` (in this session most runs went two at "
             "a time with `--threads 1` and `--variants`, then the listed command reused them); timings are "
             "indicative only. "
-            "'eval' is the latest command's evaluation time for that run (0 when cached losses were reused).", "",
+            "'eval' is the time spent computing that run's per-position losses at every attention length.", "",
             common.markdown_table(["run", "train", "steps", "stopped by", "eval"], rows),
             f"Training total: {_mins(total)}.", ""]
 
