@@ -1,4 +1,4 @@
-"""The attention fast paths: rel_shift, the fused kernel against the explicit path, gradients."""
+"""The attention fast paths: the fused kernel against the explicit path, and their gradients."""
 
 import math
 
