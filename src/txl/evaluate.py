@@ -1,7 +1,7 @@
 """Evaluation: loss, perplexity or bits per character over a split, in any attention context.
 
 Transformer-XL is trained with one memory length and evaluated with a longer one (Dai et al. 2019,
-section 3.2: the effective context grows with the memory); ``eval_context`` changes the context of a
+section 3.2: the effective context grows with the memory); ``inference_context`` changes the context of a
 trained model for the duration of an evaluation, since these fields own no parameters.
 """
 
@@ -52,16 +52,22 @@ def metric_value(loss: float, metric: str) -> float:
 
 
 @contextlib.contextmanager
-def eval_context(model: TransformerXL, **changes: object) -> Iterator[TransformerXL]:
-    """Temporarily change mem_len / clamp_len / same_length / ext_len (None: keep) and use eval mode."""
-    old_config, was_training = model.config, model.training
+def inference_context(model: TransformerXL, **changes: object) -> Iterator[TransformerXL]:
+    """Eval mode, no autograd and a temporary evaluation context (``model.reconfigure(**changes)``).
+
+    The model's training flag and config are restored on exit, so a model in the middle of training
+    can be evaluated or sampled from without being changed. ``None`` values leave a field as it is.
+    """
+    was_training, config = model.training, model.config
     changes = {k: v for k, v in changes.items() if v is not None}
-    model.reconfigure(**changes)
     model.eval()
     try:
-        yield model
+        if changes:
+            model.reconfigure(**changes)
+        with torch.no_grad():
+            yield model
     finally:
-        model.config = old_config
+        model.config = config
         model.train(was_training)
 
 
@@ -93,7 +99,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
                        world_size=info.world_size, device=device)
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
-    with eval_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
+    with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
         memory = None
         for i, batch in enumerate(it):
             if max_batches and i >= max_batches:

@@ -25,35 +25,15 @@ TensorFlow original attend to at the start of a stream.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 
+from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
 from txl.model.kv_cache import weights_version
 from txl.sampling import sample_next
 
 __all__ = ["IncrementalDecoder", "generate", "generate_stream", "inference_context"]
-
-
-@contextmanager
-def inference_context(model: TransformerXL, **changes) -> Iterator[TransformerXL]:
-    """Eval mode, no autograd and a temporary evaluation context (``model.reconfigure(**changes)``).
-
-    The model's training flag and config are restored on exit, so a model in the middle of training
-    can be sampled from without being changed. ``None`` values leave a field as it is.
-    """
-    was_training, config = model.training, model.config
-    changes = {k: v for k, v in changes.items() if v is not None}
-    model.eval()
-    try:
-        if changes:
-            model.reconfigure(**changes)
-        with torch.no_grad():
-            yield model
-    finally:
-        model.config = config
-        model.train(was_training)
 
 
 def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:

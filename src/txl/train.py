@@ -453,5 +453,5 @@ def _sample(model: TransformerXL, corpus: Corpus, n: int, *, mem_len: int, seed:
 
 
 def eval_context_for_sampling(model: TransformerXL, mem_len: int) -> contextlib.AbstractContextManager:
-    from txl.evaluate import eval_context
-    return eval_context(model, mem_len=mem_len)
+    from txl.evaluate import inference_context
+    return inference_context(model, mem_len=mem_len)
