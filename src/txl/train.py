@@ -432,26 +432,12 @@ def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
 @torch.no_grad()
 def _sample(model: TransformerXL, corpus: Corpus, n: int, *, mem_len: int, seed: int,
             temperature: float = 0.8, prompt_len: int = 64) -> str:
-    """A minimal temperature-sampling continuation of the test split's first tokens (txl generate is
-    the full tool). Returns prompt and continuation, marked."""
+    """A temperature-sampled continuation of the test split's first tokens, prompt and continuation
+    marked (``txl generate`` exposes every sampling option)."""
+    from txl.generate import generate
+
     device = next(model.parameters()).device
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    prompt = torch.as_tensor(np.asarray(corpus.test[:prompt_len], dtype=np.int64), device=device)[None]
-    out_ids: list[int] = []
-    with eval_context_for_sampling(model, mem_len):
-        out = model(prompt)
-        memory = out.memory
-        logits = out.log_probs[0, -1]
-        for _ in range(n):
-            probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen))
-            out_ids.append(token)
-            out = model(torch.tensor([[token]], device=device), memory=memory)
-            memory, logits = out.memory, out.log_probs[0, -1]
+    prompt = torch.as_tensor(np.asarray(corpus.test[:prompt_len], dtype=np.int64), device=device)[None]  # (1, P)
+    new = generate(model, prompt, max_new_tokens=n, temperature=temperature, seed=seed, mem_len=mem_len)  # (1, n)
     decode = corpus.tokenizer.decode
-    return decode(prompt[0].tolist()) + " >>> " + decode(out_ids)
-
-
-def eval_context_for_sampling(model: TransformerXL, mem_len: int) -> contextlib.AbstractContextManager:
-    from txl.evaluate import inference_context
-    return inference_context(model, mem_len=mem_len)
+    return decode(prompt[0].tolist()) + " >>> " + decode(new[0].tolist())
