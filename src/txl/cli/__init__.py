@@ -10,11 +10,11 @@ import argparse
 import logging
 import sys
 
-from txl.cli import data, demo, generate, score
+from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
 from txl.cli import train as train_cmd
 
-SUBCOMMANDS = [demo, data, train_cmd, eval_cmd, generate, score]
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
 
 
 def build_parser() -> argparse.ArgumentParser:
