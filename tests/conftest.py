@@ -9,3 +9,12 @@ def _seed():
     torch.manual_seed(0)
     yield
     torch.random.set_rng_state(state)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops gain nothing from threads and stall on a shared, busy CPU; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

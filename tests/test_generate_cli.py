@@ -15,14 +15,7 @@ from txl.cli import main
 from txl.codec import TextStream, load_codec
 from txl.text.hf_vocab import write_vocab_txt
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops gain nothing from threads and stall on a shared, busy CPU; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 WORDS = ("<eos> <unk> the . , cat sat on mat a dog It 's state @-@ of art model 5 @,@ 000 was "

@@ -13,13 +13,7 @@ from txl.score import DocumentScore, ScoredSegment, iter_scores, score_documents
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops gain nothing from threads and stall on a shared, busy CPU; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def tiny_model(**overrides):
