@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import txl
-from txl.model.attention import Attention
+from txl.model.attention import Attention, _RecomputedAttention
 from txl.model.transformer import attention_mask
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -66,3 +66,26 @@ def test_fused_kernel_gradients_equal_explicit_attention():
     (explicit_attention(module, x, memory, mask) * weight).sum().backward()
     for got, want in zip(fused, [x.grad] + [p.grad for p in module.parameters()], strict=True):
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("attn_type", ["relative", "shaw"])
+def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, monkeypatch):
+    """Training with a positional term keeps no probabilities: they are recomputed in backward. Every gradient
+    equals the one of the explicit path, which keeps them (taken here by a dropatt that drops nothing)."""
+    torch.manual_seed(0)
+    model = tiny(attn_type, untie_r=True).train()
+    tokens = torch.randint(0, 50, (3, 12))
+    memory = model(tokens[:, :5]).memory  # a real memory, so that keys outnumber queries
+    x, y = tokens[:, 5:11], tokens[:, 6:12]
+    calls = []
+    monkeypatch.setattr(_RecomputedAttention, "backward", lambda ctx, g, f=_RecomputedAttention.backward:
+                        calls.append(1) or f(ctx, g))
+    model(x, labels=y, memory=memory).loss.backward()
+    assert len(calls) == model.config.n_layer
+    recomputed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for layer in model.layers:  # the explicit path, forced by its condition, with nothing dropped
+        layer.attn.dropatt.p = 1e-12
+    model(x, labels=y, memory=memory).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(recomputed[name], p.grad, **TOL, msg=name)

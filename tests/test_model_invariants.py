@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import txl
-from txl.model.attention import rel_shift, relative_distances, sinusoid
+from txl.model.attention import realign, rel_shift, relative_distances, sinusoid
 from txl.model.transformer import attention_mask
 
 SMALL = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, dropout=0.0)
@@ -66,7 +66,7 @@ def test_rel_shift_equals_explicit_gather():
 
 
 def test_relative_scores_use_R_of_the_true_distance():
-    """Terms (b)+(d) of query i and key j are (q_i + v) . W_kR R(i - j) for every visible pair."""
+    """Terms (b)+(d) of query i and key j are (q_i + v) . W_kR R(i - j) for every visible pair; hidden ones -inf."""
     model = model_of(mem_len=4)
     attn = model.layers[0].attn
     B, T, M, H, D = 1, 3, 4, 4, 8
@@ -74,14 +74,44 @@ def test_relative_scores_use_R_of_the_true_distance():
     q, k = torch.randn(B, T, H, D), torch.randn(B, K, H, D)
     pos = sinusoid(relative_distances(K, -1), 32)
     zero = torch.zeros(H, D)
-    query, bias = attn.query_and_bias(q, K, pos, zero, model.v)  # both carry the 1/sqrt(D) scale
+    mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
+    query, bias = attn.query_and_bias(q, K, pos, zero, model.v, mask)  # both carry the 1/sqrt(D) scale
     scores = (torch.einsum("bthd,bkhd->bhtk", query, k) + bias) / attn.scale
     content = torch.einsum("bthd,bkhd->bhtk", q, k)
     r = attn.r_proj(sinusoid(torch.arange(K), 32)).view(K, H, D)  # row n: distance n
     for i in range(T):
-        for j in range(M + i + 1):
+        for j in range(K):
+            if j > M + i:
+                assert torch.isneginf(scores[0, :, i, j]).all()
+                continue
             expected = content[0, :, i, j] + ((q[0, i] + model.v) * r[M + i - j]).sum(-1)
             torch.testing.assert_close(scores[0, :, i, j], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_realign_equals_rel_shift_plus_mask_with_its_gradient(heads_first):
+    """The pad-free realign (custom backward) against rel_shift written with autograd's own ops."""
+    A, C, T, M = 3, 2, 5, 4
+    K = M + T
+    scores = torch.randn(A, C, T, K, dtype=torch.float64)
+    ours = scores.clone().requires_grad_()
+    reference_in = scores.clone().requires_grad_()
+    mask = attention_mask(T, M, mem_len=3, same_length=True, style="pytorch")
+    mask_bias = torch.zeros(T, K, dtype=torch.float64).masked_fill_(mask, float("-inf"))
+    got = realign(ours, mask_bias, heads_first=heads_first)  # (B, H, T, K)
+    want = rel_shift(reference_in)
+    want = (want.transpose(0, 1) if heads_first else want) + mask_bias
+    assert got.is_contiguous() and got.shape == want.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    torch.testing.assert_close(got[~torch.isneginf(got)], want[~torch.isneginf(want)], rtol=0, atol=0)
+    # Hidden entries get no gradient in the model (probability 0); there both shifts agree exactly ...
+    upstream = torch.randn_like(got).masked_fill_(torch.isneginf(got), 0)
+    got.backward(upstream)
+    want.backward(upstream)
+    torch.testing.assert_close(ours.grad, reference_in.grad, rtol=0, atol=1e-15)
+    # ... and for any upstream gradient the backward is the exact gradient of the forward.
+    assert torch.autograd.gradcheck(lambda x: realign(x, torch.zeros(T, K, dtype=torch.float64),
+                                                      heads_first=heads_first), (scores.requires_grad_(),))
 
 
 def test_clamp_len_shares_far_encodings():

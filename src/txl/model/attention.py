@@ -18,6 +18,7 @@ segment rows: memory rows need keys and values alone.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,24 +44,140 @@ def relative_distances(klen: int, clamp_len: int, device: torch.device | None = 
 
 
 def rel_shift(x: torch.Tensor) -> torch.Tensor:
-    """Realign (B, H, T, K) scores from "encoding index p" to "key index j" without a gather.
+    """Realign (..., T, K) scores from "encoding index p" to "key index j" (the original's pad-and-view form).
 
     Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
-    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero
-    column in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the
-    padded row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are
-    meaningless. A pad, a slice and views: their backward is a slice copy, not as_strided's scatter.
+    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column
+    in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the padded
+    row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
+    The model uses ``realign``, the same shift without the padded copy.
     """
-    *lead, T, K = x.shape  # any leading dims, e.g. (B, H) or (H, B)
-    padded = F.pad(x, (1, 0)).view(*lead, T * (K + 1))  # (..., T*(K+1))
-    return padded[..., T:T + T * K].view(*lead, T, K)  # (..., T, K)
+    *lead, T, K = x.shape
+    padded = F.pad(x, (1, 0)).reshape(*lead, T * (K + 1))  # (..., T*(K+1))
+    return padded[..., T:].view(*lead, T, K)  # (..., T, K)
+
+
+def _shifted_view(x: torch.Tensor) -> torch.Tensor:
+    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view, no pad needed.
+
+    y[i, j] = x[i, T-1-i+j] sits at flat offset i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K)
+    block: rows of K read with a stride of K-1 from offset T-1. Row i's last entry is row i+1's first
+    (both a hidden future key for i < T-1); the last row ends at the block's last element.
+    """
+    A, C, T, K = x.shape
+    return x.as_strided((A, C, T, K), (C * T * K, T * K, K - 1, 1), x.storage_offset() + T - 1)
+
+
+class _Realign(torch.autograd.Function):
+    """Forward: the key-aligned positional scores plus the additive mask, as a new (B, H, T, K) tensor.
+
+    Backward: the gradient is written straight into the layout of the scores with one strided copy,
+    instead of autograd's zero-filled buffer + scatter of ``as_strided`` (or the slice and pad copies of
+    ``rel_shift``). Within a (T, K) block each score feeds one output entry, except the T-1 shared by
+    the end of row i and the start of row i+1, whose two gradients are added, and the first T-1, which
+    feed none: this is the exact gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool) -> torch.Tensor:
+        shifted = _shifted_view(scores)  # (A, C, T, K)
+        if heads_first:
+            shifted = shifted.transpose(0, 1)  # (H, B, T, K) -> (B, H, T, K) view
+        ctx.heads_first = heads_first
+        ctx.scores_shape = scores.shape
+        out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
+        return torch.add(shifted, mask_bias, out=out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        A, C, T, K = ctx.scores_shape
+        g = grad.transpose(0, 1) if ctx.heads_first else grad  # (A, C, T, K)
+        buf = grad.new_empty(A, C, T * K)  # (A, C, T*K): the layout of the scores
+        buf[..., :T - 1].zero_()  # scores of distances beyond every query's reach: no output uses them
+        base = buf.storage_offset() + T - 1
+        # Each row's first K-1 entries tile the rest of the block exactly ...
+        rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
+        rows.copy_(g[..., :K - 1])
+        # ... the last row's last entry closes it, and the other rows' last entries add onto the next row's first.
+        last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
+        last[..., -1].copy_(g[..., -1, K - 1])
+        last[..., :-1].add_(g[..., :-1, K - 1])
+        return buf.view(A, C, T, K), None, None
+
+
+def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool) -> torch.Tensor:
+    """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), mask added.
+
+    scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
+    distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
+    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K): bool-mask kernels are
+    several times slower than an add on CPU.
+    """
+    return _Realign.apply(scores.contiguous(), mask_bias, heads_first)
+
+
+def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(T, K) bool, True where hidden -> (T, K) additive mask: 0 where visible, -inf where hidden."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """softmax(query k^T + bias) val for training, keeping neither the (B, H, T, K) bias nor the probabilities.
+
+    Forward: the fused kernel (scaled_dot_product_attention). Backward: the bias is recomputed from its
+    small inputs (``bias_fn(*bias_inputs)``, e.g. (q + v) and W_kR R), the scores and probabilities
+    from it, and then, as in FlashAttention's backward,
+    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T: one (B, H, T, K) tensor of probabilities per layer is
+    not kept from forward to backward (192 MB at the benchmark's base shape), for the cost of the positional
+    and content matmuls done again. dS is the bias gradient; autograd takes it on to the bias inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias_fn, *bias_inputs: torch.Tensor):
+        # query: (B, H, T, D) scaled; k, val: (B, H, K, D); any strides.
+        with torch.no_grad():
+            bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
+        out = F.scaled_dot_product_attention(query, k, val, attn_mask=bias, scale=1.0)  # (B, H, T, D)
+        ctx.bias_fn = bias_fn
+        ctx.save_for_backward(query, k, val, out, *bias_inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        query, k, val, out, *bias_inputs = ctx.saved_tensors
+        B, H, T, D = query.shape
+        K = k.size(2)
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_(x.requires_grad) for x in bias_inputs]
+            bias = ctx.bias_fn(*inputs)  # (B, H, T, K)
+        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
+        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
+        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
+        go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
+        score = torch.baddbmm(bias.detach().reshape(B * H, T, K), qh, kh.transpose(1, 2))  # (B*H, T, K)
+        # The softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
+        # (twice the time of the whole softmax on CPU), and the probabilities are the same up to rounding.
+        prob = torch.softmax(score, dim=-1)  # (B*H, T, K), hidden keys exactly 0
+        del score
+        grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
+        delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
+        grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
+        del prob
+        grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
+        grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(bias, wanted, grad_score.view(B, H, T, K)) if wanted else ())
+        grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
+        return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D), None,
+                *grad_inputs)
 
 
 class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
-    Subclasses add a positional term to the content scores. Parameters mirror the original layout:
-    one fused q/k/v projection (W_q, W_kE, W_v), an output projection, one layer norm.
+    Subclasses add a positional term to the content scores (``positional_inputs`` and ``positional_bias``).
+    Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
+    projection, one layer norm.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -85,64 +202,96 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
-        context = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, K, d)
-        if self.pre_ln:  # the original pre-LN normalises memory rows too: memory caches raw layer inputs
-            context = self.norm(context)
-        w_q, w_kv = self.qkv.weight.split([H * D, 2 * H * D])
-        q = F.linear(context[:, -T:], w_q).view(B, T, H, D)  # (B, T, H, D): segment rows only
+        h = self.norm(x) if self.pre_ln else x  # pre-LN normalises the rows the projections read
         if kv is None:
-            K = context.size(1)
-            k, val = F.linear(context, w_kv).view(B, K, 2, H, D).unbind(2)  # (B, K, H, D) each
+            # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
+            # matmul of their own, so that backward computes no input gradient for them (memory is constant).
+            qkv = F.linear(h, self.qkv.weight).view(B, T, 3, H, D)  # (B, T, 3, H, D)
+            q, kv_new = qkv[:, :, 0], qkv[:, :, 1:]  # (B, T, H, D), (B, T, 2, H, D)
+            if memory is not None:
+                kv_memory = self.keys_values(memory.to(x.dtype), stacked=True)  # (B, M, 2, H, D)
+                kv_new = torch.cat([kv_memory, kv_new], dim=1)  # (B, K, 2, H, D)
+            k, val = kv_new.unbind(2)  # (B, K, H, D) each
         else:
+            q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
-            K = k.size(1)
+        K = k.size(1)
 
-        query, bias = self.query_and_bias(q, K, pos, u, v)  # (B, T, H, D), (B, H, T, K) or None; both scaled
-        # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections, never copied for the fused kernel.
-        query, k, val = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
+        query = self.content_query(q, u)  # (B, T, H, D), scaled
+        inputs = self.positional_inputs(q, K, pos, v)  # what the (B, H, T, K) positional scores are made of
+        mask_bias = mask_to_bias(mask, query.dtype)  # (T, K)
+        # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
+        qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
         dropatt = self.dropatt.p > 0 and self.training
-        if not dropatt and (bias is None or not (torch.is_grad_enabled() and bias.requires_grad)):
-            # One fused kernel (scaled_dot_product_attention): softmax(query k^T + bias) val, no (B, H, T, K)
-            # probabilities kept. It cannot return the bias gradient, so training relative models take the
-            # explicit path below.
-            attn_mask = ~mask if bias is None else bias.masked_fill(mask, float("-inf"))  # (T, K) or (B, H, T, K)
-            attn = F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)  # (B, H, T, D)
-        else:
-            score = torch.matmul(query, k.transpose(2, 3))  # (B, H, T, K)
-            if bias is not None:
-                score = score.add_(bias)
-            score = score.masked_fill_(mask, float("-inf"))
-            prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype))  # (B, H, T, K)
-            attn = torch.matmul(prob, val)  # (B, H, T, D)
+        if dropatt:  # the probabilities themselves are dropped: they must exist, and are kept for backward
+            bias = mask_bias if inputs is None else self.positional_bias(*inputs, mask_bias=mask_bias)
+            attn = self.explicit(query, k, val, bias)
+        elif inputs is None:  # plain attention: the fused kernel, forward and backward
+            attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~mask, scale=1.0)  # (B, H, T, D)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *inputs)):
+            # The fused kernel cannot return the gradient of its additive mask (the positional term), so
+            # training recomputes what it needs in backward instead of keeping it.
+            bias_fn = functools.partial(self.positional_bias, mask_bias=mask_bias)
+            attn = _RecomputedAttention.apply(qh, kh, vh, bias_fn, *inputs)  # (B, H, T, D)
+        else:  # evaluation: the positional scores are the fused kernel's additive mask
+            bias = self.positional_bias(*inputs, mask_bias=mask_bias)  # (B, H, T, K)
+            attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=1.0)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
-    def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def explicit(self, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """softmax(query k^T + bias) val with the probabilities kept (and dropped out): (B, H, T, D).
+
+        query: (B, T, H, D) scaled; k, val: (B, K, H, D); bias: (B, H, T, K) or (T, K), -inf where hidden.
+        The bias is the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet
+        in the matmul's own output pass; a key that is hidden gets probability 0, hence zero gradient.
+        """
+        B, T, H, D = query.shape
+        K = k.size(1)
+        qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
+        kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+        vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+        acc = bias.reshape(B * H, T, K) if bias.dim() == 4 else bias  # (B*H, T, K), or (T, K) broadcast
+        score = torch.baddbmm(acc, qh, kh.transpose(1, 2))  # (B*H, T, K)
+        prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype))  # (B*H, T, K)
+        return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
+
+    def keys_values(self, rows: torch.Tensor, *, stacked: bool = False):
         """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each.
 
-        The same projection as ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per
-        row), so keys cached from here are the ones the uncached pass would recompute.
+        The projection ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per row), so keys
+        cached from here are the ones the uncached pass would compute. stacked: one (B, N, 2, H, D) tensor.
         """
         B, N, _ = rows.shape
         h = self.norm(rows) if self.pre_ln else rows
         w_kv = self.qkv.weight[self.n_head * self.d_head:]  # (2*H*D, d): W_kE and W_v
-        k, val = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
-        return k, val
+        kv = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head)  # (B, N, 2, H, D)
+        return kv if stacked else kv.unbind(2)
+
+    def content_query(self, q: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        """The query (B, T, H, D) that meets the keys, scaled by 1/sqrt(D): scaling the query instead of
+        the scores saves a pass over (B, H, T, K)."""
+        return q * self.scale
+
+    def positional_inputs(self, q: torch.Tensor, klen: int, pos: torch.Tensor | None,
+                          v: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+        """The small tensors ``positional_bias`` makes the positional scores from; None: no positional term."""
+        return None
+
+    def positional_bias(self, *inputs: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
+        """The scaled positional scores (B, H, T, K) added to query . k, -inf where mask_bias hides a key."""
+        raise NotImplementedError(f"{type(self).__name__} has no positional term")
 
     def query_and_bias(self, q: torch.Tensor, klen: int, pos: torch.Tensor | None, u: torch.Tensor | None,
-                       v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scaled content query (B, T, H, D) and the scaled positional score (B, H, T, K) added to
-        query . k, or None. Scaling the query instead of the scores saves a pass over (B, H, T, K).
-        Plain attention: the query alone."""
-        return q * self.scale, None
-
-    def scores(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None, u: torch.Tensor | None,
-               v: torch.Tensor | None) -> torch.Tensor:
-        """Unscaled scores (B, H, T, K), content plus positional term, as forward computes them (for tests)."""
-        query, bias = self.query_and_bias(q, k.size(1), pos, u, v)
-        score = torch.matmul(query.transpose(1, 2), k.permute(0, 2, 3, 1))  # (B, H, T, K)
-        return (score if bias is None else score + bias) / self.scale
+                       v: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Both halves of the scores at once: the scaled content query (B, T, H, D) and the masked
+        positional scores (B, H, T, K), or None for plain attention."""
+        inputs = self.positional_inputs(q, klen, pos, v)
+        query = self.content_query(q, u)
+        if inputs is None:
+            return query, None
+        return query, self.positional_bias(*inputs, mask_bias=mask_to_bias(mask, query.dtype))
 
 
 class RelativeAttention(Attention):
@@ -160,19 +309,28 @@ class RelativeAttention(Attention):
         """W_kR R: (N, d) encodings -> (N, H, D)."""
         return self.r_proj(pos).view(-1, self.n_head, self.d_head)  # (N, H, D)
 
-    def query_and_bias(self, q, klen, pos, u, v):
-        """pos: (K, d) encodings R, or (K, H, D) ones already projected by W_kR (a KVCache's table)."""
+    def content_query(self, q, u):
+        """(q + u) / sqrt(D): terms (a) + (c) against the keys. u: the model's shared bias, or None (untie_r)."""
+        return (q + (self.u if u is None else u)) * self.scale  # (B, T, H, D)
+
+    def positional_inputs(self, q, klen, pos, v):
+        """(q + v) / sqrt(D) as (H, B*T, D), and W_kR R as (K, H, D) for distances K-1 .. 0.
+
+        pos: (K, d) encodings R, or (K, H, D) ones already projected by W_kR (a KVCache's table).
+        """
         B, T, H, D = q.shape
-        u = self.u if u is None else u  # (H, D)
-        v = self.v if v is None else v
-        # (K, H, D): W_kR R, distances K-1 .. 0
-        r = pos.to(q.dtype) if pos.dim() == 3 else self.position_keys(pos.to(q.dtype))
-        query = (q + u) * self.scale  # (B, T, H, D): (a) + (c) against the keys
-        # (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not copied
-        # B times, as a (B, H, T, D) x (H, D, K) broadcast would.
+        v = self.v if v is None else v  # (H, D)
+        r = pos.to(q.dtype) if pos.dim() == 3 else self.position_keys(pos.to(q.dtype))  # (K, H, D)
         qv = ((q + v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
-        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, B, T, -1)  # (H, B, T, K)
-        return query, rel_shift(position).permute(1, 0, 2, 3)  # (B, H, T, K) view
+        return qv, r
+
+    def positional_bias(self, qv, r, *, mask_bias):
+        """Terms (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not
+        copied B times, as a (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j."""
+        H, BT, _ = qv.shape
+        T, K = mask_bias.shape
+        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
+        return realign(position, mask_bias, heads_first=True)  # (B, H, T, K)
 
 
 class ShawAttention(Attention):
@@ -189,18 +347,23 @@ class ShawAttention(Attention):
         self.r_bias = nn.Parameter(torch.zeros(P, config.n_head))
         self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
-    def query_and_bias(self, q, klen, pos, u, v):
+    def content_query(self, q, u):
+        return (q + self.u) * self.scale  # (B, T, H, D)
+
+    def positional_inputs(self, q, klen, pos, v):
+        """q / sqrt(D), and the K rows of E and b for distances K-1 .. 0."""
         K = klen
         emb, bias = self.r_emb, self.r_bias
         P = emb.size(0)
         if K > P:  # farther than learned: repeat the farthest
             emb = torch.cat([emb[:1].expand(K - P, -1, -1), emb])  # (K, H, D)
             bias = torch.cat([bias[:1].expand(K - P, -1), bias])  # (K, H)
-        emb, bias = emb[-K:].to(q.dtype), bias[-K:].to(q.dtype)
-        q = q * self.scale
+        return q * self.scale, emb[-K:].to(q.dtype), bias[-K:].to(q.dtype)  # (B, T, H, D), (K, H, D), (K, H)
+
+    def positional_bias(self, q, emb, bias, *, mask_bias):
         position = torch.matmul(q.transpose(1, 2), emb.permute(1, 2, 0))  # (B, H, T, K)
-        position = position + (bias * self.scale).t()[None, :, None, :]  # (B, H, T, K)
-        return q + self.u * self.scale, rel_shift(position)
+        position = position.add_((bias * self.scale).t()[None, :, None, :])  # (B, H, T, K)
+        return realign(position, mask_bias, heads_first=False)  # (B, H, T, K)
 
 
 def build_attention(config: ModelConfig) -> Attention:

@@ -1,4 +1,4 @@
-"""Dropout with a cheaper mask: 16 random bits per element, kept as a bool for the backward pass.
+"""Dropout with a cheaper mask: 16 random bits per element, kept as one byte for the backward pass.
 
 On CPU, ``nn.Dropout`` draws one float per element with a serial Bernoulli sampler (MKL's is used only on
 Intel processors), divides that noise by 1 - p and keeps it (4 bytes per element) for the backward pass.
@@ -6,6 +6,10 @@ Here one 64-bit ``random_`` call yields four 16-bit draws; an element is kept wh
 threshold. The drop probability is therefore p rounded to a multiple of 2**-16 (0.1 -> 0.1000061), and
 the scale is 1 / (1 - that probability), so every element keeps its expectation exactly. The global torch
 generator supplies the bits, so ``torch.manual_seed`` reproduces the masks. Identity in evaluation.
+
+The mask is applied as ``addcmul(0, x, mask, value=scale)`` on its bytes (a bool tensor viewed as uint8):
+one vectorised pass, where ``torch.where`` on a bool mask followed by a scaling takes about four times as
+long on CPU.
 """
 
 from __future__ import annotations
@@ -23,19 +27,46 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.
     return keep, 65536 / (65536 - drop)
 
 
-class _ScaleWhere(torch.autograd.Function):
-    """x * keep * scale, saving only the bool mask."""
+def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * keep * scale in one pass (into ``out``, which may be x itself); keep is bool, read as its 0/1 bytes."""
+    return torch.addcmul(x.new_zeros(()), x, keep.view(torch.uint8), value=scale, out=out)
+
+
+class _ScaleMask(torch.autograd.Function):
+    """x * keep * scale, saving only the one-byte mask."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return torch.where(keep, x, 0).mul_(scale)
+        return _apply(x, keep, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0).mul_(ctx.scale), None, None
+        return _apply(grad, keep, ctx.scale), None, None
+
+
+class _ReLUScaleMask(torch.autograd.Function):
+    """relu(x) * keep * scale, saving nothing of its own: the backward mask is (output > 0).
+
+    An element passes the gradient exactly when it was kept and x > 0, i.e. when its output is positive
+    (scale > 0). The output is the next linear layer's input, which autograd keeps anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+        r = torch.relu(x)
+        out = _apply(r, keep, scale, out=r)
+        ctx.save_for_backward(out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        # threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own vectorised backward.
+        return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.scale), None, None
 
 
 class Dropout(nn.Dropout):
@@ -45,14 +76,14 @@ class Dropout(nn.Dropout):
         if not self.training or self.p == 0:
             return x
         keep, scale = keep_mask(x.shape, self.p, x.device)
-        return _ScaleWhere.apply(x, keep, scale)
+        return _ScaleMask.apply(x, keep, scale)
 
 
 class ReLUDropout(Dropout):
-    """dropout(relu(x)) in one step: one mask (kept and positive), and no ReLU output kept for backward."""
+    """dropout(relu(x)) in one step: one mask, and no ReLU input or mask of its own kept for backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return torch.relu(x)
         keep, scale = keep_mask(x.shape, self.p, x.device)
-        return _ScaleWhere.apply(x, keep.logical_and_(x > 0), scale)
+        return _ReLUScaleMask.apply(x, keep, scale)

@@ -50,8 +50,11 @@ class KVCache:
 
 
 def weights_version(module: torch.nn.Module) -> int:
-    """Changes whenever a parameter is modified in place (optimiser steps, load_state_dict, copy_)."""
-    return sum(p._version for p in module.parameters())
+    """Changes whenever a parameter is modified in place (optimiser steps, load_state_dict, copy_).
+
+    Parameters created under ``torch.inference_mode()`` have no version counter; they count as 0.
+    """
+    return sum(0 if p.is_inference() else p._version for p in module.parameters())
 
 
 __all__ = ["KVCache", "weights_version"]

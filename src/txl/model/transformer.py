@@ -47,7 +47,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
-        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
+        a = self.fc1(h)  # (B, T, d_inner), a fresh tensor that nothing else keeps
+        a = self.relu_drop(a) if self.relu_drop.training and self.relu_drop.p > 0 else torch.relu_(a)
+        out = self.drop(self.fc2(a))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
 
