@@ -31,6 +31,7 @@ from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.model import Memory, TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
+from txl.runtime import cpu_has_native_bf16
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -208,6 +209,9 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
                          f"grad_accum={t.grad_accum}")
     if t.precision == "fp16" and info.device.type != "cuda":
         raise ValueError("train.precision='fp16' needs CUDA; use --train.precision bf16 on CPU")
+    if t.precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
+        log.warning("train.precision=bf16: this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX), so "
+                    "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
     torch.manual_seed(t.seed)
     model = TransformerXL(cfg.model).to(info.device)
     torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process

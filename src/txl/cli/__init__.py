@@ -13,6 +13,7 @@ import sys
 from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
 from txl.cli import train as train_cmd
+from txl.runtime import retain_freed_memory
 
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
