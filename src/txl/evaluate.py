@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from txl.distributed import DistInfo, all_reduce_sum
-from txl.model import TransformerXL
+from txl.model import KVCache, TransformerXL
 
 IGNORE_INDEX = -100
 
@@ -100,13 +100,16 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
     with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
+        # The weights do not change while evaluating, so the memory rows' keys and values are carried from
+        # segment to segment (KVCache) instead of being projected again; absolute encodings cannot be cached.
+        cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
         memory = None
         for i, batch in enumerate(it):
             if max_batches and i >= max_batches:
                 break
             with autocast(device, precision):
-                out = model(batch.input_ids, labels=batch.labels, memory=memory)
-            memory = out.memory
+                out = model(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache)
+            memory, cache = out.memory, out.kv_cache
             nll_sum += float(out.nll.double().sum())
             count += int((batch.labels != IGNORE_INDEX).sum())
     nll_sum, count = all_reduce_sum([nll_sum, float(count)], info)
