@@ -22,7 +22,8 @@ import torch
 from experiments import ROOT
 from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
-from txl.model import TransformerXL
+from txl.model import KVCache, TransformerXL
+from txl.runtime import retain_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ def setup_logging() -> None:
 
 
 def set_threads(threads: int) -> None:
+    """Torch's thread count (0: its default), and freed tensor pages kept for reuse as the txl command does."""
+    retain_freed_memory()
     if threads > 0:
         torch.set_num_threads(threads)
 
@@ -131,10 +134,12 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     model.reconfigure(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
     model.eval()
     try:
+        # As txl.evaluate: the memory rows' keys and values are carried (KVCache), not projected again.
+        cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
         memory, nll = None, []
         for s in range(0, L, seg_len):
-            out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory)
-            memory = out.memory
+            out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory, kv_cache=cache)
+            memory, cache = out.memory, out.kv_cache
             nll.append(out.nll.double().cpu())  # (S, T)
     finally:
         model.config = old_config
