@@ -138,12 +138,20 @@ class _RecomputedAttention(torch.autograd.Function):
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
         out = F.scaled_dot_product_attention(query, k, val, attn_mask=bias, scale=1.0)  # (B, H, T, D)
+        device = query.device.type  # backward recomputes under the forward's autocast, to the same dtypes
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                            enabled=torch.is_autocast_enabled(device))
         ctx.bias_fn = bias_fn
         ctx.save_for_backward(query, k, val, out, *bias_inputs)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with torch.autocast(**ctx.autocast):
+            return _RecomputedAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
         query, k, val, out, *bias_inputs = ctx.saved_tensors
         B, H, T, D = query.shape
         K = k.size(2)
@@ -157,7 +165,7 @@ class _RecomputedAttention(torch.autograd.Function):
         score = torch.baddbmm(bias.detach().reshape(B * H, T, K), qh, kh.transpose(1, 2))  # (B*H, T, K)
         # The softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
         # (twice the time of the whole softmax on CPU), and the probabilities are the same up to rounding.
-        prob = torch.softmax(score, dim=-1)  # (B*H, T, K), hidden keys exactly 0
+        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(score.dtype)  # (B*H, T, K), hidden keys 0
         del score
         grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
         delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
@@ -184,6 +192,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.d_head = config.n_head, config.d_head
         self.pre_ln = config.pre_ln
+        self.recompute = config.recompute_attention
         self.scale = 1.0 / math.sqrt(config.d_head)
         hd = config.n_head * config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
@@ -223,12 +232,14 @@ class Attention(nn.Module):
         # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
         qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
         dropatt = self.dropatt.p > 0 and self.training
-        if dropatt:  # the probabilities themselves are dropped: they must exist, and are kept for backward
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *(inputs or ())))
+        if dropatt or (grad and inputs is not None and not self.recompute):
+            # The probabilities are dropped, or kept for backward by choice: they must exist.
             bias = mask_bias if inputs is None else self.positional_bias(*inputs, mask_bias=mask_bias)
             attn = self.explicit(query, k, val, bias)
         elif inputs is None:  # plain attention: the fused kernel, forward and backward
             attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~mask, scale=1.0)  # (B, H, T, D)
-        elif torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *inputs)):
+        elif grad:
             # The fused kernel cannot return the gradient of its additive mask (the positional term), so
             # training recomputes what it needs in backward instead of keeping it.
             bias_fn = functools.partial(self.positional_bias, mask_bias=mask_bias)
@@ -252,8 +263,10 @@ class Attention(nn.Module):
         qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-        acc = bias.reshape(B * H, T, K) if bias.dim() == 4 else bias  # (B*H, T, K), or (T, K) broadcast
-        score = torch.baddbmm(acc, qh, kh.transpose(1, 2))  # (B*H, T, K)
+        if bias.dim() == 4:  # (B, H, T, K), a fresh tensor: the scores accumulate into it
+            score = bias.view(B * H, T, K).baddbmm_(qh, kh.transpose(1, 2))  # (B*H, T, K)
+        else:  # (T, K), broadcast
+            score = torch.baddbmm(bias, qh, kh.transpose(1, 2))  # (B*H, T, K)
         prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype))  # (B*H, T, K)
         return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
