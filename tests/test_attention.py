@@ -96,12 +96,13 @@ def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, mon
             torch.testing.assert_close(recomputed[name], p.grad, **TOL, msg=f"{keep}: {name}")
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute"])
-def test_bf16_autocast_training_step_tracks_fp32(attn_type):
+@pytest.mark.parametrize("attn_type,recompute", [("relative", True), ("relative", False), ("shaw", True),
+                                                  ("absolute", True)])
+def test_bf16_autocast_training_step_tracks_fp32(attn_type, recompute):
     """bf16 autocast (CPU) runs forward and backward through every attention path; loss and gradients stay
     close to fp32's (the benchmark's 1e-2 loss criterion, on a tiny model)."""
     torch.manual_seed(0)
-    model = tiny(attn_type).train()
+    model = tiny(attn_type, recompute_attention=recompute).train()
     tokens = torch.randint(0, 50, (2, 13))
     memory = model(tokens[:, :6]).memory
     x, y = tokens[:, 6:12], tokens[:, 7:13]

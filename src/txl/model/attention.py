@@ -12,8 +12,17 @@ Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encod
             = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
 
 The first sum is one matmul against the keys; the second is one matmul against the K encodings,
-realigned from "key index" to "distance" by ``rel_shift``. Queries are only computed for the T
-segment rows: memory rows need keys and values alone.
+realigned from "key index" to "distance" by ``rel_shift`` (``realign``, which also adds the mask).
+Queries are only computed for the T segment rows: memory rows need keys and values alone.
+
+Which computation runs (all give the same numbers, tested against each other):
+
+* evaluation: the fused kernel ``scaled_dot_product_attention``, the positional scores (b) + (d) as its
+  additive mask, the content query (q + u) inside it;
+* training: the same fused forward, and a backward that recomputes the scores instead of keeping the
+  (B, H, T, K) probabilities of every layer (``_RecomputedAttention``; ``recompute_attention=False`` keeps
+  them, ``dropatt > 0`` must keep them);
+* plain attention (the absolute ablations): the fused kernel with a boolean mask, forward and backward.
 """
 
 from __future__ import annotations
@@ -162,7 +171,9 @@ class _RecomputedAttention(torch.autograd.Function):
         kh = k.reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.reshape(B * H, K, D)  # (B*H, K, D)
         go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
-        score = torch.baddbmm(bias.detach().reshape(B * H, T, K), qh, kh.transpose(1, 2))  # (B*H, T, K)
+        # The scores accumulate into the recomputed bias (its gradient graph does not need its values).
+        score = bias.detach().view(B * H, T, K)  # (B*H, T, K); in place, so the operands share its dtype:
+        score = score.baddbmm_(qh.to(score.dtype), kh.to(score.dtype).transpose(1, 2))  # autocast skips in-place ops
         # The softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
         # (twice the time of the whole softmax on CPU), and the probabilities are the same up to rounding.
         prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(score.dtype)  # (B*H, T, K), hidden keys 0
@@ -263,8 +274,9 @@ class Attention(nn.Module):
         qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-        if bias.dim() == 4:  # (B, H, T, K), a fresh tensor: the scores accumulate into it
-            score = bias.view(B * H, T, K).baddbmm_(qh, kh.transpose(1, 2))  # (B*H, T, K)
+        if bias.dim() == 4:  # (B, H, T, K), a fresh tensor: the scores accumulate into it (in place, so the
+            dt = bias.dtype  # operands take its dtype themselves: autocast skips in-place ops)
+            score = bias.view(B * H, T, K).baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2))  # (B*H, T, K)
         else:  # (T, K), broadcast
             score = torch.baddbmm(bias, qh, kh.transpose(1, 2))  # (B*H, T, K)
         prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype))  # (B*H, T, K)
