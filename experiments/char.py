@@ -5,7 +5,7 @@ Trains one model (the paper's relative encoding with segment-level recurrence) o
 --contexts, each query attending to exactly that many keys (``common.position_losses``). The paper's
 claim: a Transformer-XL evaluated with longer attention than it was trained with keeps getting better.
 
-    python -m experiments.char --steps 1500
+    python -m experiments.char
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainCon
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=1500, help="optimiser steps (the budget)")
+    p.add_argument("--steps", type=int, default=6000, help="optimiser steps (the budget)")
     p.add_argument("--minutes", type=float, default=0.0, help="also stop after this many minutes (0: no limit)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--tgt-len", type=int, default=64)

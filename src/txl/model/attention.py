@@ -226,12 +226,10 @@ class Attention(nn.Module):
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            qkv = F.linear(h, self.qkv.weight).view(B, T, 3, H, D)  # (B, T, 3, H, D)
-            q, kv_new = qkv[:, :, 0], qkv[:, :, 1:]  # (B, T, H, D), (B, T, 2, H, D)
+            q, k, val = F.linear(h, self.qkv.weight).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             if memory is not None:
-                kv_memory = self.keys_values(memory.to(x.dtype), stacked=True)  # (B, M, 2, H, D)
-                kv_new = torch.cat([kv_memory, kv_new], dim=1)  # (B, K, 2, H, D)
-            k, val = kv_new.unbind(2)  # (B, K, H, D) each
+                k_memory, val_memory = self.keys_values(memory.to(x.dtype))  # (B, M, H, D) each
+                k, val = torch.cat([k_memory, k], dim=1), torch.cat([val_memory, val], dim=1)  # (B, K, H, D) each
         else:
             q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
@@ -282,17 +280,17 @@ class Attention(nn.Module):
         prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype))  # (B*H, T, K)
         return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
-    def keys_values(self, rows: torch.Tensor, *, stacked: bool = False):
+    def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each.
 
         The projection ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per row), so keys
-        cached from here are the ones the uncached pass would compute. stacked: one (B, N, 2, H, D) tensor.
+        cached from here are the ones the uncached pass would compute.
         """
         B, N, _ = rows.shape
         h = self.norm(rows) if self.pre_ln else rows
         w_kv = self.qkv.weight[self.n_head * self.d_head:]  # (2*H*D, d): W_kE and W_v
-        kv = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head)  # (B, N, 2, H, D)
-        return kv if stacked else kv.unbind(2)
+        k, val = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
+        return k, val
 
     def content_query(self, q: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         """The query (B, T, H, D) that meets the keys, scaled by 1/sqrt(D): scaling the query instead of
