@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from txl.generate import inference_context
-from txl.model import Memory, TransformerXL
+from txl.model import KVCache, Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
 
 __all__ = ["DocumentScore", "ScoredSegment", "iter_scores", "score_documents"]
@@ -129,6 +129,8 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
         if row.done:  # an empty document: nothing to score
             yield DocumentScore(doc=row.doc, n_tokens=0, nll=0.0, logprobs=np.zeros(0) if keep_logprobs else None)
     memory: Memory | None = None
+    # The memory rows' keys and values are carried, not projected again (as txl.evaluate).
+    cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
     while not all(r.done for r in rows):
         new = [r.reader.take(segment_len) if not r.done else np.zeros(0, np.int64) for r in rows]
         n = max(len(ids) for ids in new)
@@ -140,8 +142,8 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
                 y[b, :len(ids)] = torch.from_numpy(ids)
                 row.carry = int(ids[-1])
         if n:
-            out = model(x.to(device), labels=y.to(device), memory=memory, return_log_probs=False)
-            memory = out.memory
+            out = model(x.to(device), labels=y.to(device), memory=memory, return_log_probs=False, kv_cache=cache)
+            memory, cache = out.memory, out.kv_cache
             logprobs = (-out.nll).double().cpu().numpy()  # (B, S)
         for b, (row, ids) in enumerate(zip(rows, new)):
             if row.done:
