@@ -50,7 +50,8 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
             if ext_len:
                 h = h[:, : h.size(1) - ext_len]
             cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l], h], dim=1)  # (B, M+T, d)
-            new.append(cat[:, -mem_len:].detach())
+            # A copy of the rows kept, so the dropped ones are freed with ``cat`` instead of living on under a view.
+            new.append(cat[:, -mem_len:].detach().contiguous() if cat.size(1) > mem_len else cat.detach())
     return tuple(new)
 
 
