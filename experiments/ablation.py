@@ -6,8 +6,11 @@ Shaw et al. 2018 ('shaw'), Vaswani et al. 2017 absolute sinusoids ('absolute') a
 2018 learned absolute positions ('al_rfou').
 
 Every trained model is then scored on the same validation positions with attention lengths A from
---contexts (each query attends to exactly A keys: mem_len = A with same_length, see
-``common.position_losses``). Reported, as in the paper:
+--contexts, evaluated as the paper does and as it was trained: segments of --tgt-len tokens with a
+memory of A - tgt_len, so the last query of a segment sees A keys (``common.position_losses``, not
+exact). The absolute encodings number positions within the key sequence, so only the training segment
+length shows them the positions they were trained on. (RECL, ``experiments.recl``, scores the same
+models with every query seeing exactly A keys instead.) Reported, as in the paper:
 
 * PPL init: perplexity at the training attention length, the most keys a query saw in training
   (mem_len + tgt_len with recurrence, tgt_len without);
@@ -87,7 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--contexts", default="32,64,96,128,160,192,224,256",
                    help="evaluation attention lengths, increasing; must include the training ones")
     e.add_argument("--streams", type=int, default=8, help="parallel evaluation streams")
-    e.add_argument("--eval-seg-len", type=int, default=64, help="evaluation segment length (no effect on losses)")
+    e.add_argument("--eval-seg-len", type=int, default=64,
+                   help="segment length of RECL's exact scoring (no effect on relative encodings' losses); "
+                   "the ablation table reads --tgt-len segments")
     e.add_argument("--variants", default="all", help="comma-separated run names (e.g. relative-rec), or all")
     p.add_argument("--out", default=str(common.RUNS_DIR / "ablation"), help="run directories go here")
     p.add_argument("--results", default=str(common.RESULTS_DIR), help="tables and plots go here")
@@ -141,20 +146,26 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                           progress=False))
 
 
-def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Train (or reuse) every variant and score it at every context: {name: {record, losses}}."""
+def collect(args: argparse.Namespace, *, exact: bool = False) -> dict[str, Any]:
+    """Train (or reuse) every variant and score it at every context: {name: {record, losses}}.
+
+    Not ``exact`` (this table): the paper's evaluation, segments of the training length and memory
+    context - tgt_len, so PPL init is measured exactly as the model was trained. ``exact`` (RECL): every
+    query sees exactly ``context`` keys (``common.position_losses``).
+    """
     common.set_threads(args.threads)
     grid = contexts_of(args)
     corpus = common.load_trimmed_corpus("ptb", args.data_dir, valid_tokens=args.valid_tokens)
+    seg_len, name = (args.eval_seg_len, "losses") if exact else (args.tgt_len, "losses-train-segments")
     runs = {}
     for v in variants_of(args):
         record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
         run_dir = Path(args.out) / v.name
         losses = common.cached_position_losses(common.load_trained(run_dir), corpus.valid, grid,
-                                               run_dir / "losses", n_streams=args.streams,
-                                               seg_len=args.eval_seg_len, skip=grid[-1] - 1)
+                                               run_dir / name, n_streams=args.streams,
+                                               seg_len=seg_len, skip=grid[-1] - 1, exact=exact)
         runs[v.name] = {"variant": v, "record": record, "losses": losses,
-                        "eval_wall_s": common.eval_seconds(run_dir / "losses", grid)}
+                        "eval_wall_s": common.eval_seconds(run_dir / name, grid)}
     return runs
 
 

@@ -108,15 +108,20 @@ def load_trained(run_dir: str | Path, which: str = "best") -> TransformerXL:
 
 @torch.no_grad()
 def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n_streams: int, seg_len: int,
-                    skip: int) -> np.ndarray:
-    """Loss (nats) of every scored position when each query attends to exactly ``context`` keys.
+                    skip: int, exact: bool = True) -> np.ndarray:
+    """Loss (nats) of every scored position at attention length ``context``.
 
     ``tokens`` is cut into ``n_streams`` contiguous streams read in ``seg_len``-token segments with
-    memory. With ``mem_len = context`` and ``same_length`` (PyTorch convention), query t sees the keys
-    t - context + 1 .. t in every layer, its own included: that is the attention length. The memory
-    rows hold hidden states that were themselves computed the same way, so information can still
-    reach further back through the layers (up to n_layer * context tokens): that is what segment-level
-    recurrence adds, and what the paper measures. The result does not depend on ``seg_len``.
+    memory. ``exact`` (for RECL): with ``mem_len = context`` and ``same_length`` (PyTorch convention),
+    query t sees the keys t - context + 1 .. t in every layer, its own included, whatever its place in
+    the segment; for relative encodings the result does not depend on ``seg_len``. Not ``exact`` (the
+    paper's evaluation, as in training): ``mem_len = context - seg_len`` without same_length, so the
+    last query of a segment sees ``context`` keys and the first ``context - seg_len + 1``; with
+    ``seg_len`` the training segment length, absolute encodings meet the query positions they were
+    trained on (they number positions within the key sequence, so any other segment length moves them).
+    The memory rows hold hidden states that were themselves computed the same way, so information can
+    still reach further back through the layers (up to n_layer * context tokens): that is what
+    segment-level recurrence adds, and what the paper measures.
 
     The first ``skip`` positions of each stream are dropped (they see fewer keys); with ``skip >=
     max context - 1`` every model and context is scored on the same positions, as RECL requires.
@@ -130,8 +135,13 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     device = next(model.parameters()).device
     x = data[:-1].view(n_streams, L).to(device)  # (S, L)
     y = data[1:].view(n_streams, L).to(device)  # (S, L): y[:, t] follows x[:, t]
+    if not exact and context < seg_len:
+        raise ValueError(f"attention length {context} is shorter than the segment ({seg_len} tokens)")
     old_config, was_training = model.config, model.training
-    model.reconfigure(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
+    if exact:
+        model.reconfigure(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
+    else:
+        model.reconfigure(mem_len=context - seg_len, same_length=False, ext_len=0)
     model.eval()
     try:
         # As txl.evaluate: the memory rows' keys and values are carried (KVCache), not projected again.
@@ -148,10 +158,10 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
 
 
 def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: Sequence[int], cache: Path, *,
-                           n_streams: int, seg_len: int, skip: int) -> dict[int, np.ndarray]:
+                           n_streams: int, seg_len: int, skip: int, exact: bool = True) -> dict[int, np.ndarray]:
     """``position_losses`` for each context, cached as ``cache/c{context}.npy`` (reused while the
     evaluation setup and the tokens are unchanged)."""
-    key = {"n_streams": n_streams, "seg_len": seg_len, "skip": skip,
+    key = {"n_streams": n_streams, "seg_len": seg_len, "skip": skip, **({} if exact else {"exact": False}),
            "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()}
     meta = cache / "meta.json"
     if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8")) != key:
@@ -166,7 +176,8 @@ def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: S
             out[c] = np.load(file)
             continue
         start = time.perf_counter()
-        out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip)
+        out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip,
+                                 exact=exact)
         np.save(file, out[c])
         (cache / f"c{c}.seconds").write_text(f"{time.perf_counter() - start:.3f}\n", encoding="utf-8")
         log.info("%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, c, out[c].mean(),

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     common.setup_logging()
     start = time.perf_counter()
-    runs = ablation.collect(args)
+    runs = ablation.collect(args, exact=True)
     report(runs, args, argv, time.perf_counter() - start)
     print(Path(args.results, "recl.md").read_text(encoding="utf-8"))
     return 0

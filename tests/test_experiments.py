@@ -75,6 +75,26 @@ def test_position_losses_see_exactly_context_keys():
     assert model.config.mem_len == 0 and not model.config.same_length  # config restored
 
 
+def test_position_losses_as_trained_see_memory_plus_segment():
+    """exact=False (the ablation table): segments of seg_len with a memory of context - seg_len, as in training;
+    position t then sees the keys from its segment's start - memory to t."""
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32, dropout=0.0,
+                                      mem_len=0, attn_type="al_rfou", learned_positions=16)).eval()
+    tokens = np.random.default_rng(1).integers(0, 30, size=41)
+    c, seg, skip = 7, 3, 6
+    got = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=seg, skip=skip, exact=False)
+    x, y = torch.as_tensor(tokens[:-1]), torch.as_tensor(tokens[1:])
+    for t in (skip, 19, 20, 39):
+        start = t - t % seg  # absolute positions count from the end of the keys: the whole segment is read
+        with torch.no_grad():  # the memory of one layer is its input: the embeddings of the previous tokens
+            out = model(x[None, start:start + seg], labels=y[None, start:start + seg],
+                        memory=(model.embed(x[None, start - (c - seg):start]),))
+        assert got[t - skip] == pytest.approx(float(out.nll[0, t - start]), rel=1e-5)
+    with pytest.raises(ValueError, match="shorter than the segment"):
+        common.position_losses(model, tokens, context=2, n_streams=1, seg_len=seg, skip=skip, exact=False)
+
+
 def test_position_losses_rejects_too_few_tokens():
     model = TransformerXL(ModelConfig(vocab_size=10, n_layer=1, d_model=8, n_head=2, d_inner=16))
     with pytest.raises(ValueError, match="skip"):
@@ -93,13 +113,16 @@ def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
         assert r["best_len"] >= r["init_len"] and set(r["ppl"]) == {"4", "8", "12"}
     assert f"{rel['ppl_init']:.2f}" in (res / "ablation.md").read_text()
     assert (res / "ablation.png").stat().st_size > 0
-    assert (tmp_path / "runs" / "relative-rec" / "losses" / "c12.npy").is_file()
+    assert (tmp_path / "runs" / "relative-rec" / "losses-train-segments" / "c12.npy").is_file()
 
-    # RECL reuses the trained models and the cached losses: no training, no re-evaluation.
+    # RECL reuses the trained models; it scores them with exactly c keys per query, once: a second run
+    # reuses those losses too. No training, no re-evaluation.
     def no_training(*a, **k):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(txl.train, "train", no_training)
+    assert recl.main(ablation_args(ptb_dir, tmp_path)) == 0
+    assert (tmp_path / "runs" / "relative-rec" / "losses" / "c12.npy").is_file()
     monkeypatch.setattr(common, "position_losses", no_training)
     assert recl.main(ablation_args(ptb_dir, tmp_path)) == 0
     r = json.loads((res / "recl.json").read_text())
