@@ -134,7 +134,9 @@ def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
     doc = tmp_path / "docs" / "results.md"
     text = report.render(res, doc)
     assert "Reduced budget" in text and "results/ablation.png" in text
-    assert ("Pending" in text) == (speedup.load_benchmark() is None)  # the speed-up hook, when benchmarks/ is absent
+    sp = json.loads((res / "speedup.json").read_text())
+    assert [r["length"] for r in sp["rows"]] == [8, 16] and all(r["speedup"] > 0 for r in sp["rows"])
+    assert "| 16 |" in text and "FLOP ratio" in text  # the measured table, in the report
     assert f"{rel['ppl_best']:.2f}" in text and "27.02" in text  # ours from JSON, the paper's from paper.py
 
 
@@ -160,18 +162,9 @@ def test_char_driver(char_dir, tmp_path):
     assert "bits per character" in report.render(tmp_path / "results", tmp_path / "docs" / "results.md")
 
 
-def test_speedup_hook_calls_the_benchmark_when_present():
-    class FakeBenchmark:
-        SHAPES = {"small": "shape"}
-
-        @staticmethod
-        def worker_speedup(shape, lengths, reps):
-            return [{"length": n, "xl_ms_per_token": 1.0, "vanilla_ms_per_token": n / 8, "speedup": n / 8}
-                    for n in lengths]
-
-    out = speedup.measure(FakeBenchmark, "small", [64, 128], 1)
-    assert out["status"] == "measured" and [r["speedup"] for r in out["rows"]] == [8, 16]
-    assert speedup.measure(None, "small", [64], 1)["status"] == "pending"
+def test_speedup_rejects_unknown_shape(tmp_path):
+    with pytest.raises(SystemExit, match="not a benchmark shape"):
+        speedup.main(["--results", str(tmp_path), "--shape", "huge", "--lengths", "8"])
 
 
 def test_summary_and_findings_on_synthetic_losses():
