@@ -215,7 +215,7 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
                            s["ppl_init"], s["ppl_best"], s["best_len"], f"{s['gain_pct']:.2f}",
                            f"{s['gain_nats'] / s['gain_se_nats']:.1f}" if s["gain_se_nats"] > 0 else "-",
                            s["ppl_longest"], f"{s['loss_pct_longest']:+.1f}",
-                           rec["steps"], f"{rec['wall_s']:.0f}", f"{r['eval_wall_s']:.0f}"])
+                           rec["steps"], f"{rec['train_s']:.0f}", f"{r['eval_wall_s']:.0f}"])
     md = common.markdown_table(["run", "recurrence", "encoding", "train attn len", "PPL init", "PPL best",
                                 "attn len (best)", "gain %", "gain / SE", "PPL at longest", "% vs init", "steps",
                                 "train s", "eval s"],

@@ -67,7 +67,8 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train ``cfg`` unless its run directory already holds a finished run of the same config.
 
     A run directory with checkpoints but no ``done.json`` (an interrupted run) is resumed. The returned
-    record (also ``done.json``) has the steps, the final validation loss and the wall time.
+    record (also ``done.json``) has the steps, the final validation loss and the wall time; ``train_s``
+    is the wall time, or for a resumed run its estimate from the training log (``logged_train_seconds``).
     """
     from txl.train import train
 
@@ -78,7 +79,7 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         record = json.loads(done.read_text(encoding="utf-8"))
         if record["run"] == cfg.to_dict():
             log.info("%s: finished earlier (%d steps, %.0f s), skipped", out, record["steps"], record["wall_s"])
-            return record
+            return {**record, "train_s": logged_train_seconds(out) if record["resumed"] else record["wall_s"]}
         raise ValueError(f"{out} holds a finished run of another config; delete it or choose another --out")
     resume = None
     if (out / "latest.json").is_file():
@@ -94,7 +95,22 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
               "wall_s": time.perf_counter() - start, "resumed": resume is not None,
               "n_params": sum(p.numel() for p in load_trained(out).parameters())}
     done.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return record
+    return {**record, "train_s": logged_train_seconds(out) if record["resumed"] else record["wall_s"]}
+
+
+def logged_train_seconds(run_dir: str | Path) -> float:
+    """Training time of a run that was interrupted and resumed, from its metrics.jsonl: each logged
+    interval's steps at that interval's measured tokens/s. Steps logged twice (done again after a
+    resume from an earlier checkpoint) count once, at their last rate: the time of an uninterrupted run."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    by_step = {r["step"]: r for r in rows if r.get("kind") == "train" and r.get("tokens_per_s")}
+    total, previous = 0.0, 0
+    for step in sorted(by_step):
+        r = by_step[step]
+        total += (step - previous) * (r["tokens"] / step) / r["tokens_per_s"]  # interval tokens / interval rate
+        previous = step
+    return total
 
 
 def load_trained(run_dir: str | Path, which: str = "best") -> TransformerXL:

@@ -184,3 +184,14 @@ def test_summary_and_findings_on_synthetic_losses():
     f = ablation.findings(rows)
     assert f["recurrence_with_ours_is_best"] and f["only_ours_keeps_improving"]
     assert f["improving_with_longer_attention"] == ["relative-rec"]
+
+
+def test_logged_train_seconds_counts_each_step_once(tmp_path):
+    """A resumed run's training time from its log: steps redone after a resume count once, at their last rate."""
+    rows = [{"kind": "train", "step": s, "tokens": 10 * s, "tokens_per_s": rate} for s, rate in
+            [(2, 10.0), (4, 10.0), (6, 5.0),  # interrupted after step 6; the checkpoint was at step 4
+             (6, 20.0), (8, 20.0)]]  # resumed: steps 5-6 again, faster
+    rows.insert(2, {"kind": "valid", "step": 4, "loss": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # steps 1-4 at 10 tok/s (4 s), 5-6 at 20 (1 s), 7-8 at 20 (1 s)
+    assert common.logged_train_seconds(tmp_path) == pytest.approx(6.0)
