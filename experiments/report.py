@@ -62,11 +62,14 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
             "`mem_len` differ between runs.",
             "",
             f"Evaluation: the first {args['valid_tokens'] or 'all'} validation tokens in {args['streams']} streams, "
-            f"the same {any_run['positions']:,} positions for every model and attention length (the warm-up "
-            "positions of each stream, which see fewer keys, are dropped); each query attends to exactly A keys "
-            "(`mem_len = A`, `same_length`). PPL init is at the training attention length (memory + segment "
-            "with recurrence, the segment alone without); PPL best is the best over A >= that length, with the "
-            "shortest A reaching it.", ""]
+            f"the same {any_run['positions']:,} positions for every model and attention length (the first "
+            "positions of each stream, which have less history, are dropped). As the paper evaluates and as the "
+            f"models were trained: segments of {args['tgt_len']} tokens with a memory of A - {args['tgt_len']}, so "
+            "the last query of a segment attends to A keys (the absolute encodings number positions within the "
+            "keys, so only the training segment length shows them the positions they were trained on). PPL init "
+            "is at the training attention length (memory + segment with recurrence, the segment alone without); "
+            "PPL best is the best over A >= that length, with the shortest A reaching it; 'PPL at longest' and "
+            "'% vs init' are at the longest A evaluated.", ""]
     out.append(Path(a["_md"]).read_text(encoding="utf-8"))
     out += [f"![perplexity against evaluation attention length]({img})", "",
             "Perplexity at every evaluated attention length:", ""]
@@ -86,7 +89,14 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
             f"{'reproduced' if f['only_ours_keeps_improving'] else 'not reproduced'}; runs whose loss at the best "
             f"length is below the one at the training length by more than {ablation.SIGNIFICANCE:g} standard "
             "errors of the paired per-position difference (column gain / SE): "
-            f"{', '.join(f'`{n}`' for n in improving) if improving else 'none'}.", ""]
+            f"{', '.join(f'`{n}`' for n in improving) if improving else 'none'}."]
+    if "recurrent_least_hurt_by_longest_attention" in f:
+        least = f["recurrent_least_hurt_by_longest_attention"]
+        out += [f"* *Weaker form: with recurrence, our encoding suffers least from the longest attention*: "
+                f"{'reproduced' if f['ours_least_hurt_by_longest_attention'] else 'not reproduced'}; of the "
+                f"recurrent runs, `{least}` changes least from its PPL init to the longest length "
+                f"({runs[least]['loss_pct_longest']:+.1f}%)."]
+    out.append("")
     return out
 
 
