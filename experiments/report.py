@@ -84,7 +84,10 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     out += ["Findings, checked on our numbers:", "",
             f"* *Recurrence with our encoding is best*: "
             f"{'reproduced' if f['recurrence_with_ours_is_best'] else 'not reproduced'}; the best run is "
-            f"`{f['best_run']}` (PPL best {runs[f['best_run']]['ppl_best']:.2f}).",
+            f"`{f['best_run']}` (PPL best {runs[f['best_run']]['ppl_best']:.2f})" + (
+                f"; `relative-rec` is {f['ours_vs_best']['gap_pct']:.2f}% above it, a paired per-position "
+                f"difference of {f['ours_vs_best']['gap_over_se']:.1f} standard errors"
+                if "ours_vs_best" in f else "") + ".",
             f"* *Only our encoding keeps improving as the evaluation attention grows*: "
             f"{'reproduced' if f['only_ours_keeps_improving'] else 'not reproduced'}; runs whose loss at the best "
             f"length is below the one at the training length by more than {ablation.SIGNIFICANCE:g} standard "

@@ -184,6 +184,14 @@ def test_summary_and_findings_on_synthetic_losses():
     f = ablation.findings(rows)
     assert f["recurrence_with_ours_is_best"] and f["only_ours_keeps_improving"]
     assert f["improving_with_longer_attention"] == ["relative-rec"]
+    assert "ours_vs_best" not in ablation.findings(rows, {"relative-rec": better, "al_rfou-norec": flat})
+    # A best run other than ours is compared with ours position by position: 0.05 nats worse everywhere.
+    shaw = {c: a - 0.05 for c, a in better.items()}
+    rows["shaw-rec"] = ablation.summarise(ablation.Variant("shaw", True), shaw, args)
+    f = ablation.findings(rows, {"relative-rec": better, "shaw-rec": shaw})
+    assert f["best_run"] == "shaw-rec" and not f["recurrence_with_ours_is_best"]
+    assert f["ours_vs_best"]["gap_pct"] == pytest.approx(100 * (math.exp(0.05) - 1))
+    assert f["ours_vs_best"]["gap_over_se"] > 1e6  # the same shift at every position: no noise
 
 
 def test_logged_train_seconds_counts_each_step_once(tmp_path):
