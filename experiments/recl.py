@@ -18,10 +18,13 @@ starting at the shortest context and stepping along the grid.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from experiments import ablation, common
 from txl.recl import recl_details
@@ -35,21 +38,34 @@ def compute(runs: dict[str, Any], grid: list[int], threshold: float) -> dict[flo
     return {r: recl_details(losses, grid, r=r, threshold=threshold) for r in RATIOS}
 
 
+def diagnose(losses: dict[int, np.ndarray], grid: list[int]) -> dict[str, float]:
+    """What a model's RECL should be read beside: its perplexity at the shortest and longest context, and
+    how much its per-position losses move between neighbouring contexts (mean |l(c', t) - l(c, t)|, nats).
+    RECL credits a model wherever its loss at c' falls below the group's best at c, and never debits it
+    where it rises (the min in f_i), so losses that move a lot at random also earn gains."""
+    moves = [float(np.mean(np.abs(losses[b] - losses[a]))) for a, b in zip(grid, grid[1:], strict=False)]
+    return {"ppl_first": math.exp(float(np.mean(losses[grid[0]]))),
+            "ppl_last": math.exp(float(np.mean(losses[grid[-1]]))), "volatility": float(np.mean(moves))}
+
+
 def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall_s: float) -> dict[str, Any]:
     grid = ablation.contexts_of(args)
     results = compute(runs, grid, args.threshold)
-    rows = []
+    rows, diagnostics = [], {name: diagnose(runs[name]["losses"], grid) for name in runs}
     for name in runs:
         cells = []
         for r in RATIOS:
             d = results[r][name]
             cells.append(f"{'>=' if d.saturated else ''}{d.recl}")
-        rows.append([name, *cells])
-    md = common.markdown_table(["model", *[f"RECL r={r:g}" for r in RATIOS]], rows)
+        dg = diagnostics[name]
+        rows.append([name, *cells, f"{dg['ppl_first']:.2f}", f"{dg['ppl_last']:.2f}", f"{dg['volatility']:.3f}"])
+    md = common.markdown_table(["model", *[f"RECL r={r:g}" for r in RATIOS], f"PPL at c={grid[0]}",
+                                f"PPL at c={grid[-1]}", "mean abs. change (nats)"], rows)
     payload = {
         "experiment": "recl", "command": common.command_line("experiments.recl", argv), "contexts": grid,
         "threshold": args.threshold, "wall_s": wall_s, "group": list(runs),
         "positions": int(next(iter(next(iter(runs.values()))["losses"].values())).size),
+        "diagnostics": diagnostics,
         "recl": {str(r): {name: {"recl": d.recl, "saturated": d.saturated, "gains": [list(g) for g in d.gains]}
                           for name, d in results[r].items()} for r in RATIOS},
     }

@@ -112,7 +112,12 @@ def recl_section(r: dict[str, Any], img: str) -> list[str]:
            "to exactly c keys (`model.reconfigure(mem_len=c, same_length=True)`) so that l_i(c, t) compares "
            "models on identical positions and context sizes; the recurrent memory can still carry older "
            "information through the layers, which is what RECL credits. `>=` marks a RECL that reached the "
-           "largest evaluated context (a lower bound).", ""]
+           "largest evaluated context (a lower bound). Beside RECL, read each model's perplexity at the shortest "
+           "and longest context under this protocol and how far its per-position losses move between "
+           "neighbouring contexts (mean absolute change, nats): the gain g_i counts the positions where the "
+           "model's loss at the longer context falls below the group's best at the shorter one and never "
+           "those where it rises, so a model whose losses move a lot at random earns gain without using the "
+           "context.", ""]
     out.append(Path(r["_md"]).read_text(encoding="utf-8"))
     out += [f"![relative gains along the RECL search]({img})", "",
             "The paper (WikiText-103, Table 8, the ablation group):", ""]

@@ -128,6 +128,10 @@ def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
     r = json.loads((res / "recl.json").read_text())
     assert set(r["recl"]) == {"0.1", "0.5", "1.0"} and r["group"] == ["relative-rec", "al_rfou-norec"]
     assert all(v["recl"] in (4, 8, 12) for v in r["recl"]["1.0"].values())
+    d, losses = r["diagnostics"]["relative-rec"], tmp_path / "runs" / "relative-rec" / "losses"
+    assert d["ppl_first"] == pytest.approx(math.exp(np.load(losses / "c4.npy").mean()))
+    moves = [np.abs(np.load(losses / f"c{b}.npy") - np.load(losses / f"c{a}.npy")).mean() for a, b in ((4, 8), (8, 12))]
+    assert d["volatility"] == pytest.approx(np.mean(moves))
     assert (res / "recl.png").stat().st_size > 0
 
     assert speedup.main(["--results", str(res), "--shape", "tiny", "--lengths", "8,16", "--reps", "1"]) == 0
