@@ -2,9 +2,9 @@
 
     python benchmarks/compare.py before/results.jsonl after/results.jsonl
 
-Rows pair the train/eval phases of the same shape and dtype ('train-keep' of the second run is set
-beside 'train' of the first when the first has none: the library used to keep the probabilities);
-the speed-up sweeps are set side by side by attention length.
+Rows pair the phases of the same shape, dtype and kind; a phase the first run lacks (e.g. 'train-keep',
+which older versions did not have) gets empty 'before' cells. The speed-up sweeps are set side by side
+by attention length.
 """
 
 from __future__ import annotations

@@ -73,7 +73,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     eval_wall = common.eval_seconds(Path(args.out) / "losses", grid)
     bpc = {c: float(np.mean(arr)) / math.log(2) for c, arr in losses.items()}
     best = min(bpc, key=lambda c: (bpc[c], c))
-    rows = [[c, bpc[c], "training" if c == train_len else ("best" if c == best else "")] for c in grid]
+    def note(c: int) -> str:
+        return ", ".join(x for x, hit in (("training", c == train_len), ("best", c == best)) if hit)
+
+    rows = [[c, f"{bpc[c]:.3f}", note(c)] for c in grid]  # three decimals: the differences are small
     md = common.markdown_table(["attention length", "bpc", ""], rows)
     payload = {"experiment": "char", "command": common.command_line("experiments.char", argv), "args": vars(args),
                "corpus": corpus.name, "train": {k: v for k, v in record.items() if k != "run"},

@@ -61,7 +61,8 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
             f"with cosine decay; memory {args['mem_len']} with recurrence, 0 without. Only `attn_type` and "
             "`mem_len` differ between runs.",
             "",
-            f"Evaluation: the first {args['valid_tokens'] or 'all'} validation tokens in {args['streams']} streams, "
+            f"Evaluation: {'the first ' + format(args['valid_tokens'], ',') if args['valid_tokens'] else 'all the'} "
+            f"validation tokens in {args['streams']} streams, "
             f"the same {any_run['positions']:,} positions for every model and attention length (the first "
             "positions of each stream, which have less history, are dropped). As the paper evaluates and as the "
             f"models were trained: segments of {args['tgt_len']} tokens with a memory of A - {args['tgt_len']}, so "
@@ -165,8 +166,10 @@ def char_section(c: dict[str, Any], img: str) -> list[str]:
             f"{c['positions']:,} validation positions scored at every length.", ""]
     out.append(Path(c["_md"]).read_text(encoding="utf-8"))
     out += [f"![bits per character against attention length]({img})", "",
-            f"Best {c['bpc_best']:.3f} bpc at attention length {c['best_len']}, against "
-            f"{c['bpc_train_len']:.3f} at the training length {c['train_attn_len']}.", ""]
+            (f"Best {c['bpc_best']:.3f} bpc at attention length {c['best_len']}, against "
+             f"{c['bpc_train_len']:.3f} at the training length {c['train_attn_len']}." if c["best_len"] !=
+             c["train_attn_len"] else f"Best {c['bpc_best']:.3f} bpc at the training attention length "
+             f"{c['best_len']}: no other attention length does better."), ""]
     return out
 
 
