@@ -22,7 +22,7 @@ import torch
 from experiments import ROOT
 from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
-from txl.model import KVCache, TransformerXL
+from txl.model import TransformerXL
 from txl.runtime import retain_freed_memory
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     model.eval()
     try:
         # As txl.evaluate: the memory rows' keys and values are carried (KVCache), not projected again.
-        cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
+        cache = model.start_kv_cache()
         memory, nll = None, []
         for s in range(0, L, seg_len):
             out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory, kv_cache=cache)

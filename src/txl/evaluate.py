@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from txl.distributed import DistInfo, all_reduce_sum
-from txl.model import KVCache, TransformerXL
+from txl.model import TransformerXL
 
 IGNORE_INDEX = -100
 
@@ -102,7 +102,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
         # The weights do not change while evaluating, so the memory rows' keys and values are carried from
         # segment to segment (KVCache) instead of being projected again; absolute encodings cannot be cached.
-        cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
+        cache = model.start_kv_cache()
         memory = None
         for i, batch in enumerate(it):
             if max_batches and i >= max_batches:

@@ -56,8 +56,7 @@ class IncrementalDecoder:
         self.mem_len = _positive_int("mem_len", mem_len)
         self.segment_len = _positive_int("segment_len", segment_len)
         self.memory: Memory | None = None
-        # 'absolute' and 'al_rfou' shift the positions of memory rows every step: their keys cannot be cached.
-        self.kv_cache: KVCache | None = KVCache() if model.config.attn_type in ("relative", "shaw") else None
+        self.kv_cache: KVCache | None = model.start_kv_cache()
         self.length = 0
         """Tokens read so far."""
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from txl.generate import inference_context
-from txl.model import KVCache, Memory, TransformerXL
+from txl.model import Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
 
 __all__ = ["DocumentScore", "ScoredSegment", "iter_scores", "score_documents"]
@@ -130,7 +130,7 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
             yield DocumentScore(doc=row.doc, n_tokens=0, nll=0.0, logprobs=np.zeros(0) if keep_logprobs else None)
     memory: Memory | None = None
     # The memory rows' keys and values are carried, not projected again (as txl.evaluate).
-    cache = KVCache() if model.config.attn_type in ("relative", "shaw") else None
+    cache = model.start_kv_cache()
     while not all(r.done for r in rows):
         new = [r.reader.take(segment_len) if not r.done else np.zeros(0, np.int64) for r in rows]
         n = max(len(ids) for ids in new)

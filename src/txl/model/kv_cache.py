@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+CACHEABLE_ATTN_TYPES = ("relative", "shaw")
+"""Attention types whose memory-row keys do not change from step to step (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class KVCache:
@@ -57,4 +60,4 @@ def weights_version(module: torch.nn.Module) -> int:
     return sum(0 if p.is_inference() else p._version for p in module.parameters())
 
 
-__all__ = ["KVCache", "weights_version"]
+__all__ = ["CACHEABLE_ATTN_TYPES", "KVCache", "weights_version"]

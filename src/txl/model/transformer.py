@@ -29,7 +29,7 @@ from txl.model.attention import (
     sinusoid,
 )
 from txl.model.dropout import Dropout, ReLUDropout
-from txl.model.kv_cache import KVCache, weights_version
+from txl.model.kv_cache import CACHEABLE_ATTN_TYPES, KVCache, weights_version
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
 
 
@@ -181,6 +181,11 @@ class TransformerXL(nn.Module):
         return zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
                             device=p.device, dtype=p.dtype)
 
+    def start_kv_cache(self) -> KVCache | None:
+        """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
+        return KVCache() if self.config.attn_type in CACHEABLE_ATTN_TYPES else None
+
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
@@ -299,7 +304,7 @@ class TransformerXL(nn.Module):
         c = self.config
         if not isinstance(cache, KVCache):
             raise ValueError(f"kv_cache must be a KVCache (KVCache() to start one), got {type(cache).__name__}")
-        if c.attn_type not in ("relative", "shaw"):
+        if c.attn_type not in CACHEABLE_ATTN_TYPES:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
         if self.training or torch.is_grad_enabled():
