@@ -53,3 +53,14 @@ def test_relu_dropout_equals_dropout_of_relu():
     torch.testing.assert_close(fused, plain, atol=0, rtol=0)
     torch.testing.assert_close(grad, x.grad, atol=0, rtol=0)
     assert torch.equal(ReLUDropout(0.2).eval()(x), torch.relu(x))
+
+
+def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
+    x = torch.randn(4, 9)
+    y = x.clone()
+    assert ReLUDropout(0.2, inplace=True).eval()(y) is y and torch.equal(y, torch.relu(x))
+    y = x.clone()
+    assert torch.equal(ReLUDropout(0.0, inplace=True).train()(y), torch.relu(x)) and torch.equal(y, torch.relu(x))
+    y = x.clone()
+    ReLUDropout(0.2, inplace=True).train()(y)
+    assert torch.equal(y, x)  # with dropout the input is left alone

@@ -80,10 +80,14 @@ class Dropout(nn.Dropout):
 
 
 class ReLUDropout(Dropout):
-    """dropout(relu(x)) in one step: one mask, and no ReLU input or mask of its own kept for backward."""
+    """dropout(relu(x)) in one step: one mask, and no ReLU input or mask of its own kept for backward.
+
+    ``inplace=True`` (for an input nothing else reads, such as a fresh linear output): without dropout
+    (evaluation, or p = 0) the ReLU overwrites its input instead of allocating another tensor.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
-            return torch.relu(x)
+            return torch.relu_(x) if self.inplace else torch.relu(x)
         keep, scale = keep_mask(x.shape, self.p, x.device)
         return _ReLUScaleMask.apply(x, keep, scale)

@@ -43,13 +43,11 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.drop = Dropout(config.dropout)
-        self.relu_drop = ReLUDropout(config.dropout)  # dropout(relu(.)), fused
+        self.relu_drop = ReLUDropout(config.dropout, inplace=True)  # dropout(relu(.)), fused; fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
-        a = self.fc1(h)  # (B, T, d_inner), a fresh tensor that nothing else keeps
-        a = self.relu_drop(a) if self.relu_drop.training and self.relu_drop.p > 0 else torch.relu_(a)
-        out = self.drop(self.fc2(a))  # (B, T, d)
+        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
 
