@@ -130,6 +130,19 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
+def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> torch.Tensor:
+    """softmax(score + qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
+
+    score: a fresh (N, T, K) bias (positions and mask, -inf where hidden), consumed: the content scores are
+    the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet in the matmul's own
+    output pass. In place, so the operands are cast to its dtype here: autocast skips in-place ops. The
+    softmax runs in float32 (a hidden key gets probability 0).
+    """
+    dt = score.dtype
+    score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2))  # (N, T, K)
+    return torch.softmax(score, dim=-1, dtype=torch.float32).to(dt)  # (N, T, K)
+
+
 class _RecomputedAttention(torch.autograd.Function):
     """softmax(query k^T + bias) val for training, keeping neither the (B, H, T, K) bias nor the probabilities.
 
@@ -171,13 +184,10 @@ class _RecomputedAttention(torch.autograd.Function):
         kh = k.reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.reshape(B * H, K, D)  # (B*H, K, D)
         go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
-        # The scores accumulate into the recomputed bias (its gradient graph does not need its values).
-        score = bias.detach().view(B * H, T, K)  # (B*H, T, K); in place, so the operands share its dtype:
-        score = score.baddbmm_(qh.to(score.dtype), kh.to(score.dtype).transpose(1, 2))  # autocast skips in-place ops
-        # The softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
+        # The scores accumulate into the recomputed bias (its gradient graph does not need its values). The
+        # softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
         # (twice the time of the whole softmax on CPU), and the probabilities are the same up to rounding.
-        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(score.dtype)  # (B*H, T, K), hidden keys 0
-        del score
+        prob = _probabilities(bias.detach().view(B * H, T, K), qh, kh)  # (B*H, T, K), hidden keys 0
         grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
         delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
         grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
@@ -263,22 +273,20 @@ class Attention(nn.Module):
     def explicit(self, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """softmax(query k^T + bias) val with the probabilities kept (and dropped out): (B, H, T, D).
 
-        query: (B, T, H, D) scaled; k, val: (B, K, H, D); bias: (B, H, T, K) or (T, K), -inf where hidden.
-        The bias is the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet
-        in the matmul's own output pass; a key that is hidden gets probability 0, hence zero gradient.
+        query: (B, T, H, D) scaled; k, val: (B, K, H, D); bias: (B, H, T, K) (a fresh tensor, consumed) or
+        (T, K), -inf where hidden. A key that is hidden gets probability 0, hence zero gradient.
         """
         B, T, H, D = query.shape
         K = k.size(1)
         qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-        if bias.dim() == 4:  # (B, H, T, K), a fresh tensor: the scores accumulate into it (in place, so the
-            dt = bias.dtype  # operands take its dtype themselves: autocast skips in-place ops)
-            score = bias.view(B * H, T, K).baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2))  # (B*H, T, K)
+        if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
+            prob = _probabilities(bias.view(B * H, T, K), qh, kh)  # (B*H, T, K)
         else:  # (T, K), broadcast
             score = torch.baddbmm(bias, qh, kh.transpose(1, 2))  # (B*H, T, K)
-        prob = self.dropatt(torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype))  # (B*H, T, K)
-        return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
+            prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype)  # (B*H, T, K)
+        return torch.bmm(self.dropatt(prob), vh).view(B, H, T, D)  # (B, H, T, D)
 
     def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each.
