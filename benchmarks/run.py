@@ -120,24 +120,24 @@ def speedup_flop_ratio(shape: Shape, length: int) -> float:
 
 # -- measurement helpers -------------------------------------------------------------------------------
 class MatmulPeak:
-    """This machine's matmul FLOP/s: a PEAK_N-cubed torch.mm in one dtype, timed on demand.
+    """This machine's matmul FLOP/s: an n-cubed torch.mm (PEAK_N by default) in one dtype, timed on demand.
 
     The phases sample it around every timed step (``Bracket``), so each step's FLOP/s is divided by a peak
     measured on the same (shared, noisy) machine moments before and after; the operands (3 x 16 MB in fp32)
     stay allocated.
     """
 
-    def __init__(self, dtype: torch.dtype, clock=time.perf_counter) -> None:
-        self.clock = clock
+    def __init__(self, dtype: torch.dtype, clock=time.perf_counter, n: int = PEAK_N) -> None:
+        self.clock, self.n = clock, n
         g = torch.Generator().manual_seed(0)
-        self.a = torch.randn(PEAK_N, PEAK_N, generator=g).to(dtype)
-        self.b = torch.randn(PEAK_N, PEAK_N, generator=g).to(dtype)
-        self.c = torch.mm(self.a, self.b)
+        self.a = torch.randn(n, n, generator=g).to(dtype)
+        self.b = torch.randn(n, n, generator=g).to(dtype)
+        self.c = torch.mm(self.a, self.b)  # also the warm-up
 
     def sample(self) -> float:
         t0 = self.clock()
         torch.mm(self.a, self.b, out=self.c)
-        return 2 * PEAK_N**3 / (self.clock() - t0)
+        return 2 * self.n**3 / (self.clock() - t0)
 
 
 class Bracket:
@@ -195,6 +195,13 @@ def same_batch_loss(model, x, y, memory, dtype, seed: int) -> float:
         return model(x, labels=y, memory=memory).loss.item()
 
 
+def bf16_loss_check(model, x, y, memory) -> dict:
+    """bf16 autocast against fp32 on the same batch, weights and dropout seed: both losses and their difference."""
+    fp32 = same_batch_loss(model, x, y, memory, torch.float32, seed=1)
+    bf16 = same_batch_loss(model, x, y, memory, torch.bfloat16, seed=1)
+    return dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32))
+
+
 def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak: MatmulPeak, *,
                  recompute: bool = True) -> tuple[list[dict], dict]:
     """Timed training steps (forward, backward, clipped Adam step, memory carried), peak samples around each."""
@@ -204,10 +211,8 @@ def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))  # the trainer's optimiser (fused Adam)
     memory, samples, extra, bracket = None, [], {}, Bracket(peak)
     for i, (x, y) in enumerate(batches(shape, warmup + steps, gen)):
-        if i == warmup and dtype == torch.bfloat16:  # bf16 autocast against fp32: same weights, batch, dropout
-            fp32 = same_batch_loss(model, x, y, memory, torch.float32, seed=1)
-            bf16 = same_batch_loss(model, x, y, memory, torch.bfloat16, seed=1)
-            extra = dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32))
+        if i == warmup and dtype == torch.bfloat16:
+            extra = bf16_loss_check(model, x, y, memory)
         if i == warmup:
             bracket.start()
         memory, t = train_step(model, optimizer, x, y, memory, dtype, clock=peak.clock)
@@ -217,7 +222,7 @@ def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak
 
 
 def worker_eval(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak: MatmulPeak) -> tuple[list[dict], dict]:
-    """Timed evaluation segments (per-token NLL, memory and key/value cache carried), a peak sample after each.
+    """Timed evaluation segments (per-token NLL, memory and key/value cache carried), peak samples around each.
 
     As ``txl.evaluate``: the memory rows' keys and values come from the previous segment's cache instead of
     being projected again (the weights do not change in evaluation).
@@ -293,17 +298,10 @@ def worker_bf16_check(shape: Shape) -> dict:
     with torch.no_grad():
         memory = model(x0, labels=y0).memory
     t0 = time.perf_counter()
-    fp32 = same_batch_loss(model, x, y, memory, torch.float32, seed=1)
-    bf16 = same_batch_loss(model, x, y, memory, torch.bfloat16, seed=1)
-    speeds = {}
-    for name, dtype in DTYPES.items():
-        a = torch.randn(512, 512).to(dtype)
-        torch.mm(a, a)
-        t = time.perf_counter()
-        torch.mm(a, a)
-        speeds[name] = 2 * 512**3 / (time.perf_counter() - t)
-    return dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32), check_s=time.perf_counter() - t0,
-                mm_flops_fp32=speeds["fp32"], mm_flops_bf16=speeds["bf16"])
+    check = bf16_loss_check(model, x, y, memory)
+    check_s = time.perf_counter() - t0
+    speeds = {f"mm_flops_{name}": MatmulPeak(dtype, n=512).sample() for name, dtype in DTYPES.items()}  # 2048: minutes
+    return dict(check, check_s=check_s, **speeds)
 
 
 def run_worker(args) -> None:
