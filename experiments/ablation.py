@@ -169,6 +169,11 @@ def collect(args: argparse.Namespace, *, exact: bool = False) -> dict[str, Any]:
     return runs
 
 
+def standard_error(diff: np.ndarray) -> float:
+    """Standard error of the mean of paired per-position differences (inf for fewer than two)."""
+    return float(np.std(diff, ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else math.inf
+
+
 def summarise(v: Variant, losses: dict[int, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
     """PPL at every context, PPL init, PPL best (over contexts >= the training one) and its length."""
     ppl = {c: math.exp(float(np.mean(arr))) for c, arr in losses.items()}
@@ -176,7 +181,7 @@ def summarise(v: Variant, losses: dict[int, np.ndarray], args: argparse.Namespac
     longer = [c for c in sorted(ppl) if c >= init_len]
     best_len = min(longer, key=lambda c: (ppl[c], c))  # the shortest length reaching the best
     diff = losses[init_len] - losses[best_len]  # (P,) paired per-position gain, nats
-    se = float(np.std(diff, ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else math.inf
+    se = standard_error(diff)
     longest = max(ppl)
     return {"ppl": ppl, "init_len": init_len, "ppl_init": ppl[init_len], "ppl_best": ppl[best_len],
             "best_len": best_len, "gain_pct": 100 * (1 - ppl[best_len] / ppl[init_len]),
@@ -203,7 +208,7 @@ def findings(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.nda
         ours = "relative-rec"
         if losses and best != ours and ours in rows:
             diff = losses[ours][rows[ours]["best_len"]] - losses[best][rows[best]["best_len"]]  # (P,) nats
-            se = float(np.std(diff, ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else math.inf
+            se = standard_error(diff)
             out["ours_vs_best"] = {"gap_pct": 100 * (rows[ours]["ppl_best"] / rows[best]["ppl_best"] - 1),
                                    "gap_over_se": float(diff.mean()) / se if se > 0 else math.inf}
         improving = sorted(n for n, r in rows.items() if r["improves"])

@@ -79,7 +79,7 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         record = json.loads(done.read_text(encoding="utf-8"))
         if record["run"] == cfg.to_dict():
             log.info("%s: finished earlier (%d steps, %.0f s), skipped", out, record["steps"], record["wall_s"])
-            return {**record, "train_s": logged_train_seconds(out) if record["resumed"] else record["wall_s"]}
+            return _with_train_seconds(record, out)
         raise ValueError(f"{out} holds a finished run of another config; delete it or choose another --out")
     resume = None
     if (out / "latest.json").is_file():
@@ -95,7 +95,12 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
               "wall_s": time.perf_counter() - start, "resumed": resume is not None,
               "n_params": sum(p.numel() for p in load_trained(out).parameters())}
     done.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return {**record, "train_s": logged_train_seconds(out) if record["resumed"] else record["wall_s"]}
+    return _with_train_seconds(record, out)
+
+
+def _with_train_seconds(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The record with ``train_s``: its wall time, or for a resumed run the estimate from its log."""
+    return {**record, "train_s": logged_train_seconds(run_dir) if record["resumed"] else record["wall_s"]}
 
 
 def logged_train_seconds(run_dir: str | Path) -> float:

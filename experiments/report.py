@@ -48,7 +48,7 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     tokens = args["steps"] * args["batch_size"] * args["tgt_len"]
     out = ["## 1. Ablation: recurrence x positional encoding (the paper's Table 6), PTB words", ""]
     if reduced:
-        per_step = sum(_train_s(r["train"]) / max(1, r["train"]["steps"]) for r in runs.values())
+        per_step = sum(r["train"]["train_s"] / max(1, r["train"]["steps"]) for r in runs.values())
         out += [f"**Reduced budget.** This run used {', '.join(reduced)}. The full budget is "
                 "`python -m experiments.ablation` with its defaults (then `python -m experiments.recl` and "
                 "`python -m experiments.report`); at this run's time per step its training would take about "
@@ -159,7 +159,7 @@ def char_section(c: dict[str, Any], img: str) -> list[str]:
     if reduced:
         out += [f"**Reduced budget.** This run used {', '.join(reduced)}; the full one is "
                 "`python -m experiments.char`.", ""]
-    out += [f"Command: `{c['command']}` (wall time {_mins(c['wall_s'])}; training {_mins(_train_s(t))}, "
+    out += [f"Command: `{c['command']}` (wall time {_mins(c['wall_s'])}; training {_mins(t['train_s'])}, "
             f"{t['steps']} steps; evaluation {_mins(c['eval_wall_s'])}).", "",
             f"Corpus `{c['corpus']}`; {m['n_layer']} layers, d_model {m['d_model']}, relative encoding, memory "
             f"{m['mem_len']}, segment {c['args']['tgt_len']} (training attention length {c['train_attn_len']}); "
@@ -173,17 +173,12 @@ def char_section(c: dict[str, Any], img: str) -> list[str]:
     return out
 
 
-def _train_s(record: dict[str, Any]) -> float:
-    """A run's training time: its wall time, or for a resumed run the estimate from its log."""
-    return record.get("train_s", record["wall_s"])
-
-
 def wall_times(a: dict[str, Any] | None) -> list[str]:
     if a is None:
         return []
-    rows = [[n, _mins(_train_s(r["train"])) + (" (resumed, from its log)" if r["train"].get("resumed") else ""),
+    rows = [[n, _mins(r["train"]["train_s"]) + (" (resumed, from its log)" if r["train"]["resumed"] else ""),
              r["train"]["steps"], r["train"]["stopped"], _mins(r["eval_wall_s"])] for n, r in a["runs"].items()]
-    total = sum(_train_s(r["train"]) for r in a["runs"].values())
+    total = sum(r["train"]["train_s"] for r in a["runs"].values())
     return ["## Wall time of each ablation run", "",
             "Measured on the 2-core CPU described in the introduction, two runs at a time, each with `--threads 1` "
             "(`--variants` splits the grid between two processes; the listed command then reused the finished "
