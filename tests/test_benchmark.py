@@ -50,3 +50,16 @@ def test_compare_pairs_phases_and_shows_the_spread():
     assert table[2] == "| base | fp32 | train | 300 | 338 | 0.60 | 0.67 (0.66-0.70) | 2000 | 1850 |"
     assert table[3] == "| base | fp32 | eval |  | 300 |  | 0.80 |  | 2000 |"
     assert "| 128 | 0.200 | 15.0 | 75x | 0.100 | 10.0 | 100x | 98x |  |" in compare.speedup_table(before, after)
+
+
+def test_changes_measures_every_change_on_the_tiny_shape():
+    """benchmarks/changes.py end to end (its page-reuse workers are subprocesses): every change timed off and on."""
+    import json
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "changes.py"
+    out = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--threads", "1"], check=True,
+                         capture_output=True, text=True).stdout
+    record = json.loads(out.splitlines()[-1])
+    assert record["kind"] == "changes" and len(record["ms"]) == 4
+    assert all(v["off"] > 0 and v["on"] > 0 for v in record["ms"].values())
