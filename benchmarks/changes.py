@@ -13,7 +13,9 @@ apart, with medians over repeated steps:
 * kv-cache: an evaluation segment with memory, projecting the memory rows' keys and values again against
   carrying them in a ``KVCache``;
 * realign: the positional scores of one layer, rel-shifted by pad-and-view (``rel_shift``) plus the mask
-  through autograd, against ``realign`` (forward and backward).
+  through autograd, against ``realign`` (forward and backward);
+* with ``--compile``, also torch.compile: a training step of the eager model against ``torch.compile(model)``
+  with default settings (compilation in the untimed warm-up steps; several minutes on a small CPU).
 """
 
 from __future__ import annotations
@@ -58,16 +60,17 @@ def adam(shape: bench.Shape) -> tuple[float, float]:
     return median_ms(plain.step, 7), median_ms(fused.step, 7)
 
 
-def train_step_ms(shape: bench.Shape, reuse: bool) -> float:
-    """Worker: median training step with or without page reuse (this process only)."""
+def train_step_ms(shape: bench.Shape, reuse: bool, compiled: bool = False) -> float:
+    """Median training step with or without page reuse (for this whole process) and torch.compile."""
     if reuse:
         retain_freed_memory()
     torch.manual_seed(0)
     model = txl.TransformerXL(bench.model_config(shape)).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))
+    step_model = torch.compile(model) if compiled else model
     memory, times = None, []
     for i, (x, y) in enumerate(bench.batches(shape, 6, torch.Generator().manual_seed(0))):
-        memory, t = bench.train_step(model, optimizer, x, y, memory, torch.float32)
+        memory, t = bench.train_step(step_model, optimizer, x, y, memory, torch.float32)
         if i >= 2:
             times.append(t["step"])
     return 1e3 * statistics.median(times)
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="base", choices=list(bench.SHAPES))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="also time torch.compile (slow to compile)")
     p.add_argument("--worker", choices=["reuse", "no-reuse"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = {"adam (optimiser step)": adam(shape), "pages (training step)": pages(args.shape, args.threads),
             "kv-cache (evaluation segment)": kv_cache(shape), "realign (one layer, fwd+bwd)": realign_ms(shape)}
+    if args.compile:
+        retain_freed_memory()  # both sides as the txl command runs
+        rows["torch.compile (training step)"] = (train_step_ms(shape, True), train_step_ms(shape, True, compiled=True))
     print(f"{args.shape} shape, {args.threads} threads: median ms, change off -> on")
     for name, (off, on) in rows.items():
         print(f"  {name:<32} {off:8.1f} -> {on:8.1f}  ({100 * (on / off - 1):+.0f}%)")

@@ -26,7 +26,7 @@ def retain_freed_memory() -> bool:
 
     By default glibc serves large blocks with fresh ``mmap`` pages and gives freed ones back, so every
     step of a training loop faults its activations in again page by page (``benchmarks/changes.py``
-    measured 9% of a base-shape training step and 19% of a small-shape one on a 2-vCPU VM). With blocks
+    measured 9% of a base-shape training step on a 2-vCPU VM; at the small shape it is within noise). With blocks
     up to 32 MiB taken from the heap and the heap never trimmed, a loop that
     allocates the same shapes every step reuses the same pages; the resident size stays at the peak,
     which it reaches anyway. Returns False (and changes nothing) where the C library is not glibc.
