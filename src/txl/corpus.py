@@ -12,7 +12,7 @@ from pathlib import Path
 from txl.config import DataConfig
 from txl.data import Corpus, load_corpus
 from txl.data.cache import default_cache_dir
-from txl.pretrained import _atomic_write
+from txl.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def stdlib_text(max_bytes: int, cache_dir: Path) -> Path:
         raise FileNotFoundError(f"found no standard-library source under {root}; pass --data.corpus PATH")
     text = b"".join(parts)[:max_bytes]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda tmp: Path(tmp).write_bytes(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(text))
     log.info("standard-library corpus: %s bytes from %s -> %s", f"{len(text):,}", root, path)
     return path
 

@@ -18,8 +18,7 @@ import torch
 
 from txl.distributed import DistInfo, all_reduce_sum
 from txl.model import TransformerXL
-
-IGNORE_INDEX = -100
+from txl.model.adaptive import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -116,11 +115,6 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
     return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)
-
-
-def sweep_memory(model: TransformerXL, tokens: np.ndarray, mem_lens: list[int], **kwargs) -> list[EvalResult]:
-    """Evaluate once per memory length (the paper's 'effective context' study)."""
-    return [evaluate(model, tokens, mem_len=m, **kwargs) for m in mem_lens]
 
 
 def plot_sweep(mem_lens: list[int], results: list[EvalResult], tgt_len: int, path: str) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from txl.model.adaptive import IGNORE_INDEX  # the one definition: the loss skips these labels
 
 
 @dataclass(frozen=True)
