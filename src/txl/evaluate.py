@@ -91,8 +91,6 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
 
     device = next(model.parameters()).device
     info = info or DistInfo(rank=0, world_size=1, device=device)
-    if batch_size % info.world_size:
-        raise ValueError(f"eval.batch_size={batch_size} must be divisible by the {info.world_size} processes")
     ext = model.config.ext_len if ext_len is None else ext_len
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
                        world_size=info.world_size, device=device)
