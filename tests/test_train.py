@@ -90,13 +90,27 @@ def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
     capsys.readouterr()
-    assert main(["eval", str(out), "--mem-len", "24", "--clamp-len", "16", "--same-length", "--tgt-len", "4",
-                 "--max-batches", "3"]) == 0
-    assert "mem_len 24, tgt_len 4: loss" in capsys.readouterr().out
+    assert main(["eval", str(out), "--eval.mem_len", "24", "--eval.clamp_len", "16", "--eval.same_length",
+                 "--eval.tgt_len", "4", "--max-batches", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "test (first 3 segments, 2 streams, tgt_len 4, clamp_len 16, same_length;" in printed
+    assert "mem_len 24, tgt_len 4, keys/query 24: loss" in printed
     assert main(["eval", str(out), "--sweep-mem", "0,8,16", "--max-batches", "2"]) == 0
     table = capsys.readouterr().out
-    assert "attn_len" in table and len([r for r in table.splitlines() if r.strip().startswith("16 ")]) == 1
-    assert any(out.glob("checkpoints/*/mem_sweep.png"))
+    assert "keys/query" in table and len([r for r in table.splitlines() if r.strip().startswith("16 ")]) == 1
+    assert (out / "mem_sweep.png").is_file()  # the run directory: pruning never deletes it
+    rows = (out / "mem_sweep.tsv").read_text().splitlines()
+    assert rows[0].split("\t") == ["mem_len", "keys/query", "loss", "bpc", "tokens/s"] and len(rows) == 4
+    assert rows[1].split("\t")[:2] == ["0", "1-8"]  # without same_length query t sees mem_len + t + 1 keys
+
+
+def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *args(corpus, out, "--max-steps", "1")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out), "--eval.same_length", "--sweep-mem", "0,8"]) == 2
+    err = capsys.readouterr().err
+    assert "same_length with mem_len 0 masks every key" in err and len(err.strip().splitlines()) == 1
 
 
 def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
@@ -105,7 +119,8 @@ def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
     assert main(["train", "--max-steps", "2", "--data.max_bytes", "30000", "--model.n_layer", "1",
                  "--train.sample_tokens", "5", "--train.eval_batches", "1", "--eval.batch_size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "test (mem_len 192, trained with 64)" in out and "sample (prompt >>> continuation)" in out
+    assert "test (best checkpoint, step 2; tgt_len 64, mem_len 192, 2 streams, whole split; trained with mem_len 64" \
+        in out and "sample (prompt >>> continuation)" in out
     run = tmp_path / "runs" / "default"
     assert (run / "learning_curve.png").is_file() and (run / "best.json").is_file()
     model = txl.from_pretrained(txl.checkpoint.find_checkpoint(run, "best"))  # a plain model directory too
@@ -190,7 +205,7 @@ def test_vocabulary_must_match_checkpoint(corpus, tmp_path, capsys):
     assert main(["train", *args(corpus, out, "--max-steps", "1", "--data.level", "char")]) == 0
     other = tmp_path / "other.txt"
     other.write_text("abc abd abe\n" * 300)
-    assert main(["eval", str(out), "--corpus", str(other)]) == 2
+    assert main(["eval", str(out), "--data.corpus", str(other)]) == 2
     err = capsys.readouterr().err
     assert "the corpus vocabulary (char level, 8 symbols) does not match the checkpoint's" in err
 

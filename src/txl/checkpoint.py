@@ -145,6 +145,12 @@ def best(run_dir: str | os.PathLike) -> Path | None:
     return _pointer(Path(run_dir), "best")
 
 
+def run_dir_of(path: str | os.PathLike) -> Path:
+    """The run directory of a run or checkpoint directory (a checkpoint outside a run is its own)."""
+    p = Path(path)
+    return p.parent.parent if (p / "config.json").is_file() and p.parent.name == CKPT_DIR else p
+
+
 def find_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
     """A checkpoint directory from itself or from a run directory (its ``which`` pointer: latest/best)."""
     p = Path(path)
