@@ -113,6 +113,7 @@ def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
     assert "same_length with mem_len 0 masks every key" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -239,6 +240,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_single(corpus, tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     assert main(["train", *args(corpus, single, "--max-steps", "4", "--model.dropout", "0")]) == 0  # per-rank dropout
@@ -252,3 +254,68 @@ def test_ddp_two_processes_match_single(corpus, tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     torch.testing.assert_close(torch.tensor([b[s] for s in a]), torch.tensor(list(a.values())), rtol=1e-4, atol=1e-4)
     assert not (multi / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 logs
+
+
+def test_best_checkpoint_compares_like_with_like(corpus, tmp_path, monkeypatch):
+    """Periodic validation reads 2 segments, the end of training the whole split. Here the partial estimate
+    ranks the final model first and the full one ranks it worse than step 3's partial figure: the best
+    decision must use the partial estimate both times (before, the final full 1.5 lost to step 3's 1.0)."""
+    real = txl.train.evaluate
+    seen = []
+
+    def fake(model, tokens, *, max_batches=0, **kw):
+        result = real(model, tokens, max_batches=max_batches, **kw)
+        seen.append(max_batches)
+        partial = {1: 1.0, 2: 0.9}  # the 1st and 2nd partial validations: step 3, then the final model
+        loss = partial[seen.count(2)] if max_batches == 2 else 1.5
+        return txl.evaluate.EvalResult(loss=loss, tokens=result.tokens, seconds=result.seconds, metric=result.metric)
+
+    monkeypatch.setattr(txl.train, "evaluate", fake)
+    out = tmp_path / "r"
+    assert main(["train", *args(corpus, out, "--max-steps", "6", "--train.eval_interval", "3")]) == 0
+    assert json.loads((out / "best.json").read_text())["step"] == 6
+    assert seen == [2, 2, 0, 0]  # step 3 partial, final partial (the decision), full valid, test
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows if r["kind"] == "valid"] == [(3, 1.0), (6, 0.9)]
+
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
+GOLDEN_ARGS = ["--preset", "tiny", "--data.level", "byte", "--max-steps", "8", "--train.log_interval", "1",
+               "--train.eval_interval", "0", "--train.ckpt_interval", "0", "--train.progress", "false",
+               "--train.tensorboard", "false", "--train.plot", "false"]
+
+
+def golden_corpus(directory: Path) -> Path:
+    """A generated text (the same on every machine, unlike the stdlib corpus of the tiny preset)."""
+    path = directory / "golden.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    return path
+
+
+def golden_losses(directory: Path) -> dict[int, float]:
+    out = directory / "run"
+    assert main(["train", *GOLDEN_ARGS, "--data.corpus", str(golden_corpus(directory)), "--out", str(out)]) == 0
+    return losses(out)
+
+
+def test_golden_losses_of_the_tiny_preset(tmp_path, monkeypatch):
+    """The tiny preset's first 8 training losses, seed 0, against the recorded ones (any change to the model,
+    initialisation, data order or optimiser moves them by far more than 1e-4)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    golden = json.loads(GOLDEN.read_text())
+    got = golden_losses(tmp_path)
+    assert sorted(got) == list(range(1, 9))
+    for step, loss in golden["losses"].items():
+        assert got[int(step)] == pytest.approx(loss, abs=1e-4), step
+
+
+if __name__ == "__main__":  # python tests/test_train.py: record the golden losses again (after a deliberate change)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
+        recorded = golden_losses(Path(tmp))
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({"command": "python tests/test_train.py", "args": GOLDEN_ARGS,
+                                  "torch": torch.__version__, "losses": recorded}, indent=2) + "\n")
+    print(f"wrote {GOLDEN}")

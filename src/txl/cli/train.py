@@ -54,7 +54,7 @@ def list_presets() -> list[str]:
         with torch.device("meta"):
             n = sum(p.numel() for p in TransformerXL(run_config(name).model).parameters())
         size = f"{n / 1e6:.1f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
-        lines.append(f"{name:<12} {size:>7} params  {preset_expected_time(name):<34} {preset_summary(name)}")
+        lines.append(f"{name:<12} {size:>7} params  {preset_expected_time(name):<38} {preset_summary(name)}")
     return lines
 
 
