@@ -279,6 +279,26 @@ def test_best_checkpoint_compares_like_with_like(corpus, tmp_path, monkeypatch):
     assert [(r["step"], r["loss"]) for r in rows if r["kind"] == "valid"] == [(3, 1.0), (6, 0.9)]
 
 
+def test_pre_split_directory_names(tmp_path):
+    """Own pre-split corpora: train.txt, train.tokens, wiki.train.tokens ... are found; otherwise one line says
+    which files were there."""
+    from txl.data.corpora import split_files
+
+    for names in (["train.txt", "valid.txt", "test.txt"], ["train.raw", "valid.bin", "test.tokens"],
+                  ["wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"]):
+        d = tmp_path / names[0].replace(".", "_")
+        d.mkdir()
+        for n in names:
+            (d / n).write_text("a b c\n")
+        assert [f.name for f in split_files(d)] == names
+    d = tmp_path / "partial"
+    d.mkdir()
+    (d / "train.txt").write_text("x")
+    (d / "dev.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"found valid: none; test: none among dev.txt, train.txt$"):
+        split_files(d)
+
+
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 GOLDEN_ARGS = ["--preset", "tiny", "--data.level", "byte", "--max-steps", "8", "--train.log_interval", "1",
                "--train.eval_interval", "0", "--train.ckpt_interval", "0", "--train.progress", "false",
