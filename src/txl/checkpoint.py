@@ -195,6 +195,7 @@ def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = T
         except Exception as err:
             raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}: {err}); resume "
                              "from an earlier checkpoint under checkpoints/") from None
+        state = _from_flat(state)
         missing = [k for k in STATE_PARTS if k not in state]
         if missing:
             raise ValueError(f"{file} lacks the part(s) {missing} (written by an older txl?); its weights still "
@@ -204,6 +205,17 @@ def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = T
 
 load_checkpoint = load
 """The former name of ``load``, kept while callers move over."""
+
+
+def _from_flat(state: dict[str, Any]) -> dict[str, Any]:
+    """A train_state.pt written before the parts had their own keys (one flat dict, per-rank lists of RNG
+    states and memories) in today's layout, so runs started earlier still resume."""
+    if "train" in state or "step" not in state:
+        return state
+    ranks = [{"rng": rng, "memories": mem} for rng, mem in zip(state["rng"], state["memories"])]
+    train = {"step": state["step"], "tokens": state["tokens"], "best_valid": state["best_valid"],
+             "horizon": state.get("horizon", 0), "iterator": state["iterator"], "ranks": ranks}
+    return {"optimizer": state["optimizer"], "scaler": state["scaler"], "train": train}
 
 
 def check_tokenizer(ckpt: Path, tokenizer: Any) -> None:
