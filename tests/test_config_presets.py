@@ -173,3 +173,17 @@ def test_config_accepts_a_saved_run_json(tmp_path):
 def test_boolean_fields_take_a_value_or_none():
     assert _train_args(["--train.var_len"]).train.var_len is True
     assert _train_args(["--train.var_len", "false"]).train.var_len is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model.mem_lenn", "3"], "unknown field model.mem_lenn; valid model fields are: "),
+    (["train", "--bogus"], "unrecognised argument '--bogus'; config fields are set as --data.FIELD"),
+    (["eval", "run", "--model.mem_len", "3"], "txl eval takes no --model.FIELD options; its config options are "
+                                              "--eval.FIELD, --data.FIELD"),
+])
+def test_unknown_options_are_one_line(capsys, argv, message):
+    from txl.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -583,6 +583,7 @@ def add_config_arguments(parser: Any, sections: list[str], *, preset: dict[str, 
     errors; only the options given appear in the parsed namespace (see ``overrides_from``)."""
     import argparse
 
+    parser.set_defaults(config_sections=list(sections))
     for section in sections:
         kind = SECTIONS[section]
         group = parser.add_argument_group(f"{section} ({kind.__doc__.splitlines()[0].rstrip('.')})")
@@ -610,15 +611,21 @@ def overrides_from(args: Any) -> dict[str, str]:
     return {k: v for k, v in vars(args).items() if "." in k and k.split(".", 1)[0] in SECTIONS}
 
 
-def unknown_option_error(extra: list[str]) -> ValueError:
-    """One line for an option argparse did not know: a misspelt config field names the valid ones."""
+def unknown_option_error(extra: list[str], sections: list[str], command: str) -> ValueError:
+    """One line for an option argparse did not know: a misspelt config field names the valid ones, a field
+    of a section this command does not take says which sections it takes."""
     arg = extra[0]
     key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
-    if "." in key:
+    section = key.partition(".")[0]
+    if sections and section in SECTIONS and section not in sections:
+        return ValueError(f"txl {command} takes no --{section}.FIELD options; its config options are "
+                          f"{', '.join(f'--{s}.FIELD' for s in sections)} (see txl {command} --help)")
+    if section in sections:
         try:
             apply_overrides({}, {key: ""})
         except ValueError as err:
             if "unknown" in str(err):
                 return err
-    return ValueError(f"unrecognised argument {arg!r}; config fields are set as --SECTION.FIELD VALUE "
-                      "(e.g. --model.mem_len 300); see --help")
+    hint = (f"config fields are set as {', '.join(f'--{s}.FIELD' for s in sections)} VALUE" if sections
+            else f"txl {command} takes no config fields")
+    return ValueError(f"unrecognised argument {arg!r}; {hint} (see txl {command} --help)")

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # a misspelt --SECTION.FIELD names the valid fields; anything else says what is accepted
         from txl.config import unknown_option_error
 
-        print(f"txl {args.command}: error: {unknown_option_error(extra)}", file=sys.stderr)
+        err = unknown_option_error(extra, getattr(args, "config_sections", []), args.command)
+        print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
