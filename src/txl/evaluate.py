@@ -113,22 +113,3 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
     return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)
-
-
-def plot_sweep(mem_lens: list[int], results: list[EvalResult], tgt_len: int, path: str) -> bool:
-    """Metric against attention length (mem_len + tgt_len); False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([m + tgt_len for m in mem_lens], [r.value for r in results], marker="o")
-    ax.set_xlabel("attention length (mem_len + tgt_len)")
-    ax.set_ylabel(results[0].metric)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

@@ -88,6 +88,28 @@ def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
     return True
 
 
+def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, keys: str, png: str | Path) -> bool:
+    """The metric against the memory length (``txl eval --sweep-mem``); title and axis say what each query
+    sees (``keys``); False when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'txl[cli]'): no sweep plot")
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(mem_lens, values, marker="o")
+    ax.set_xlabel(f"memory length mem_len (keys per query: {keys})")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} against memory length")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
 class _NullBar:
     """What the loop talks to when no bar is shown (another process, --train.progress false, no tqdm)."""
 

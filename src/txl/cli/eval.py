@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from txl.config import RunConfig, apply_overrides
     from txl.corpus import load_run_corpus
     from txl.distributed import resolve_device
-    from txl.evaluate import evaluate, plot_sweep
+    from txl.evaluate import evaluate
     from txl.fileio import write_text
+    from txl.metrics import plot_memory_sweep
 
     device = resolve_device(args.device)
     loaded = load(args.checkpoint, which=args.which, with_state=False, device=device)
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     write_text(out / "mem_sweep.tsv", "\n".join("\t".join(r.split()) for r in rows) + "\n")
     print(f"table: {out / 'mem_sweep.tsv'}")
     plot = args.plot or str(out / "mem_sweep.png")
-    if plot_sweep(mems, results, tgt, plot):
+    keys = ("mem_len" + (" + 1" if m.same_length_style == "tensorflow" else "") if same
+            else f"mem_len + 1 .. mem_len + {tgt}")
+    if plot_memory_sweep(mems, [r.value for r in results], corpus.metric, keys, plot):
         print(f"plot: {plot}")
     return 0
