@@ -129,6 +129,14 @@ def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
     assert "same_length with mem_len 0 masks every key" in err and len(err.strip().splitlines()) == 1
 
 
+def test_eval_says_clamp_len_does_not_apply_to_shaw(corpus, tmp_path, capsys, caplog):
+    out = tmp_path / "run"
+    assert main(["train", *args(corpus, out, "--max-steps", "1", "--model.attn_type", "shaw")]) == 0
+    assert main(["eval", str(out), "--eval.clamp_len", "4", "--max-batches", "1"]) == 0
+    assert "eval.clamp_len=4 does not apply to attn_type='shaw'" in caplog.text
+    assert "model.learned_positions" in caplog.text
+
+
 @pytest.mark.slow
 def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
