@@ -141,6 +141,7 @@ class ProgressBar:
 
     def __init__(self, *, total: int, initial: int, enabled: bool, unit: str = "step", desc: str | None = None) -> None:
         self.bar: Any = _NullBar()
+        self._tqdm: Any = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
         if not enabled:
             return
@@ -148,6 +149,7 @@ class ProgressBar:
             from tqdm.auto import tqdm
         except ImportError:
             return
+        self._tqdm = tqdm
         self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True)
         root = logging.getLogger()
         for h in list(root.handlers):
@@ -158,6 +160,14 @@ class ProgressBar:
                 root.removeHandler(h)
                 root.addHandler(new)
                 self._swapped.append((h, new))
+
+    def write(self, text: str, stream: Any) -> None:
+        """A line of output above the bar (or just the line when no bar is shown)."""
+        if self._tqdm is not None:
+            self._tqdm.write(text, file=stream)
+        else:
+            stream.write(text + "\n")
+            stream.flush()
 
     def set_total(self, total: int) -> None:
         """The bar's total follows a time budget's horizon (so its ETA is the budget's)."""

@@ -44,6 +44,7 @@ def keys_per_query(mem_len: int, tgt_len: int, same_length: bool, style: str) ->
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import sys
     from dataclasses import replace
 
     from txl.checkpoint import check_tokenizer, load, run_dir_of
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate
     from txl.fileio import write_text
-    from txl.metrics import plot_memory_sweep
+    from txl.metrics import ProgressBar, plot_memory_sweep
 
     device = resolve_device(args.device)
     loaded = load(args.checkpoint, which=args.which, with_state=False, device=device)
@@ -92,13 +93,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     header = f"{'mem_len':>8} {'keys/query':>11} {'loss':>8} {corpus.metric:>8} {'tokens/s':>10}"
     rows, results = [header], []
-    print(header)
-    for mem in mems:
-        r = evaluate(model, tokens, mem_len=mem, **kwargs)
-        results.append(r)
-        rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
-                    f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")
-        print(rows[-1], flush=True)
+    print(header, flush=True)
+    bar = ProgressBar(total=len(mems), initial=0, enabled=True, unit="mem_len", desc="sweep")
+    try:
+        for mem in mems:
+            r = evaluate(model, tokens, mem_len=mem, **kwargs)
+            results.append(r)
+            rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
+                        f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")
+            bar.write(rows[-1], sys.stdout)
+            bar.update(1)
+    finally:
+        bar.close()
     out = run_dir_of(args.checkpoint)
     write_text(out / "mem_sweep.tsv", "\n".join("\t".join(r.split()) for r in rows) + "\n")
     print(f"table: {out / 'mem_sweep.tsv'}")
