@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from txl.data.sources import Source, iter_text
-from txl.data.tokenize import fit_tokenizer, load_tokenizer, make_spec
-from txl.data.vocab import Vocab
+from txl.data.tokenizer import Vocab, fit_tokenizer, load_tokenizer, make_spec
 
 TEXT = "the cat sat on the mat\nthe dog\n\nnaïve café ünïcödé €\n"
 
@@ -125,9 +124,9 @@ def test_load_tokenizer_detects_mismatches(tmp_path):
     vocab.write_text(vocab.read_text(encoding="utf-8") + "extra\n", encoding="utf-8")
     with pytest.raises(ValueError, match="does not match"):
         load_tokenizer(tmp_path / "tok")
-    meta = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    meta = json.loads((tmp_path / "tok" / "txl_tokenizer.json").read_text())
     assert meta["spec"]["level"] == "word"
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match="txl_tokenizer.json"):
         load_tokenizer(tmp_path / "nowhere")
 
 

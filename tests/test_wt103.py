@@ -1,6 +1,6 @@
 import pytest
 
-from txl.text.wt103 import (
+from txl.data.tokenizer.wt103 import (
     detokenize,
     detokenize_numbers,
     normalize_punctuation,
