@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -37,11 +38,12 @@ def stdlib_root() -> Path:
 def stdlib_files(root: Path) -> list[tuple[str, Path]]:
     """(path relative to ``root`` in POSIX form, path) of the source files, sorted by relative path."""
     out = []
-    for file in root.rglob("*.py"):
-        rel = file.relative_to(root)
-        if SKIPPED_DIRS & set(rel.parts):
-            continue
-        out.append((rel.as_posix(), file))
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and d != "__pycache__"]  # not walked at all
+        for name in names:
+            if name.endswith(".py"):
+                path = Path(folder, name)
+                out.append((path.relative_to(root).as_posix(), path))
     return sorted(out)
 
 
@@ -60,22 +62,28 @@ def split_of(rel: str, seed: int) -> str:
     raise AssertionError("the shares sum to 100")
 
 
-def select(files: list[tuple[str, bytes]], max_bytes: int, seed: int) -> dict[str, list[tuple[str, bytes]]]:
+def select(files: list[tuple[str, Path]], max_bytes: int, seed: int) -> dict[str, list[tuple[str, bytes]]]:
     """The files (relative path, contents) of each split, in hash order, each split filled to its share of
-    ``max_bytes``; the file that crosses a split's budget is cut after the last line that fits."""
+    ``max_bytes``; the file that crosses a split's budget is cut after its last line that fits, and fills
+    the split. Files are read only when reached (most are not, for the default size); non-UTF-8 is skipped."""
     budget = {split: max_bytes * share // 100 for split, share in SPLIT_SHARES}
     chosen: dict[str, list[tuple[str, bytes]]] = {split: [] for split, _ in SPLIT_SHARES}
-    for rel, data in sorted(files, key=lambda f: path_hash(f[0], seed)):
+    for rel, path in sorted(files, key=lambda f: path_hash(f[0], seed)):
         split = split_of(rel, seed)
-        left = budget[split]
-        if left <= 0:
+        if budget[split] <= 0:
             continue
-        if len(data) > left:
-            data = data[:data.rfind(b"\n", 0, left) + 1]  # whole lines, so whole UTF-8 characters
-            if not data:
-                continue
-        chosen[split].append((rel, data))
-        budget[split] -= len(data)
+        try:
+            data = path.read_bytes()
+            data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(data) >= budget[split]:
+            data = data[:data.rfind(b"\n", 0, budget[split]) + 1]  # whole lines, so whole UTF-8 characters
+            budget[split] = 0
+        else:
+            budget[split] -= len(data)
+        if data:
+            chosen[split].append((rel, data))
         if all(b <= 0 for b in budget.values()):
             break
     return chosen
@@ -89,17 +97,10 @@ def build_stdlib_corpus(cache_dir: Path, *, max_bytes: int, seed: int = 0, root:
     entry = cache.lookup(cache_dir, key)
     if entry is not None:
         return entry
-    files = []
-    for rel, path in stdlib_files(root):
-        try:
-            data = path.read_bytes()
-            data.decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        files.append((rel, data))
-    if sum(len(d) for _, d in files) < 1000:
-        raise FileNotFoundError(f"found no standard-library source under {root}; pass --data.corpus PATH")
-    chosen = select(files, max_bytes, seed)
+    chosen = select(stdlib_files(root), max_bytes, seed)
+    if not all(chosen.values()):
+        raise FileNotFoundError(f"found too little standard-library source under {root} for three splits; "
+                                "pass --data.corpus PATH")
 
     def fill(tmp: Path) -> dict[str, Any]:
         for split, parts in chosen.items():

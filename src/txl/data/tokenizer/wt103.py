@@ -170,7 +170,7 @@ def tokenize(text: str, *, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> li
 
         def protect(m: re.Match[str]) -> str:
             protected.append(m.group(0))
-            return f" TXLSPECIAL{_letters(len(protected) - 1)}TXLEND "
+            return f"TXLSPECIAL{_letters(len(protected) - 1)}TXLEND"
 
         text = pattern.sub(protect, text)
     text = text.strip()
