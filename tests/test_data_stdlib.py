@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from txl.data import REGISTRY, download_corpus, load_corpus
-from txl.data.stdlib import SPLIT_SHARES, build_stdlib_corpus, select, split_of, stdlib_files, stdlib_root
+from txl.data.stdlib import (
+    SPLIT_SHARES,
+    build_stdlib_corpus,
+    path_hash,
+    select,
+    split_of,
+    stdlib_files,
+    stdlib_root,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +30,9 @@ def default_size(tmp_path_factory):
 
 def test_split_is_a_seeded_hash_of_the_path():
     # sha256 of "seed:path": the same on every machine; a file's split does not depend on max_bytes.
-    assert [split_of(p, 0) for p in ("json/decoder.py", "argparse.py", "encodings/cp1252.py")] == \
-        [split_of(p, 0) for p in ("json/decoder.py", "argparse.py", "encodings/cp1252.py")]
+    # Pinned values: the hash is of the path text only, so they hold on every machine.
+    assert path_hash("xmlrpc/client.py", 0) == 10019786586686124193 and split_of("xmlrpc/client.py", 0) == "valid"
+    assert [split_of(p, 0) for p in ("json/decoder.py", "argparse.py", "encodings/cp1252.py")] == ["train"] * 3
     assert {split_of(f"pkg/mod{i}.py", 0) for i in range(200)} == {"train", "valid", "test"}
     counts = Counter(split_of(f"pkg/mod{i}.py", 0) for i in range(10_000))
     assert 8_800 < counts["train"] < 9_200 and 400 < counts["valid"] < 600 and 400 < counts["test"] < 600

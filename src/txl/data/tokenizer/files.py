@@ -50,6 +50,7 @@ META_FILE = "txl_tokenizer.json"
 HF_FILE = "tokenizer.json"
 HF_VOCAB_FILES = ("vocab.txt", "vocab.json")
 HF_PICKLED_VOCAB_FILES = ("vocab.pkl", "vocab.bin")
+UNK_FALLBACK = "<unk>"  # WordLevel needs an unknown token's name even when the vocabulary has none
 
 
 # -- txl's own files ---------------------------------------------------------------------------------
@@ -220,9 +221,6 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
             tk.pre_tokenizers.ByteLevel(add_prefix_space=False)])
         return hf
     return None
-
-
-UNK_FALLBACK = "<unk>"  # WordLevel needs an unknown token's name even when the vocabulary has none
 
 
 # -- the tokenizer of a model directory -------------------------------------------------------------------

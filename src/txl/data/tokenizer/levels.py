@@ -104,7 +104,7 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         """Write the tokenizer files into ``directory`` (see ``txl.data.tokenizer.files``)."""
-        from txl.data.tokenizer.files import save_tokenizer
+        from txl.data.tokenizer.files import save_tokenizer  # files.py builds on this module: import late
 
         save_tokenizer(self, directory)
 
