@@ -340,7 +340,7 @@ class WordTokenizer(Tokenizer):
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
-        return np.fromiter(self._ids(self.symbols(text), unknown=None), dtype=np.int64)
+        return self.vocab.encode(self.symbols(text))
 
     def encode_prompt(self, text: str) -> list[int]:
         unknown: list[str] = []
