@@ -126,6 +126,18 @@ class Tokenizer:
         """The token read before a document so its first token is scored too (word level: ``<eos>``)."""
         return None
 
+    @property
+    def unk_id(self) -> int | None:
+        """The id unknown symbols become, when the vocabulary has one."""
+        vocab = getattr(self, "vocab", None)
+        return vocab.unk_id if vocab is not None else None
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id of the end-of-line symbol, when the vocabulary has one."""
+        vocab = getattr(self, "vocab", None)
+        return vocab.eos_id if vocab is not None else None
+
     def stream(self) -> TextStream:
         """A :class:`TextStream` that turns generated ids into text as they come."""
         return TextStream(self)
