@@ -145,3 +145,16 @@ def test_text_chunks_never_split_characters_or_lines(tmp_path):
     assert "".join(chars) == data.decode() and len(chars) > 10
     lines = list(iter_text(Source(path), "line", chunk=7))
     assert "".join(lines) == data.decode() and all(c.endswith("\n") for c in lines)
+
+
+def test_word_level_with_wikitext103_rules_learns_and_round_trips_raw_text(tmp_path):
+    path = tmp_path / "raw.txt"
+    raw = "It's a state-of-the-art model, 5,000 of them.\nDon't stop.\n"
+    path.write_text(raw, encoding="utf-8")
+    tok = fit_tokenizer(make_spec("word", rules="wt103", specials=["<eos>", "<unk>"]), [Source(path)])
+    assert {"'s", "@-@", "@,@", "'t"} <= set(tok.vocab.symbols)  # the vocabulary is of the rules' tokens
+    ids = tok.encode(raw)
+    assert tok.unk_id not in ids.tolist() and tok.decode(ids) == raw
+    assert tok.with_rules("whitespace").encode("It 's\n").tolist() == [tok.vocab.index["It"], tok.vocab.index["'s"], 0]
+    with pytest.raises(ValueError, match="word rules must be one of whitespace, wt103"):
+        make_spec("word", rules="moses")

@@ -24,6 +24,7 @@ Levels:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -273,6 +274,16 @@ def _fit_char(spec: dict[str, Any], train: Sequence[Source]) -> CharTokenizer:
 # -- word ----------------------------------------------------------------------------------------------
 
 
+def _rules(spec: dict[str, Any]) -> tuple[Callable[[str], list[str]], Callable[[list[str]], str] | None]:
+    """How a line becomes words, and words text again (None: lines of space-separated words)."""
+    if spec["rules"] == "whitespace":
+        return str.split, None
+    if spec["wt103_backend"] == "sacremoses":
+        moses = wt103.Moses()
+        return moses.tokenize, functools.partial(moses.detokenize, eos=spec["eos"])
+    return wt103.tokenize, functools.partial(wt103.detokenize, eos=spec["eos"])
+
+
 class WordTokenizer(Tokenizer):
     boundary: Boundary = "line"
 
@@ -283,13 +294,7 @@ class WordTokenizer(Tokenizer):
             if spec[flag] and spec[name] not in self.vocab:
                 raise ValueError(f"{flag} is set but {spec[name]!r} is not in the vocabulary; the "
                                  "vocabulary and tokenizer spec do not belong together")
-        # How a line becomes words and words become text again: whitespace, or the WikiText-103 rules.
-        self._split: Callable[[str], list[str]] = str.split
-        self._join: Callable[[list[str]], str] | None = None
-        if spec["rules"] == "wt103":
-            moses = wt103.Moses() if spec["wt103_backend"] == "sacremoses" else None
-            self._split = moses.tokenize if moses else wt103.tokenize
-            self._join = lambda words: (moses.detokenize if moses else wt103.detokenize)(words, eos=spec["eos"])
+        self._split, self._join = _rules(spec)
 
     @classmethod
     def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = False, rules: str = "wt103",
@@ -404,11 +409,11 @@ def _fit_word(spec: dict[str, Any], train: Sequence[Source]) -> WordTokenizer:
                    if (fields := line.split())]
         return WordTokenizer(spec, Vocab(list(dict.fromkeys(symbols))))
     counts: Counter[str] = Counter()
-    lower = spec["lower_case"]
+    lower, split = spec["lower_case"], _rules(spec)[0]
     for source in train:
         for text in iter_text(source, "line"):
             for line in text.split("\n"):
-                counts.update((line.lower() if lower else line).split())
+                counts.update(split(line.lower() if lower else line))
     specials = list(spec["specials"])
     for flag, name in (("add_bos", "bos"), ("add_eos", "eos")):
         if spec[flag] and spec[name] not in specials:
