@@ -46,6 +46,7 @@ from txl.data import cache
 from txl.data import tokenizer as tz
 from txl.data.download import download, extract
 from txl.data.sources import Source, file_sha256, snap
+from txl.data.stdlib import build_stdlib_corpus
 from txl.data.tokenizer import LEVELS, Level, Tokenizer, encode_source, make_spec
 
 if TYPE_CHECKING:
@@ -354,8 +355,6 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
         data_root = Path("/")  # user specs carry absolute paths
     cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     if spec.generated == "stdlib":
-        from txl.data.stdlib import build_stdlib_corpus
-
         data_root = build_stdlib_corpus(cache_root.parent / "stdlib", max_bytes=max_bytes, seed=STDLIB_SEED)
     sources = resolve_sources(spec, data_root)
     tok_options = dict(spec.tokenizer)
