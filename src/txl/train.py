@@ -171,7 +171,7 @@ def eval_settings(*, tgt_len: int, mem_len: int, clamp_len: int | None, same_len
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None) -> TrainResult:
     """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample."""
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
     try:

@@ -41,7 +41,7 @@ def run_download(args: argparse.Namespace) -> int:
 
 def run_prepare(args: argparse.Namespace) -> int:
     from txl.config import RunConfig, apply_overrides
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     data = RunConfig.from_dict(apply_overrides({"data": {"corpus": args.name}}, overrides_from(args))).data
     corpus = load_run_corpus(data)

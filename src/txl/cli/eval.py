@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from txl.checkpoint import check_tokenizer, load, run_dir_of
     from txl.config import RunConfig, apply_overrides
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate
     from txl.fileio import write_text
