@@ -93,8 +93,8 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool)
 
     scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
     distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
-    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K): bool-mask kernels are
-    several times slower than an add on CPU.
+    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K), a slower bool-mask
+    kernel on CPU (timings: benchmarks/README.md).
     """
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         from txl.model.attention import rel_shift
