@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelConfig": "txl.config",
+    "Context": "txl.config", "ModelConfig": "txl.config",
     "KVCache": "txl.model", "LMOutput": "txl.model", "Memory": "txl.model", "TransformerXL": "txl.model",
     "from_pretrained": "txl.pretrained", "save_hf": "txl.pretrained", "save_pretrained": "txl.pretrained",
     "generate": "txl.generate", "generate_stream": "txl.generate",
     "iter_scores": "txl.score", "score_documents": "txl.score",
 }
-__all__ = ["KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL", "from_pretrained", "generate",
+__all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL", "from_pretrained", "generate",
            "generate_stream", "iter_scores", "save_hf", "save_pretrained", "score_documents"]
 
 
@@ -47,7 +47,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
-    from txl.config import ModelConfig
+    from txl.config import Context, ModelConfig
     from txl.generate import generate, generate_stream
     from txl.model import KVCache, LMOutput, Memory, TransformerXL
     from txl.pretrained import from_pretrained, save_hf, save_pretrained
