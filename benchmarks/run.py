@@ -204,6 +204,27 @@ def speedup_flop_ratio(shape: Shape, length: int) -> float:
 
 
 # -- measurement helpers -------------------------------------------------------------------------------
+class Profile:
+    """torch.profiler around one step; ``table`` is its top operators by self time (device time on a GPU)."""
+
+    def __init__(self, device: torch.device, rows: int = 18) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof, self.rows, self.device, self.table = profile(activities=activities), rows, device, ""
+
+    def __enter__(self) -> Profile:
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.__exit__(*exc)
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        self.table = self.prof.key_averages().table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
+
+
 def make_clock(device: torch.device):
     """perf_counter, after waiting for the device's queued kernels on a GPU (they run asynchronously)."""
     if device.type != "cuda":
@@ -311,9 +332,10 @@ def bf16_loss_check(model, x, y, memory) -> dict:
 
 
 def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
-                 recompute: bool = True, compile: bool = False,
+                 recompute: bool = True, compile: bool = False, profile: bool = False,
                  device: torch.device = CPU) -> tuple[list[dict], dict]:
-    """Timed training steps of the library's train_step (memory carried), peak samples around each."""
+    """Timed training steps of the library's train_step (memory carried), peak samples around each; with
+    ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape, recompute_attention=recompute)).to(device).train()
@@ -322,11 +344,16 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step_model = compile_model(model, compile)
     memories, samples, extra, bracket = [None], [], {}, Bracket(peak)
-    for i, (x, y) in enumerate(batches(shape, warmup + steps, gen, device)):
+    for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup and dtype_name == "bf16":
             extra = bf16_loss_check(model, x, y, memories[0])
         if i == warmup:
             bracket.start()
+        if i == warmup + steps:  # the extra, profiled step
+            with Profile(device) as prof:
+                library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
+            extra["profile"] = prof.table
+            break
         t0 = peak.clock()
         memories = library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
         step = peak.clock() - t0
@@ -336,7 +363,7 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
 
 
 def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
-                compile: bool = False, device: torch.device = CPU) -> tuple[list[dict], dict]:
+                compile: bool = False, profile: bool = False, device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed evaluation segments (per-token NLL, memory and key/value cache carried), peak samples around each.
 
     As ``txl.evaluate``: the memory rows' keys and values come from the previous segment's cache instead of
@@ -346,19 +373,29 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape)).to(device).eval()
     forward = compile_model(model, compile)
-    memory, cache, samples, bracket = None, model.start_kv_cache(), [], Bracket(peak)
-    for i, (x, y) in enumerate(batches(shape, warmup + steps, gen, device)):
-        if i == warmup:
-            bracket.start()
-        t0 = peak.clock()
+    memory, cache, samples, bracket, extra = None, model.start_kv_cache(), [], Bracket(peak), {}
+
+    def segment(x, y):
         with torch.inference_mode(), autocast(device, PRECISION[dtype_name]):
             out = forward(x, labels=y, memory=memory, kv_cache=cache)
         out.nll.sum().item()
+        return out
+
+    for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
+        if i == warmup:
+            bracket.start()
+        if i == warmup + steps:  # the extra, profiled segment
+            with Profile(device) as prof:
+                segment(x, y)
+            extra["profile"] = prof.table
+            break
+        t0 = peak.clock()
+        out = segment(x, y)
         step = peak.clock() - t0
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
         memory, cache = out.memory, out.kv_cache
-    return samples, {}
+    return samples, extra
 
 
 @torch.inference_mode()
@@ -458,10 +495,11 @@ def run_worker(args) -> None:
         t0 = time.perf_counter()
         if args.worker == "eval":
             samples, extra = worker_eval(shape.for_phase("eval"), args.dtype, args.warmup, args.steps, peak,
-                                         compile=args.compiled, device=device)
+                                         compile=args.compiled, profile=args.profile, device=device)
         else:  # 'train' recomputes the attention scores in backward (the default), 'train-keep' keeps them
             samples, extra = worker_train(shape, args.dtype, args.warmup, args.steps, peak,
-                                          recompute=args.worker == "train", compile=args.compiled, device=device)
+                                          recompute=args.worker == "train", compile=args.compiled,
+                                          profile=args.profile, device=device)
         wall = time.perf_counter() - t0
     run_shape = shape.for_phase(args.worker)
     tokens = run_shape.batch * run_shape.tgt_len
@@ -575,6 +613,10 @@ def print_tables(results: list[dict]) -> None:
                 print(f"nvidia {r['dtype']} {r['kind']} (B {r['batch']}, T {r['tgt_len']}, M {r['mem_len']}): "
                       f"{r['tokens_per_s']:,.0f} tok/s on {r['device_name']}; NVIDIA's A100 AMP figure at batch 32: "
                       f"{paper:,} tok/s{script}")
+    for r in (r for r in runs if "profile" in r):
+        how = " (compiled)" if r.get("compile") else ""
+        print(f"\nprofile of one {r['shape']} {r['dtype']} {r['kind']} step{how}:")
+        print(r["profile"])
     for r in (r for r in results if r["kind"] == "bf16check"):
         print(f"{r['shape']} bf16: not timed, this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX): a "
               f"512-cubed mm runs at {r['mm_flops_bf16'] / 1e9:.1f} GFLOP/s in bf16 against "
@@ -649,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
                         "recompute_attention=False, probabilities kept; eval: evaluation")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run the phases through torch.compile (on), eagerly (off) or both, side by side")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more under torch.profiler: its top operators are printed")
     p.add_argument("--batch", type=int, help="override every shape's batch (train and eval)")
     p.add_argument("--tgt-len", type=int, help="override every shape's segment length (train and eval)")
     p.add_argument("--mem-len", type=int, help="override every shape's memory length (train and eval)")
@@ -687,7 +731,8 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     results = []
-    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock]
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock,
+              *(["--profile"] if args.profile else [])]
     if "bf16" in dtypes and not gpu and not args.force_bf16 and cpu_has_native_bf16() is False:
         # bf16 matmuls without AVX512_BF16/AMX run through scalar or conversion paths, ~100x slower than fp32:
         # timing them says nothing about this implementation. The loss check is still made.
