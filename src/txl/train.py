@@ -34,7 +34,7 @@ from txl.model import Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
-from txl.runtime import cpu_has_native_bf16
+from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def check_run(cfg: RunConfig, info: DistInfo) -> None:
     if t.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(f"train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only) and the run is on "
                          f"{info.device}; use --train.precision bf16 (or fp32) on CPU")
-    if t.precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
+    precision = resolve_precision(t.precision, info.device)  # 'auto': bf16 on a GPU that has it, else fp32
+    if precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
         log.warning("train.precision=bf16: this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX), so "
                     "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
 
@@ -178,7 +179,8 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         check_run(cfg, info)
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
-        return Trainer(cfg, corpus, info).run(resume)
+        with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
+            return Trainer(cfg, corpus, info).run(resume)
     finally:
         shutdown(info)
 
@@ -193,7 +195,8 @@ class Trainer:
         self.model = TransformerXL(cfg.model).to(info.device)
         torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scaler = torch.amp.GradScaler(info.device.type, enabled=t.precision == "fp16")
+        self.precision = resolve_precision(t.precision, info.device)
+        self.scaler = torch.amp.GradScaler(info.device.type, enabled=self.precision == "fp16")
         it = OrderedIterator(corpus.train, batch_size=t.batch_size, tgt_len=t.tgt_len, ext_len=cfg.model.ext_len,
                              var_len=t.var_len, seed=t.seed, rank=info.rank, world_size=info.world_size,
                              device=info.device)
@@ -204,6 +207,7 @@ class Trainer:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                 find_unused_parameters=bool(cfg.model.cutoffs))  # an unseen cluster gets no gradient
+        self.step_model = compile_model(self.ddp, t.compile)  # DDP first, then compile: dynamo splits at buckets
 
     # -- the stateful parts -------------------------------------------------------------------------
 
@@ -249,7 +253,8 @@ class Trainer:
         segments, the same ones every time, so their losses compare like with like."""
         t, e = self.cfg.train, self.cfg.eval
         result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
-                          tgt_len=t.tgt_len, max_batches=max_batches, precision=t.precision, info=self.info)
+                          tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
+                          compile=e.compile)
         return result, eval_settings(tgt_len=t.tgt_len, mem_len=self.cfg.model.mem_len,
                                      clamp_len=self.cfg.model.clamp_len, same_length=self.cfg.model.same_length,
                                      batch_size=e.batch_size, batches=max_batches)
@@ -260,7 +265,7 @@ class Trainer:
         tgt = e.tgt_len or t.tgt_len
         result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
                           tgt_len=tgt, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length,
-                          ext_len=e.ext_len, precision=t.precision, info=self.info)
+                          ext_len=e.ext_len, precision=self.precision, info=self.info, compile=e.compile)
         pick = lambda x, y: y if x is None else x  # noqa: E731
         return result, eval_settings(tgt_len=tgt, mem_len=pick(e.mem_len, m.mem_len),
                                      clamp_len=pick(e.clamp_len, m.clamp_len),
@@ -318,8 +323,8 @@ class Trainer:
             if batch.start == 0:  # a new epoch: streams restart, nothing to remember
                 state.reset_memories()
             lr = lr_at(state.step, cfg.optim, state.horizon or t.max_steps)
-            stats, state.memories = train_step(self.ddp, self.optimizer, self.scaler, batch, state.memories, lr=lr,
-                                               clip=cfg.optim.clip, precision=t.precision, info=info)
+            stats, state.memories = train_step(self.step_model, self.optimizer, self.scaler, batch, state.memories,
+                                               lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info)
             if not math.isfinite(stats.loss):
                 latest = self.checkpointer.latest() if info.is_main else None
                 raise TrainingError(

@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--which", choices=["best", "latest"], default="best", help="which checkpoint of a run")
     p.add_argument("--split", choices=["valid", "test"], default="test", help="split to evaluate (default: test)")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many segments (0: all)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
+                   help="fp32 (default, exact); auto: bf16 on a GPU that supports it, else fp32")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--device", default="auto")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
                    help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from txl.evaluate import evaluate
     from txl.fileio import write_text
     from txl.metrics import ProgressBar, plot_memory_sweep
+    from txl.runtime import resolve_precision
 
     device = resolve_device(args.device)
     loaded = load(args.checkpoint, which=args.which, with_state=False, device=device)
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
                          "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
     kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, clamp_len=clamp, same_length=same,
-                  ext_len=e.ext_len, max_batches=args.max_batches, precision=args.precision)
+                  ext_len=e.ext_len, max_batches=args.max_batches,
+                  precision=resolve_precision(args.precision, device), compile=args.compile or e.compile)
     tokens = corpus.split(args.split)
     extent = f"first {args.max_batches} segments" if args.max_batches else "whole split"
     print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}"
