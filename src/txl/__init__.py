@@ -5,6 +5,7 @@ from txl.model import KVCache, LMOutput, Memory, TransformerXL
 
 __all__ = ["KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL"]
 __version__ = "0.1.0"
+"""The one version source: pyproject.toml reads it (setuptools dynamic version)."""
 
 from txl.pretrained import from_pretrained, save_hf, save_pretrained  # noqa: E402
 

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from txl import __version__
 from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
 from txl.cli import train as train_cmd
@@ -21,6 +22,7 @@ SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txl", description="Transformer-XL language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"txl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(sub)
