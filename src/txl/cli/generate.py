@@ -8,9 +8,10 @@ import sys
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `txl generate` and `txl score`: the model, its vocabulary, the context."""
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a txl checkpoint or training run directory (its best checkpoint), or a Hugging "
-                   "Face transfo-xl directory")
+    p.add_argument("--checkpoint", required=True, metavar="DIR|REPO_ID",
+                   help="a txl checkpoint or training run directory (its best checkpoint), a Hugging "
+                   "Face transfo-xl directory, or a Hub repo id (e.g. transfo-xl/transfo-xl-wt103)")
+    p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
     p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none "
                    "(Hugging Face plain text: one word per line, or JSON)")
     p.add_argument("--allow-pickle", action="store_true",
@@ -25,10 +26,11 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def load_model_and_codec(args: argparse.Namespace):
     import txl
-    from txl.checkpoint import find_checkpoint
     from txl.codec import load_codec
+    from txl.pretrained import resolve_model_dir
 
-    directory = find_checkpoint(args.checkpoint, "best")  # a run directory: its best, else latest, checkpoint
+    # A run directory: its best, else latest, checkpoint; a Hub repo id: its snapshot in the Hub cache.
+    directory = resolve_model_dir(args.checkpoint, revision=args.revision)
     model = txl.from_pretrained(directory, device=args.device)
     codec = load_codec(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                        allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
