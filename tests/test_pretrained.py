@@ -1,4 +1,6 @@
-"""Loading by Hugging Face Hub repo id, offline: the test builds the Hub cache layout on disk
+"""From a published checkpoint: loading by Hugging Face Hub repo id, and evaluating it on a corpus.
+
+Loading by Hub repo id is tested offline: the test builds the Hub cache layout on disk
 (models--ORG--NAME/{refs/main, snapshots/<hash>/...}) holding a tiny model as the Hub repo
 transfo-xl/transfo-xl-wt103 holds it (config.json, pytorch_model.bin, vocab.json), and reads it with
 HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointed at it. Nothing touches the network."""
@@ -6,6 +8,7 @@ HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointed at it. Nothing touches the network."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -17,15 +20,16 @@ from txl.convert.hf import config_to_hf, state_dict_to_hf
 
 hub_constants = pytest.importorskip("huggingface_hub.constants")
 
-WORDS = "<eos> <unk> the cat sat on a mat . dog".split()
+WORDS = "<eos> <unk> the cat sat on a mat . dog = Valkyria".split()
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
 
 
 def tiny_model(seed: int) -> txl.TransformerXL:
     torch.manual_seed(seed)
+    # The published wt103 checkpoint's evaluation context: mem_len 1600, clamp_len 1000, same_length.
     config = txl.ModelConfig(vocab_size=len(WORDS), n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32,
-                             mem_len=8, dropout=0.0)
+                             mem_len=1600, clamp_len=1000, same_length=True, dropout=0.0)
     return txl.TransformerXL(config).eval()
 
 
@@ -99,3 +103,42 @@ def test_run_directory_loads_best_else_latest(tmp_path):
     torch.testing.assert_close(txl.from_pretrained(run)(x).log_probs, tiny_model(1)(x).log_probs)  # latest
     (run / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
     torch.testing.assert_close(txl.from_pretrained(run)(x).log_probs, tiny_model(0)(x).log_probs)  # best
+
+
+def fake_wt103(root, seed: int = 0) -> None:
+    """The layout `txl data download wt103` leaves: wikitext-103/wiki.{train,valid,test}.tokens."""
+    folder = root / "wikitext-103"
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    words = WORDS[1:]  # every word but <eos>, which ends each line
+    for split, n_lines in (("train", 30), ("valid", 10), ("test", 40)):
+        lines = [" = Valkyria = ", ""]
+        for _ in range(n_lines):
+            ids = torch.randint(0, len(words), (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)
+            lines.append(" " + " ".join(words[i] for i in ids) + " ")
+        (folder / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+
+
+def test_eval_pretrained_repo_on_wt103_uses_its_vocabulary_and_context(offline_cache, tmp_path, capsys):
+    """`txl eval --checkpoint REPO --corpus wt103 --split test` equals one long causal pass over the test
+    file encoded with the checkpoint's vocabulary (mem_len 1600 >= the file: nothing is forgotten)."""
+    fake_wt103(tmp_path / "wt103")
+    assert main(["eval", "--checkpoint", "org/tiny", "--corpus", "wt103", "--data-dir", str(tmp_path / "wt103"),
+                 "--split", "test", "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    text = (tmp_path / "wt103" / "wikitext-103" / "wiki.test.tokens").read_text()
+    ids = torch.tensor([[WORDS.index(w) for line in text.splitlines() for w in [*line.split(), "<eos>"]]])
+    n_unk = int((ids == WORDS.index("<unk>")).sum())  # WikiText's own <unk> tokens: every other word is known
+    assert f"wt103 test: {ids.shape[1]:,} tokens with the checkpoint's vocabulary (12 symbols, {n_unk} <unk>)" in out[0]
+    assert out[0].endswith("tgt_len 128, mem_len 1600, clamp_len 1000, same_length True")
+    model = tiny_model(0)
+    with torch.no_grad():
+        nll = model(ids[:, :-1], labels=ids[:, 1:]).nll.double().mean()
+    loss = float(nll)
+    assert out[1].startswith(f"test: loss {loss:.4f}, ppl {math.exp(loss):.4f}, {ids.shape[1] - 1:,} tokens")
+
+
+def test_eval_model_directory_needs_a_corpus(offline_cache, capsys):
+    assert main(["eval", "--checkpoint", "org/tiny"]) == 2
+    assert "is a model without a training run: name the corpus to evaluate on with --corpus" in \
+        capsys.readouterr().err
