@@ -79,8 +79,20 @@ def test_cli_generate_is_reproducible(hf_dir, capsys):
     assert run_cli(capsys, *args)[1] == out
 
 
+def test_cli_stop_string_cuts_the_text_where_it_first_appears(hf_dir, capsys):
+    args = ["generate", "--checkpoint", hf_dir, "--prompt", "the cat sat", "--max-new-tokens", 30,
+            "--temperature", 0.9, "--seed", 5]
+    rc, full, _ = run_cli(capsys, *args)
+    words = full.split()
+    stop = words[len(words) // 2]  # a word in the middle of the free output
+    rc, cut, err = run_cli(capsys, *args, "--stop", stop)
+    assert rc == 0, err
+    assert cut.rstrip("\n") == full[:full.index(stop)]  # the same text, up to the first occurrence
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
     (["--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--prompt", "x", "--top-p", "0"], "top_p"),
     (["--prompt", "x", "--top-k", "-3"], "top_k"),

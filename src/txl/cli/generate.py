@@ -48,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set with this mass (1: all)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible samples")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (cut before it); repeat for several")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 lowers the scores of tokens already read or written (CTRL; 1: off)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Cheap checks first: a typo should not cost loading a model.
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p)
+                   top_p=args.top_p, repetition_penalty=args.repetition_penalty)
+    if any(not s for s in args.stop):
+        raise ValueError("--stop needs a non-empty text")
     text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
@@ -70,14 +76,31 @@ def run(args: argparse.Namespace) -> int:
     stream = TextStream(codec)
     tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
-                             segment_len=256 if args.segment_len is None else args.segment_len)
+                             segment_len=256 if args.segment_len is None else args.segment_len,
+                             stop_strings=args.stop, decode=codec.decode,
+                             repetition_penalty=args.repetition_penalty)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
     if codec.level == "word" and not text.endswith("\n"):
         out.write(" ")
+    # Text that could still be the start of a stop string is held back until the next token decides.
+    hold = max((len(s) for s in args.stop), default=1) - 1
+    pending = ""
     for token in tokens:
-        out.write(stream.push(int(token[0])))
+        if int(token[0]) < 0:  # the row stopped
+            break
+        pending += stream.push(int(token[0]))
+        cut = min((pending.find(s) for s in args.stop if s in pending), default=-1)
+        if cut >= 0:
+            out.write(pending[:cut] + "\n")
+            out.flush()
+            return 0
+        shown = len(pending) - hold if hold else len(pending)
+        out.write(pending[:max(shown, 0)])
+        pending = pending[max(shown, 0):]
         out.flush()
-    out.write(stream.finish() + "\n")
+    pending += stream.finish()
+    cut = min((pending.find(s) for s in args.stop if s in pending), default=-1)
+    out.write((pending if cut < 0 else pending[:cut]) + "\n")
     out.flush()
     return 0

@@ -126,7 +126,7 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool)
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(T, K) bool, True where hidden -> (T, K) additive mask: 0 where visible, -inf where hidden."""
+    """(T, K) (or (B, 1, T, K)) bool, True where hidden -> the additive mask: 0 where visible, -inf where hidden."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
@@ -225,7 +225,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 pos: torch.Tensor | None, u: torch.Tensor | None = None,
                 v: torch.Tensor | None = None, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden.
+        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden, or
+        (B, 1, T, K) when rows hide different keys (padding).
 
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected (``keys_values``,
         the memory rows' from a KVCache); memory is then None and only the query is projected here.
@@ -281,6 +282,8 @@ class Attention(nn.Module):
         qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+        if bias.dim() == 4 and bias.size(1) != H:  # (B, 1, T, K) padding mask: one fresh bias per head
+            bias = bias.expand(B, H, T, K).contiguous()
         if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
             prob = _probabilities(bias.view(B * H, T, K), qh, kh)  # (B*H, T, K)
         else:  # (T, K), broadcast
@@ -359,7 +362,7 @@ class RelativeAttention(Attention):
         """Terms (b) + (d) as one matmul per head over all B*T queries: R is shared by the batch, so it is not
         copied B times, as a (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j."""
         H, BT, _ = qv.shape
-        T, K = mask_bias.shape
+        T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
         position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
         return realign(position, mask_bias, heads_first=True)  # (B, H, T, K)
 
