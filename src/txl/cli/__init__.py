@@ -13,10 +13,11 @@ import sys
 from txl import __version__
 from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
+from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.runtime import retain_freed_memory
 
-SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:
