@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 import txl
 from txl.cli import main
+from txl.config import RunConfig, load_preset
 from txl.convert.hf import config_to_hf, state_dict_to_hf
 
 hub_constants = pytest.importorskip("huggingface_hub.constants")
@@ -142,3 +144,79 @@ def test_eval_model_directory_needs_a_corpus(offline_cache, capsys):
     assert main(["eval", "--checkpoint", "org/tiny"]) == 2
     assert "is a model without a training run: name the corpus to evaluate on with --corpus" in \
         capsys.readouterr().err
+
+
+# -- fine-tuning ------------------------------------------------------------------------------------------
+
+FINETUNE = ["--preset", "tiny", "--max-steps", "12", "--minutes", "0", "--model.dropout", "0",
+            "--model.mem_len", "8", "--model.same_length", "false", "--train.tgt_len", "8", "--train.batch_size", "4",
+            "--train.log_interval", "1", "--train.progress", "false", "--train.tensorboard", "false",
+            "--train.plot", "false", "--train.eval_interval", "0", "--train.ckpt_interval", "0",
+            "--train.sample_tokens", "0", "--eval.batch_size", "2", "--eval.mem_len", "8", "--optim.lr", "3e-2",
+            "--optim.warmup_steps", "0", "--optim.schedule", "constant"]
+
+
+def new_corpus(folder) -> str:
+    """A folder corpus in the checkpoint's words, with a pattern the model can learn quickly."""
+    folder.mkdir()
+    line = " the cat sat on a mat . \n"
+    for split, n in (("train", 60), ("valid", 8), ("test", 8)):
+        (folder / f"{split}.txt").write_text(line * n)
+    return str(folder)
+
+
+def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline_cache, tmp_path, monkeypatch):
+    import numpy as np
+
+    from txl.data import OrderedIterator
+    from txl.evaluate import evaluate
+    from txl.finetune import encode_corpus, load_init, run_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    corpus_dir = new_corpus(tmp_path / "mine")
+    out = tmp_path / "run"
+    args = [*FINETUNE, "--data.corpus", corpus_dir, "--out", str(out)]
+    assert main(["train", "--init-from", "org/tiny", *args]) == 0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    train_loss = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    # The same run's corpus and first batch, by the library: the checkpoint's vocabulary, not a new one.
+    init = load_init("org/tiny")
+    cfg = RunConfig.from_dict(json.loads((out / "run.json").read_text()))  # what the run used
+    assert cfg.model == run_config(load_preset("tiny"), {"model.mem_len": 8, "model.same_length": False,
+                                                         "model.dropout": 0}, init).model
+    corpus = encode_corpus(cfg, init.tokenizer)
+    line_ids = [WORDS.index(w) for w in "the cat sat on a mat . <eos>".split()]
+    assert corpus.train[:8].tolist() == line_ids and corpus.vocab_size == len(WORDS)
+    batch = next(iter(OrderedIterator(corpus.train, batch_size=4, tgt_len=8, ext_len=0, var_len=cfg.train.var_len,
+                                      seed=cfg.train.seed, rank=0, world_size=1)))
+    model = tiny_model(0).eval()
+    model.reconfigure(mem_len=8, same_length=False)
+    with torch.no_grad():
+        first = float(model(batch.input_ids, labels=batch.labels).loss)
+    assert train_loss[1] == pytest.approx(first, abs=1e-5)  # step 1 is the pretrained model's loss
+
+    before = evaluate(model, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    tuned = txl.from_pretrained(out)
+    after = evaluate(tuned, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    assert after.loss < before.loss - 0.5  # fine-tuning learnt the new corpus
+    assert np.isclose(train_loss[12], min(train_loss.values()), atol=0.5)
+    # The fine-tuned checkpoint keeps the pretrained architecture and vocabulary.
+    assert tuned.config.replace(mem_len=1600, same_length=True) == tiny_model(0).config
+    saved = json.loads((out / "checkpoints" / "step_00000012" / "tokenizer" / "tokenizer.json").read_text())
+    assert saved["vocab_size"] == len(WORDS)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--model.d_model", "32"], r"--model.d_model 32 changes the architecture of the checkpoint \(model.d_model = "
+                                r"16\)"),
+    (["--model.pre_ln", "true"], "--model.pre_ln True changes the architecture"),
+    (["--data.level", "char"], "--data.level char differs from the checkpoint's tokenizer"),
+    (["--data.corpus", "enwik8"], "corpus 'enwik8' is byte level but the checkpoint's tokenizer is word level"),
+    (["--resume", "x"], "give one of them"),
+])
+def test_finetune_refuses_what_would_break_the_checkpoint(offline_cache, tmp_path, capsys, extra, match):
+    corpus_dir = new_corpus(tmp_path / "mine")
+    assert main(["train", "--init-from", "org/tiny", *FINETUNE, "--data.corpus", corpus_dir, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err

@@ -189,20 +189,26 @@ class MetricsLog:
 
 # -- wiring ---------------------------------------------------------------------------------------------
 
-def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None) -> TrainResult:
-    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample."""
+def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None,
+          init: TransformerXL | None = None) -> TrainResult:
+    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample.
+
+    ``init``: a model whose weights the run starts from (fine-tuning, ``txl.finetune``); its parameters
+    must have the shapes ``cfg.model`` gives.
+    """
     from txl.corpus import load_run_corpus
 
     info = init_distributed(cfg.train.device)
     try:
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
-        return _train(cfg, corpus, info, resume)
+        return _train(cfg, corpus, info, resume, init)
     finally:
         shutdown(info)
 
 
-def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | None) -> TrainResult:
+def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | None,
+           init: TransformerXL | None = None) -> TrainResult:
     t, out = cfg.train, Path(cfg.train.out_dir)
     if t.batch_size % (info.world_size * t.grad_accum):
         raise ValueError(f"train.batch_size={t.batch_size} must be divisible by {info.world_size} processes x "
@@ -214,6 +220,8 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
                     "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
     torch.manual_seed(t.seed)
     model = TransformerXL(cfg.model).to(info.device)
+    if init is not None:  # fine-tuning: the pretrained weights, every process the same
+        model.load_state_dict(init.state_dict())
     torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
     optimizer = build_optimizer(model, cfg.optim)
     scaler = torch.amp.GradScaler(info.device.type, enabled=t.precision == "fp16")

@@ -22,6 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="preset name (see --list-presets) or a .toml file (default: 'default')")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a run from its run directory (latest checkpoint) or a checkpoint directory")
+    p.add_argument("--init-from", default=None, metavar="DIR|REPO_ID",
+                   help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
+                   "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
+    p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no limit)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
@@ -61,7 +65,17 @@ def run(args: argparse.Namespace) -> int:
                       (args.out, "train.out_dir")):
         if flag is not None:
             overrides[key] = flag
-    if args.resume:
+    init = corpus = None
+    if args.init_from:
+        if args.resume:
+            raise ValueError("--init-from starts a new run from a checkpoint's weights, --resume continues a run: "
+                             "give one of them")
+        from txl.finetune import encode_corpus, load_init, run_config
+
+        init = load_init(args.init_from, revision=args.revision)
+        cfg = run_config(load_preset(args.preset or "default"), overrides, init)
+        corpus = encode_corpus(cfg, init.tokenizer)
+    elif args.resume:
         if args.preset:
             raise ValueError("--resume takes the run's config from its checkpoint; drop --preset "
                              "(override single fields with --SECTION.FIELD instead)")
@@ -69,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
         overrides.setdefault("train.out_dir", str(_run_dir(args.resume)))
     else:
         base = load_preset(args.preset or "default")
-    cfg = RunConfig.from_dict(apply_overrides(base, overrides))
+    if init is None:
+        cfg = RunConfig.from_dict(apply_overrides(base, overrides))
     try:
-        result = train(cfg, resume=args.resume)
+        result = train(cfg, resume=args.resume, corpus=corpus, init=None if init is None else init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
     except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
