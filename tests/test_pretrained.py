@@ -92,7 +92,8 @@ def test_missing_repo_offline_is_one_clear_line(offline_cache, capsys):
 
 def test_missing_huggingface_hub_names_the_extra(offline_cache, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import huggingface_hub raises ImportError
-    with pytest.raises(ImportError, match=r"needs huggingface_hub: pip install 'txl\[hub\]'"):
+    with pytest.raises(FileNotFoundError, match=r"org/tiny is not a local directory, and reading it as a Hugging "
+                       r"Face Hub repo id needs huggingface_hub: pip install 'txl\[hub\]'"):
         txl.from_pretrained("org/tiny")
 
 

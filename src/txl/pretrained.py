@@ -185,6 +185,11 @@ def resolve_model_dir(path: str | os.PathLike, *, revision: str | None = None,
     if not _REPO_ID.match(str(path)):
         raise FileNotFoundError(f"{p} does not exist (and is not a Hugging Face Hub repo id like "
                                 "transfo-xl/transfo-xl-wt103)")
+    try:
+        _hub()
+    except ImportError:  # a mistyped local path reads like a repo id: say both
+        raise FileNotFoundError(f"{p} is not a local directory, and reading it as a Hugging Face Hub repo id needs "
+                                "huggingface_hub: pip install 'txl[hub]'") from None
     return hub_snapshot(str(path), revision=revision, cache_dir=cache_dir)
 
 
