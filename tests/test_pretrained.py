@@ -191,8 +191,9 @@ def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline
     assert corpus.train[:8].tolist() == line_ids and corpus.vocab_size == len(WORDS)
     batch = next(iter(OrderedIterator(corpus.train, batch_size=4, tgt_len=8, ext_len=0, var_len=cfg.train.var_len,
                                       seed=cfg.train.seed, rank=0, world_size=1)))
-    model = tiny_model(0).eval()
-    model.reconfigure(mem_len=8, same_length=False)
+    pretrained = tiny_model(0)
+    model = txl.TransformerXL(pretrained.config.replace(mem_len=8, same_length=False)).eval()  # the run's context
+    model.load_state_dict(pretrained.state_dict())
     with torch.no_grad():
         first = float(model(batch.input_ids, labels=batch.labels).loss)
     assert train_loss[1] == pytest.approx(first, abs=1e-5)  # step 1 is the pretrained model's loss
