@@ -205,8 +205,10 @@ def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline
     assert np.isclose(train_loss[12], min(train_loss.values()), atol=0.5)
     # The fine-tuned checkpoint keeps the pretrained architecture and vocabulary.
     assert tuned.config.replace(mem_len=1600, same_length=True) == tiny_model(0).config
-    saved = json.loads((out / "checkpoints" / "step_00000012" / "tokenizer" / "tokenizer.json").read_text())
-    assert saved["vocab_size"] == len(WORDS)
+    from txl.data.tokenizer import load_model_tokenizer
+
+    saved = load_model_tokenizer(out / "checkpoints" / "step_00000012")
+    assert saved.vocab.symbols == WORDS and saved.spec == init.tokenizer.spec
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -7,9 +7,10 @@ else from the command line:
   or what they compute (n_layer, d_model, cutoffs, attn_type, pre_ln, ...) is refused, naming the field;
   the context and regularisation fields may change (``CONTEXT_FIELDS``: mem_len, clamp_len, dropout, ...);
 * the **vocabulary and tokenizer** are the checkpoint's: the new corpus is encoded with them (a txl
-  checkpoint's saved tokenizer; a Hugging Face transfo-xl checkpoint's word vocabulary, whose text is
-  WikiText-style pretokenized words, ``<eos>`` per line), never with a vocabulary built from the new
-  corpus. A corpus or ``--data.level`` of another level than the checkpoint's tokenizer is refused;
+  checkpoint's saved tokenizer; a Hugging Face transfo-xl checkpoint's word vocabulary with the
+  WikiText-103 rules, ``<eos>`` per line; the registry's pretokenized word corpora are split on
+  whitespace), never with a vocabulary built from the new corpus, and saved with every checkpoint. A
+  corpus or ``--data.level`` of another level than the checkpoint's tokenizer is refused;
 * data, optimiser, schedule, training and evaluation settings are the preset's (``--preset``, default
   'default') with the overrides, as for any run.
 """
@@ -25,9 +26,8 @@ from typing import Any
 import numpy as np
 
 from txl.config import ModelConfig, RunConfig, apply_overrides
-from txl.data import Corpus, Tokenizer, Vocab, load_tokenizer, make_spec
-from txl.data.corpora import get_spec, resolve_sources
-from txl.data.tokenize import WordTokenizer, encode_source
+from txl.data.corpora import Corpus, get_spec, resolve_sources
+from txl.data.tokenizer import Tokenizer, WordTokenizer, encode_source, load_model_tokenizer
 from txl.model import TransformerXL
 
 log = logging.getLogger(__name__)
@@ -47,34 +47,14 @@ class Init:
     tokenizer: Tokenizer
 
 
-def _hf_word_tokenizer(directory: Path) -> Tokenizer:
-    """A word tokenizer over a Hugging Face transfo-xl vocabulary (vocab.txt / vocab.json; no pickles)."""
-    from txl.codec import HF_VOCAB_FILES
-    from txl.text.hf_vocab import read_vocab
-
-    found = [directory / n for n in HF_VOCAB_FILES if (directory / n).is_file()]
-    if not found:
-        raise FileNotFoundError(f"{directory} has no tokenizer/ (txl) and no {' or '.join(HF_VOCAB_FILES)} (Hugging "
-                                "Face): fine-tuning needs the checkpoint's vocabulary to encode the new corpus")
-    vocab = read_vocab(found[0])
-    spec = make_spec("word", specials=[], unk=vocab.unk_token, eos=vocab.eos_token,
-                     add_eos=vocab.eos_token is not None)
-    return WordTokenizer(spec, Vocab(vocab.symbols, unk=vocab.unk_token, eos=vocab.eos_token, bos=None))
-
-
 def load_init(path: str | os.PathLike, *, revision: str | None = None) -> Init:
     """The model and tokenizer of a txl checkpoint / run directory or a Hugging Face directory / Hub repo."""
     from txl.pretrained import from_pretrained, resolve_model_dir
 
     directory = resolve_model_dir(path, revision=revision)
     model = from_pretrained(directory)
-    if (directory / "tokenizer" / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(directory / "tokenizer", vocab_size=model.config.vocab_size)
-    else:
-        tokenizer = _hf_word_tokenizer(directory)
-    if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the vocabulary in {directory} has {tokenizer.vocab_size} symbols but the model has "
-                         f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")
+    # A txl checkpoint's saved tokenizer, or a Hugging Face vocabulary with the WikiText-103 rules.
+    tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size)
     return Init(directory=directory, model=model, tokenizer=tokenizer)
 
 
@@ -103,14 +83,12 @@ def run_config(base: dict[str, Any], overrides: dict[str, Any], init: Init) -> R
 
 def encode_corpus(cfg: RunConfig, tokenizer: Tokenizer) -> Corpus:
     """The run's corpus (a registry name, a file or a train/valid/test directory) encoded with ``tokenizer``."""
-    from txl.corpus import STDLIB, stdlib_text
     from txl.data.cache import default_cache_dir
+    from txl.data.corpora import STDLIB_SEED
+    from txl.data.stdlib import build_stdlib_corpus
 
     level = tokenizer.spec["level"]
     corpus = cfg.data.corpus
-    if corpus == STDLIB:
-        cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
-        corpus = str(stdlib_text(cfg.data.max_bytes, cache.parent / "stdlib"))
     spec, named = get_spec(corpus)
     if not named:  # a user file or folder: read at the checkpoint's level
         spec, _ = get_spec(corpus, level=level)
@@ -118,10 +96,15 @@ def encode_corpus(cfg: RunConfig, tokenizer: Tokenizer) -> Corpus:
         raise ValueError(f"corpus {spec.name!r} is {spec.level} level but the checkpoint's tokenizer is {level} "
                          "level: fine-tune on a corpus of the checkpoint's level (or a text file / folder)")
     root = Path(cfg.data.data_dir) if cfg.data.data_dir else Path("data") / spec.name
+    if spec.generated == "stdlib":
+        cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+        root = build_stdlib_corpus(cache.parent / "stdlib", max_bytes=cfg.data.max_bytes, seed=STDLIB_SEED)
     sources = resolve_sources(spec, root if named else Path("/"))
+    # The registry's word corpora are pretokenized (WikiText, PTB): split on whitespace, not re-tokenised.
+    encoder = tokenizer.with_rules("whitespace") if named and isinstance(tokenizer, WordTokenizer) else tokenizer
     arrays = {}
     for split, srcs in sources.items():
-        chunks = [chunk for s in srcs for chunk in encode_source(tokenizer, s)]
+        chunks = [chunk for s in srcs for chunk in encode_source(encoder, s)]
         arrays[split] = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         if not len(arrays[split]):
             raise ValueError(f"the {split} split of {spec.name!r} is empty")

@@ -196,7 +196,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
     ``init``: a model whose weights the run starts from (fine-tuning, ``txl.finetune``); its parameters
     must have the shapes ``cfg.model`` gives.
     """
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
     try:

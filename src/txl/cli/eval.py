@@ -58,10 +58,10 @@ def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str)
 
     import numpy as np
 
-    from txl.codec import load_codec
     from txl.data.corpora import get_spec, resolve_sources
+    from txl.data.tokenizer import load_model_tokenizer
 
-    codec = load_codec(directory, pretokenized=True)
+    codec = load_model_tokenizer(directory, pretokenized=True)
     spec, _ = get_spec(corpus)
     folder = Path(data_dir) if data_dir else (Path(corpus) if Path(corpus).is_dir() else Path("data") / spec.name)
     ids: list[int] = []
@@ -69,7 +69,7 @@ def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str)
         with open(source.path, encoding="utf-8") as f:
             ids.extend(codec.encode_lines(f))
     tokens = np.asarray(ids, dtype=np.int64)
-    unk = getattr(codec, "unk_id", None)
+    unk = getattr(getattr(codec, "vocab", None), "unk_id", None)
     n_unk = int((tokens == unk).sum()) if unk is not None else 0
     return tokens, spec, codec, n_unk
 
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from txl.checkpoint import RUN_FILE, check_tokenizer, find_checkpoint, load_checkpoint
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate, plot_sweep
     from txl.pretrained import resolve_model_dir

@@ -24,17 +24,17 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
 
 
-def load_model_and_codec(args: argparse.Namespace):
+def load_model_and_tokenizer(args: argparse.Namespace):
     import txl
-    from txl.codec import load_codec
+    from txl.data.tokenizer import load_model_tokenizer
     from txl.pretrained import resolve_model_dir
 
     # A run directory: its best, else latest, checkpoint; a Hub repo id: its snapshot in the Hub cache.
     directory = resolve_model_dir(args.checkpoint, revision=args.revision)
     model = txl.from_pretrained(directory, device=args.device)
-    codec = load_codec(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
-                       allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
-    return model, codec
+    tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
+                                     allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
+    return model, tokenizer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +58,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from txl.codec import TextStream
     from txl.generate import check_sampling, generate_stream
 
     # Cheap checks first: a typo should not cost loading a model.
@@ -69,19 +68,19 @@ def run(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
-    model, codec = load_model_and_codec(args)
-    ids = codec.encode_prompt(text)
+    model, tokenizer = load_model_and_tokenizer(args)
+    ids = tokenizer.encode_prompt(text)
     if not ids:
         raise ValueError("the prompt has no tokens after tokenisation: give some words")
-    stream = TextStream(codec)
+    stream = tokenizer.stream()
     tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
                              segment_len=256 if args.segment_len is None else args.segment_len,
-                             stop_strings=args.stop, decode=codec.decode,
+                             stop_strings=args.stop, decode=tokenizer.decode,
                              repetition_penalty=args.repetition_penalty)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
-    if codec.level == "word" and not text.endswith("\n"):
+    if tokenizer.level == "word" and not text.endswith("\n"):
         out.write(" ")
     # Text that could still be the start of a stop string is held back until the next token decides.
     hold = max((len(s) for s in args.stop), default=1) - 1
