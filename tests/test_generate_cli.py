@@ -127,6 +127,26 @@ def test_cli_score_jsonl_and_perplexity(hf_dir, tmp_path, capsys):
     assert f"{a}: {len(tokens)} tokens, ppl" in err
 
 
+def test_cli_score_takes_the_evaluation_context(hf_dir, tmp_path, capsys):
+    """--clamp-len and --same-length reach the model: the totals equal the API's with the same context."""
+    from txl.data.tokenizer import load_model_tokenizer
+
+    a = tmp_path / "a.txt"
+    a.write_text("the cat sat on the mat .\nIt 's a big red dog .\n" * 3)
+    common = ["score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, "--mem-len", 6, "--totals-only"]
+    totals = {}
+    for extra in ([], ["--clamp-len", 2, "--no-same-length"]):
+        rc, out, err = run_cli(capsys, *common, *extra, a)
+        assert rc == 0, err
+        totals[len(extra)] = json.loads(out)["nll"]
+    model = txl.from_pretrained(hf_dir)
+    tok = load_model_tokenizer(hf_dir, pretokenized=True)
+    ids = list(tok.encode_lines(a.read_text().splitlines(keepends=True)))
+    [api] = txl.score_documents(model, [ids], segment_len=4, mem_len=6, clamp_len=2, same_length=False,
+                                context_id=tok.context_id)
+    assert math.isclose(totals[3], api.nll, rel_tol=1e-6) and not math.isclose(totals[3], totals[0], rel_tol=1e-6)
+
+
 def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsys):
     from txl.data import fit_tokenizer, make_spec
     from txl.data.sources import Source
