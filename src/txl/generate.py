@@ -84,14 +84,14 @@ class IncrementalDecoder:
         if padding is not None and padding.shape != ids.shape:
             raise ValueError(f"padding has shape {tuple(padding.shape)}, the ids {tuple(ids.shape)}")
         hidden = None
-        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0):
+        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0) as context:
             if self.kv_cache is not None and self.kv_cache.weights_version not in (None, weights_version(self.model)):
                 self.kv_cache = KVCache()  # the weights changed between feeds: rebuild from the memory
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
                 rows = self._padding(segment, None if padding is None else padding[:, start:start + self.segment_len])
                 out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
-                                 padding=rows)
+                                 context=context, padding=rows)
                 self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
                 # The memory keeps the last M rows of [memory; segment]: so does its padding.
                 m = memory_length(self.memory)
