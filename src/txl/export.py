@@ -45,7 +45,8 @@ class SegmentStep(nn.Module):
                              "absolute positions shift with the empty memory rows; use 'relative' or 'shaw'")
         if model.config.mem_len < 1:
             raise ValueError("mem_len=0: the model has no memory to carry; export needs mem_len >= 1")
-        self.model = model.eval()
+        self.model = model
+        self.eval()  # the step is for inference: no dropout
 
     def forward(self, input_ids: torch.Tensor, memory: torch.Tensor,
                 memory_padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
