@@ -33,9 +33,10 @@ from txl.model import TransformerXL
 log = logging.getLogger(__name__)
 
 CONTEXT_FIELDS = frozenset({"mem_len", "ext_len", "clamp_len", "same_length", "same_length_style", "dropout",
-                            "dropatt", "recompute_attention", "init_std", "proj_init_std"})
+                            "dropatt", "recompute_attention", "attn_impl", "dropout_impl", "init_std",
+                            "proj_init_std"})
 """Model fields a fine-tuning run may change: they own no parameters and do not change what the trained
-weights compute, only the context they see, the regularisation, or how memory is spent."""
+weights compute, only the context they see, the regularisation, or which kernel computes it."""
 
 
 @dataclass
