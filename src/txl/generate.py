@@ -40,6 +40,7 @@ from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
 from txl.model.kv_cache import weights_version
 from txl.model.memory import memory_length
+from txl.runtime import compile_model
 from txl.sampling import apply_repetition_penalty, sample_next
 
 __all__ = ["FINISHED", "IncrementalDecoder", "generate", "generate_stream", "inference_context"]
@@ -63,8 +64,9 @@ class IncrementalDecoder:
     its key/value cache) that the model hands back (the model itself never holds either).
     """
 
-    def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256) -> None:
+    def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256, compile: bool = False) -> None:
         self.model = model
+        self.forward = compile_model(model, compile)  # the model itself unless compile
         self.mem_len = _positive_int("mem_len", mem_len)
         self.segment_len = _positive_int("segment_len", segment_len)
         self.memory: Memory | None = None
@@ -90,8 +92,8 @@ class IncrementalDecoder:
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
                 rows = self._padding(segment, None if padding is None else padding[:, start:start + self.segment_len])
-                out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
-                                 context=context, padding=rows)
+                out = self.forward(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
+                                   context=context, padding=rows)
                 self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
                 # The memory keeps the last M rows of [memory; segment]: so does its padding.
                 m = memory_length(self.memory)
@@ -171,7 +173,7 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
                     seed: int | None = None, generator: torch.Generator | None = None,
                     mem_len: int | None = None, segment_len: int = 256, stop_tokens: Sequence[int] = (),
                     stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
-                    repetition_penalty: float = 1.0) -> Iterator[torch.Tensor]:
+                    repetition_penalty: float = 1.0, compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield each new token, (B,) int64, as soon as it is drawn.
 
     The prompt (B, T), or a list of ids, or lists of ids of different lengths (left-padded, see the
@@ -179,6 +181,7 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     against the memory. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token.
     Randomness comes only from ``generator``, or a fresh one seeded with ``seed`` (neither: torch's
     global generator). ``mem_len`` None keeps the whole context (see the module docstring).
+    ``compile`` runs the forward through torch.compile.
 
     A row stops after producing one of ``stop_tokens``, or once ``decode(its new ids)`` contains one of
     ``stop_strings`` (the caller cuts the text there); its later places are ``FINISHED`` and the stream
@@ -205,7 +208,8 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     _positive_int("segment_len", segment_len)
     if seed is not None:
         generator = torch.Generator(prompt.device).manual_seed(int(seed))
-    decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len)
+    decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len,
+                                 compile=compile)
 
     B, V = prompt.size(0), model.config.vocab_size
     seen = None
@@ -250,7 +254,8 @@ def generate(model: TransformerXL, prompt_ids: PromptIds, *,
              seed: int | None = None, generator: torch.Generator | None = None, mem_len: int | None = None,
              segment_len: int = 256, on_token: Callable[[torch.Tensor], None] | None = None,
              stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
-             decode: Callable[[list[int]], str] | None = None, repetition_penalty: float = 1.0) -> torch.Tensor:
+             decode: Callable[[list[int]], str] | None = None, repetition_penalty: float = 1.0,
+             compile: bool = False) -> torch.Tensor:
     """The (B, N) new token ids (the prompt not included; ``FINISHED`` after a row stopped, and N smaller
     than ``max_new_tokens`` when every row stopped); ``on_token`` sees each (B,) step as drawn.
 
@@ -260,7 +265,7 @@ def generate(model: TransformerXL, prompt_ids: PromptIds, *,
     for token in generate_stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_k=top_k, top_p=top_p, seed=seed, generator=generator, mem_len=mem_len,
                                  segment_len=segment_len, stop_tokens=stop_tokens, stop_strings=stop_strings,
-                                 decode=decode, repetition_penalty=repetition_penalty):
+                                 decode=decode, repetition_penalty=repetition_penalty, compile=compile):
         out.append(token)
         if on_token is not None:
             on_token(token)

@@ -21,17 +21,18 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-len", type=int, help="memory length (generate: whole context by default; "
                    "score: the checkpoint's)")
     p.add_argument("--segment-len", type=int, default=None, help="tokens read per forward pass")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
     import txl
     from txl.data.tokenizer import load_model_tokenizer
+    from txl.distributed import resolve_device
     from txl.pretrained import resolve_model_dir
 
     # A run directory: its best, else latest, checkpoint; a Hub repo id: its snapshot in the Hub cache.
     directory = resolve_model_dir(args.checkpoint, revision=args.revision)
-    model = txl.from_pretrained(directory, device=args.device)
+    model = txl.from_pretrained(directory, device=resolve_device(args.device))
     tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                                      allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
     return model, tokenizer
@@ -52,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stop when the output contains TEXT (cut before it); repeat for several")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 1 lowers the scores of tokens already read or written (CTRL; 1: off)")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.set_defaults(func=run)
 
 
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
                              segment_len=256 if args.segment_len is None else args.segment_len,
                              stop_strings=args.stop, decode=tokenizer.decode,
-                             repetition_penalty=args.repetition_penalty)
+                             repetition_penalty=args.repetition_penalty, compile=args.compile)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
     if tokenizer.level == "word" and not text.endswith("\n"):
