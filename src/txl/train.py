@@ -170,8 +170,13 @@ def eval_settings(*, tgt_len: int, mem_len: int, clamp_len: int | None, same_len
 
 # -- wiring ---------------------------------------------------------------------------------------------
 
-def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None) -> TrainResult:
-    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample."""
+def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None,
+          init: TransformerXL | None = None) -> TrainResult:
+    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample.
+
+    ``init``: a model whose weights the run starts from (fine-tuning, ``txl.finetune``); its parameters
+    must have the shapes ``cfg.model`` gives.
+    """
     from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
@@ -180,7 +185,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
         with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
-            return Trainer(cfg, corpus, info).run(resume)
+            return Trainer(cfg, corpus, info, init=init).run(resume)
     finally:
         shutdown(info)
 
@@ -188,11 +193,13 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
 class Trainer:
     """The run's stateful parts and the loop that drives them; holds no state a checkpoint forgets."""
 
-    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo) -> None:
+    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo, *, init: TransformerXL | None = None) -> None:
         t = cfg.train
         self.cfg, self.corpus, self.info, self.out = cfg, corpus, info, Path(t.out_dir)
         torch.manual_seed(t.seed)
         self.model = TransformerXL(cfg.model).to(info.device)
+        if init is not None:  # fine-tuning: the pretrained weights, every process the same
+            self.model.load_state_dict(init.state_dict())
         torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = resolve_precision(t.precision, info.device)
