@@ -179,6 +179,7 @@ class ModelConfig:
 OptimizerName = Literal["adam", "adamw"]
 Schedule = Literal["cosine", "inv_sqrt", "constant"]
 Precision = Literal["fp32", "bf16", "fp16"]
+LossPositions = Literal["all", "last_half"]
 
 
 def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
@@ -276,6 +277,11 @@ class TrainConfig:
     """Seeds the weights, dropout and the segment lengths."""
     precision: Precision = "fp32"
     """'fp32'; 'bf16' autocast (CPU and GPU); 'fp16' autocast with a gradient scaler (CUDA only)."""
+    loss_positions: LossPositions = "all"
+    """Segment positions the training loss is taken on: 'all' (the paper's 'Full' loss) or 'last_half'
+    ('Half': the cross-entropy only on the last half of the positions of each training segment, as Al-Rfou
+    et al. 2018 train, so every scored position has at least half a segment of context; Dai et al. 2019,
+    Table 6). Validation and test always score every position."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'."""
     eval_interval: int = 200
@@ -306,6 +312,7 @@ class TrainConfig:
             _check("TrainConfig", name, getattr(self, name) >= 0, "must be >= 0", getattr(self, name))
         _check("TrainConfig", "minutes", self.minutes >= 0, "must be >= 0", self.minutes)
         _check_literal("TrainConfig", self, "precision", Precision)
+        _check_literal("TrainConfig", self, "loss_positions", LossPositions)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
                              f"grad_accum={self.grad_accum} (each chunk takes batch_size / grad_accum streams)")
