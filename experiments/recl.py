@@ -13,6 +13,7 @@ RECL is computed with ``txl.recl`` for r = 0.1, 0.5 and 1 (the paper's Table 8/9
 starting at the shortest context and stepping along the grid.
 
     python -m experiments.recl --steps 3000      # same flags as experiments.ablation
+    python -m experiments.recl --corpus wt2 --runs-dir /work/txl-runs/wt2       # the WikiText-2 group
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
         "recl": {str(r): {name: {"recl": d.recl, "saturated": d.saturated, "gains": [list(g) for g in d.gains]}
                           for name, d in results[r].items()} for r in RATIOS},
     }
-    out = Path(args.results)
-    common.write_results("recl", payload, md, out)
-    plot(results, list(runs), out / "recl.png")
+    out, name = Path(args.results), ablation.stem("recl", args.corpus)
+    payload["corpus"] = args.corpus
+    common.write_results(name, payload, md, out)
+    plot(results, list(runs), out / f"{name}.png")
     return payload
 
 
@@ -94,17 +96,22 @@ def plot(results: dict[float, dict[str, Any]], names: list[str], png: Path) -> N
     plt.close(fig)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ablation's flags (they select, and if needed train, the group) and RECL's threshold."""
+    ablation.add_arguments(p)
+    p.add_argument("--threshold", type=float, default=0.01, help="stop at the first relative gain below this")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m experiments.recl", description=__doc__.split("\n\n")[0])
-    ablation.add_arguments(p)
-    p.add_argument("--threshold", type=float, default=0.01, help="stop at the first relative gain below this")
-    args = p.parse_args(argv)
+    add_arguments(p)
+    args = ablation.parse_args(argv, p)
     common.setup_logging()
     start = time.perf_counter()
     runs = ablation.collect(args, exact=True)
     report(runs, args, argv, time.perf_counter() - start)
-    print(Path(args.results, "recl.md").read_text(encoding="utf-8"))
+    print(Path(args.results, f"{ablation.stem('recl', args.corpus)}.md").read_text(encoding="utf-8"))
     return 0
 
 

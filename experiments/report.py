@@ -40,7 +40,7 @@ def _mins(seconds: float) -> str:
 
 def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     runs, f = a["runs"], a["findings"]
-    defaults = _defaults(ablation.add_arguments)
+    defaults = ablation.defaults(a["args"].get("corpus", "ptb"))
     reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "batch_size", "tgt_len", "mem_len",
                                                   "valid_tokens", "contexts"))
     any_run = next(iter(runs.values()))
