@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import common
+from experiments import common, paper
 from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ def findings(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.nda
     error, so a tie within noise is told from a real loss.
     """
     out: dict[str, Any] = {}
+    rows = {n: r for n, r in rows.items() if "-seed" not in n}  # other seeds measure noise, they are no rows
     if rows:
         best = min(rows, key=lambda n: rows[n]["ppl_best"])
         out["best_run"] = best
@@ -291,11 +292,87 @@ def findings(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.nda
         out["improving_with_longer_attention"] = improving
         out["only_ours_keeps_improving"] = bool(improving) and all(n.startswith("relative-") for n in improving)
         # The weaker form: with recurrence, our encoding suffers least from attention longer than in training.
-        recurrent = {n: r for n, r in rows.items() if n.endswith("-rec")}
+        recurrent = {n: r for n, r in rows.items() if "-rec" in n}
         if recurrent:
             least = min(recurrent, key=lambda n: recurrent[n]["loss_pct_longest"])
             out["recurrent_least_hurt_by_longest_attention"] = least
             out["ours_least_hurt_by_longest_attention"] = least == "relative-rec"
+    return out
+
+
+CLAIMS = (
+    # (a, b, what the paper's Table 6 says: a has the lower PPL best)
+    ("relative-rec", "shaw-rec", "with recurrence, our encoding beats Shaw et al.'s"),
+    ("relative-rec", "relative-norec", "recurrence helps our encoding (Full loss)"),
+    ("relative-rec-half", "relative-norec-half", "recurrence helps our encoding (Half loss)"),
+    ("relative-rec", "relative-rec-half", "with recurrence, the Full loss beats the Half loss"),
+    ("relative-norec", "shaw-norec", "without recurrence, our encoding beats Shaw et al.'s (Full loss)"),
+    ("relative-norec-half", "shaw-norec-half", "without recurrence, our encoding beats Shaw et al.'s (Half loss)"),
+    ("shaw-norec-half", "absolute-norec-half", "Shaw et al.'s encoding beats Vaswani et al.'s (Half, no recurrence)"),
+    ("absolute-norec-half", "al_rfou-norec-half", "Vaswani et al.'s beats Al-Rfou et al.'s (Half, no recurrence)"),
+    ("relative-rec", "al_rfou-norec-half", "Transformer-XL beats the vanilla Transformer (Al-Rfou et al., Half)"),
+)
+"""The pairwise orderings of the paper's first block that the WikiText-2 grid checks."""
+NOISE_PAIR = ("relative-rec", "relative-rec-seed1")
+"""The same row trained with two seeds: its gap is the run-to-run noise the claims must exceed."""
+
+
+def paper_best() -> dict[str, float]:
+    """The paper's PPL best by our run name (Table 6, first block)."""
+    return {Variant(enc, rec, loss).name: best for _, rec, enc, loss, _, best, _ in paper.TABLE6}
+
+
+def compare(a: str, b: str, rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.ndarray]]
+            ) -> dict[str, float]:
+    """Run ``a`` against ``b``, each at its best attention length: the PPL gap (%, negative when ``a`` is
+    better) and the mean per-position loss difference over its paired standard error."""
+    diff = losses[a][rows[a]["best_len"]] - losses[b][rows[b]["best_len"]]  # (P,) nats, same positions
+    se = standard_error(diff)
+    return {"gap_pct": 100 * (rows[a]["ppl_best"] / rows[b]["ppl_best"] - 1),
+            "gap_over_se": float(diff.mean()) / se if se > 0 else math.inf}
+
+
+def claims(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.ndarray]]) -> dict[str, Any]:
+    """Each of CLAIMS on our runs: the paper's gap, ours with its paired SE, and a verdict against noise.
+
+    'reproduced': ``a`` is better by more than SIGNIFICANCE paired standard errors and by more than the
+    seed-to-seed gap of NOISE_PAIR (when measured); 'reversed': the same, the other way; otherwise
+    'within noise'; 'not run yet' while a run is missing.
+    """
+    noise = compare(*NOISE_PAIR, rows, losses) if all(n in rows for n in NOISE_PAIR) else None
+    paper_ppl = paper_best()
+    out = []
+    for a, b, text in CLAIMS:
+        item: dict[str, Any] = {"a": a, "b": b, "claim": text,
+                                "paper_gap_pct": 100 * (paper_ppl[a] / paper_ppl[b] - 1)}
+        if a in rows and b in rows:
+            c = compare(a, b, rows, losses)
+            above_noise = noise is None or abs(c["gap_pct"]) > abs(noise["gap_pct"])
+            beyond = abs(c["gap_over_se"]) > SIGNIFICANCE and above_noise
+            item.update(c, verdict=("reproduced" if c["gap_pct"] < 0 else "reversed") if beyond else "within noise")
+        else:
+            item["verdict"] = "not run yet"
+        out.append(item)
+    return {"noise": noise, "claims": out}
+
+
+def long_memory(runs: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """The paper's second block: each recurrent run with our encoding at every attention length from its
+    training one on, against that training length (PPL change % and the paired gain over its SE)."""
+    out = {}
+    for name, r in runs.items():
+        v = r["variant"]
+        if not (v.recurrence and v.attn_type == "relative"):
+            continue
+        init = rows[name]["init_len"]
+        base = r["losses"][init]
+        out[name] = []
+        for c in sorted(c for c in r["losses"] if c >= init):
+            diff = base - r["losses"][c]  # (P,) nats gained by the longer attention
+            se = standard_error(diff)
+            out[name].append({"attn_len": c, "ratio": c / init, "ppl": math.exp(float(np.mean(r["losses"][c]))),
+                              "pct_vs_train_len": 100 * (math.exp(-float(diff.mean())) - 1),
+                              "gain_over_se": float(diff.mean()) / se if se > 0 else 0.0})
     return out
 
 
@@ -325,10 +402,17 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
                         "ppl": {str(c): p for c, p in rows[name]["ppl"].items()}}
                  for name, r in runs.items()},
         "findings": findings(rows, {name: r["losses"] for name, r in runs.items()}),
+        "grid": [v.name for v in variants_of(args)],
+        "long_memory": long_memory(runs, rows),
     }
+    if args.corpus != "ptb":  # PTB's grid has no Half rows; its findings above are its whole report
+        payload["claims"] = claims(rows, {name: r["losses"] for name, r in runs.items()})
     results, name = Path(args.results), stem("ablation", args.corpus)
     common.write_results(name, payload, md, results)
     plot(runs, rows, results / f"{name}.png", CORPUS_TITLES[args.corpus])
+    if payload["long_memory"]:
+        plot_long_memory(payload["long_memory"], results / f"{stem('longmem', args.corpus)}.png",
+                         CORPUS_TITLES[args.corpus])
     return payload
 
 
@@ -354,6 +438,25 @@ def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path, corpu
     ax.set_title(f"{corpus_title} ablation (squares: training attention length)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def plot_long_memory(curves: dict[str, list[dict[str, float]]], png: Path, corpus_title: str) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (name, points) in enumerate(curves.items()):
+        ax.plot([p["attn_len"] for p in points], [p["ppl"] for p in points], marker="o", markersize=3,
+                color=f"C{i}", label=name)
+        ax.plot([points[0]["attn_len"]], [points[0]["ppl"]], color=f"C{i}", marker="s", markersize=7,
+                markerfacecolor="none")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation attention length (keys per query; square: training length)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(f"{corpus_title}: trained with a short memory, evaluated with longer ones")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

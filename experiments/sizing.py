@@ -3,16 +3,19 @@
 Each candidate is the ablation's run config (``experiments.ablation.run_config``, relative encoding with
 recurrence, the costliest row) with its size flags changed; a few real training steps on the corpus's
 own segments are timed after warm-up, and the table gives seconds per step and the core-hours of the
-grid at a chosen step budget. The figures depend on what else the machine runs: say so when quoting them.
+grid at a chosen step budget. The figures depend on what else the machine runs (the JSON keeps the
+1-minute load average before and after): say so when quoting them.
 
-    python -m experiments.sizing --corpus wt2 --threads 1
+    python -m experiments.sizing --corpus wt2 --threads 1       # -> results/sizing_wt2.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(0: the corpus's default --steps)")
     known, rest = p.parse_known_args(argv)
     common.setup_logging()
-    rows = []
+    rows, records, start, args, load = [], [], time.perf_counter(), None, os.getloadavg()[0]
     for name in known.candidates.split(","):
         if name not in CANDIDATES:
             raise SystemExit(f"--candidates: unknown {name!r}; choose from {', '.join(CANDIDATES)}")
@@ -70,8 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, " ".join(CANDIDATES[name]), f"{n_params / 1e6:.2f}M", f"{s:.3f}",
                      f"{args.batch_size * args.tgt_len / s:,.0f}", grid_steps,
                      f"{grid_steps * s / 3600:.2f}", f"{runs * grid_steps * s / 3600:.1f} ({runs} runs)"])
-    print(common.markdown_table(["candidate", "flags", "params", "s/step", "tokens/s", "steps/run", "h/run",
-                                 "grid core-hours"], rows))
+        records.append({"candidate": name, "flags": CANDIDATES[name], "n_params": n_params, "s_per_step": s,
+                        "steps_per_run": grid_steps, "runs": runs})
+    md = common.markdown_table(["candidate", "flags", "params", "s/step", "tokens/s", "steps/run", "h/run",
+                                "grid core-hours"], rows)
+    payload = {"experiment": "sizing", "command": common.command_line("experiments.sizing", argv),
+               "corpus": args.corpus, "batch_size": args.batch_size, "tgt_len": args.tgt_len, "mem_len": args.mem_len,
+               "threads": args.threads, "load_average_1min": [load, os.getloadavg()[0]], "rows": records,
+               "wall_s": time.perf_counter() - start}
+    common.write_results(ablation.stem("sizing", args.corpus), payload, md, Path(args.results))
+    print(md)
     return 0
 
 
