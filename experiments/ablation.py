@@ -203,7 +203,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                         learned_positions=max(512, max_len))  # longer-than-trained rows stay untrained
     checkpoints = CORPUS_DEFAULTS[args.corpus]["checkpoints"]
     return RunConfig(
-        data=DataConfig(corpus=args.corpus, data_dir=args.data_dir),
+        data=DataConfig(corpus=args.corpus, data_dir=str(Path(args.data_dir).resolve())),  # one name per folder
         model=model,
         optim=OptimConfig(lr=args.lr, min_lr=args.lr / 100, schedule="cosine",
                           warmup_steps=max(1, args.steps // 20), clip=0.25),
