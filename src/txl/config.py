@@ -281,7 +281,8 @@ class TrainConfig:
     """Segment positions the training loss is taken on: 'all' (the paper's 'Full' loss) or 'last_half'
     ('Half': the cross-entropy only on the last half of the positions of each training segment, as Al-Rfou
     et al. 2018 train, so every scored position has at least half a segment of context; Dai et al. 2019,
-    Table 6). Validation and test always score every position."""
+    Table 6). Validation and test always score every position; the training log's token counts are of
+    scored positions."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'."""
     eval_interval: int = 200
