@@ -56,7 +56,7 @@ def write_reports(args: argparse.Namespace, argv: list[str], start: float) -> di
     if runs:
         written["ablation"] = ablation.report(runs, args, command(argv), time.perf_counter() - start)
     exact = ablation.collect(args, exact=True, available_only=True)
-    if len(exact) >= 2:  # RECL compares a group
+    if len(recl.group_of(exact, args.corpus)) >= 2:  # RECL compares a group
         written["recl"] = recl.report(exact, args, command(argv), time.perf_counter() - start)
     return written
 

@@ -115,7 +115,8 @@ def recl_section(r: dict[str, Any], img: str,
     out = [title, "",
            f"Command: `{r['command']}` (wall time {_mins(r['wall_s'])}; it reuses the ablation's models and "
            "cached losses, training them first if they are missing).", "",
-           f"Group: all {len(r['group'])} ablation models; contexts {r['contexts']}; threshold {r['threshold']}; "
+           f"Group: {len(r['group'])} ablation models ({', '.join(f'`{n}`' for n in r['group'])}); "
+           f"contexts {r['contexts']}; threshold {r['threshold']}; "
            f"{r['positions']:,} validation positions, the same for every model and context. Each query attends "
            "to exactly c keys (`model.reconfigure(mem_len=c, same_length=True)`) so that l_i(c, t) compares "
            "models on identical positions and context sizes; the recurrent memory can still carry older "
