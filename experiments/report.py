@@ -236,10 +236,22 @@ def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str,
            f"{d['tgt_len']} tokens (about {d['steps'] * d['batch_size'] * d['tgt_len'] / 2.088628e6:.1f} epochs), "
            f"memory {d['mem_len']} with recurrence; evaluation at attention lengths {d['contexts']} (up to "
            f"{int(d['contexts'].split(',')[-1]) // (d['tgt_len'] + d['mem_len'])}x the recurrent models' training "
-           "attention length, the paper's second block). The size is the largest whose whole grid fits in a "
-           "working day of two shared cores; the second seed of the main row tells whether differences of the "
-           "size the paper reports (3-10% in perplexity) stand above the noise at this scale.", ""]
+           "attention length, the paper's second block).", ""]
     out += sizing_lines(z)
+    chosen = [x for x in (z or {}).get("rows", []) if x["flags"][1::2] == [str(d["n_layer"]), str(d["d_model"]),
+                                                                          str(d["n_head"]), str(d["d_inner"])]]
+    if chosen:
+        c = chosen[0]
+        hours = c["s_per_step"] * d["steps"] * n_runs / 3600
+        out += [f"The grid uses candidate `{c['candidate']}`, the smallest: at its measured {c['s_per_step']:.2f} s "
+                f"per step the {n_runs} runs' training takes about {hours:.0f} core-hours (about "
+                f"{hours / 2:.0f} h on two cores, plus evaluation), the larger candidates two to three times that. "
+                "It was chosen so that the runs of the main question and of the noise could finish within the "
+                "working session that started them on this shared machine. Whether differences of the size "
+                "the paper reports (3-10% in perplexity) stand above the run-to-run noise at this scale is what "
+                "the second seed of the main row measures (below); where they do not, a larger model and more "
+                "steps are the next step, and the same commands run them (`--n-layer`, `--d-model`, `--steps`, "
+                "into another --runs-dir).", ""]
     out += ["Commands (from the repository root; every one resumes where it stopped, runs and losses are reused):",
             "", "```", "# start or resume the grid: two background workers, one core each", WT2_RESUME,
             "# the results of the runs finished so far, then this document",
