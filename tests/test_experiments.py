@@ -3,6 +3,7 @@ reuse finished runs, and the report is generated from their JSON. Full runs are 
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -283,3 +284,16 @@ def test_ptb_stays_the_default_corpus():
     names = [v.name for v in ablation.variants_of(wt2)]
     assert names[:4] == ["relative-rec", "shaw-rec", "relative-norec", "relative-rec-seed1"] and len(names) == 12
     assert {a for a, _, _ in ablation.CLAIMS} | {b for _, b, _ in ablation.CLAIMS} <= set(names)
+
+
+def test_grid_claim_skips_a_run_held_by_a_live_worker_and_takes_a_stale_one(tmp_path):
+    from experiments import grid
+
+    run = tmp_path / "relative-rec"
+    with grid.claim(run) as first, grid.claim(run) as second:
+        assert first and not second and (run / grid.LOCK_FILE).is_file()
+    assert not (run / grid.LOCK_FILE).exists()  # released
+    for owner in ({"pid": os.getpid(), "boot": "another boot"}, "not json"):  # a previous boot's, or corrupt
+        (run / grid.LOCK_FILE).write_text(json.dumps(owner) if isinstance(owner, dict) else owner)
+        with grid.claim(run) as mine:
+            assert mine
