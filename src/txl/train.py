@@ -208,7 +208,7 @@ class MetricsLog:
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None) -> TrainResult:
     """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample."""
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
     try:
