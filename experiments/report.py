@@ -301,6 +301,16 @@ def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str,
                 [[p["attn_len"], f"{p['ratio']:g}", p["ppl"], f"{p['pct_vs_train_len']:+.2f}",
                   f"{p['gain_over_se']:.1f}"] for p in points])]
         out += [f"![perplexity against a longer evaluation memory]({rel}/longmem_wt2.png)", ""]
+        if "relative-rec" in lm:
+            points = lm["relative-rec"]
+            best = min(points, key=lambda p: (p["ppl"], p["attn_len"]))
+            gains = best["attn_len"] > points[0]["attn_len"] and best["gain_over_se"] > ablation.SIGNIFICANCE
+            out += [f"*A model trained with a short memory gains from a longer one at evaluation*: "
+                    f"{'reproduced' if gains else 'not reproduced'}; `relative-rec` is best at attention length "
+                    f"{best['attn_len']} ({best['ratio']:g}x its training length), {best['pct_vs_train_len']:+.2f}% "
+                    f"from its training length ({best['gain_over_se']:.1f} SE), and "
+                    f"{points[-1]['pct_vs_train_len']:+.2f}% at the longest, {points[-1]['attn_len']} "
+                    f"({points[-1]['ratio']:g}x); the paper: {100 * (best_long / init_long - 1):+.1f}%.", ""]
     if r is not None:
         out += recl_section(r, f"{rel}/recl_wt2.png", title="### RECL of the WikiText-2 group")
     out += wall_times(a, title="### Wall time of each WikiText-2 run")
