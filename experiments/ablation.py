@@ -209,7 +209,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                           warmup_steps=max(1, args.steps // 20), clip=0.25),
         train=TrainConfig(out_dir=str(Path(args.out) / v.name), max_steps=args.steps,
                           minutes=args.minutes_per_run, batch_size=args.batch_size, tgt_len=args.tgt_len,
-                          seed=args.seed + v.seed, device="cpu", eval_interval=0,
+                          seed=args.seed + v.seed, device="cpu", precision="fp32", eval_interval=0,
                           ckpt_interval=max(1, args.steps // checkpoints),
                           loss_positions="last_half" if v.loss == "Half" else "all",
                           keep_last=1, log_interval=max(1, args.steps // 50), tensorboard=False, plot=True,

@@ -20,16 +20,17 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-len", type=int, help="memory length (generate: whole context by default; "
                    "score: the checkpoint's)")
     p.add_argument("--segment-len", type=int, default=None, help="tokens read per forward pass")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
     import txl
     from txl.checkpoint import find_checkpoint
     from txl.data.tokenizer import load_model_tokenizer
+    from txl.distributed import resolve_device
 
     directory = find_checkpoint(args.checkpoint, "best")  # a run directory: its best, else latest, checkpoint
-    model = txl.from_pretrained(directory, device=args.device)
+    model = txl.from_pretrained(directory, device=resolve_device(args.device))
     tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                                      allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
     return model, tokenizer
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set with this mass (1: all)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible samples")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.set_defaults(func=run)
 
 
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     stream = tokenizer.stream()
     tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
-                             segment_len=256 if args.segment_len is None else args.segment_len)
+                             segment_len=256 if args.segment_len is None else args.segment_len, compile=args.compile)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
     if tokenizer.level == "word" and not text.endswith("\n"):
