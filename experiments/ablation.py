@@ -1,9 +1,14 @@
-"""The paper's Table 6 at small scale: segment-level recurrence x positional encoding on PTB words.
+"""The paper's Table 6 at small scale: segment-level recurrence x positional encoding x loss, on PTB words
+or WikiText-2 (``--corpus ptb|wt2``).
 
-Eight runs with one fixed budget (the same model size, steps, batch and segment length): recurrence
-on (mem_len = --mem-len) and off (mem_len 0), crossed with the paper's relative encoding ('relative'),
-Shaw et al. 2018 ('shaw'), Vaswani et al. 2017 absolute sinusoids ('absolute') and Al-Rfou et al.
-2018 learned absolute positions ('al_rfou').
+Every run of a corpus has one fixed budget (the same model size, steps, batch and segment length):
+recurrence on (mem_len = --mem-len) and off (mem_len 0), crossed with the paper's relative encoding
+('relative'), Shaw et al. 2018 ('shaw'), Vaswani et al. 2017 absolute sinusoids ('absolute') and
+Al-Rfou et al. 2018 learned absolute positions ('al_rfou'), and with the loss on every position of a
+training segment ('Full') or on its last half only ('Half', ``train.loss_positions='last_half'``).
+PTB runs the eight Full rows; WikiText-2 (long articles) runs the nine rows of the paper's first block,
+the Full Vaswani / Al-Rfou rows for context, and a second seed of the main row to measure the noise
+(``GRIDS``, in the order they answer the main question).
 
 Every trained model is then scored on the same validation positions with attention lengths A from
 --contexts, evaluated as the paper does and as it was trained: segments of --tgt-len tokens with a
@@ -17,11 +22,12 @@ models with every query seeing exactly A keys instead.) Reported, as in the pape
 * PPL best: the best perplexity over attention lengths >= the training one, and the shortest
   length that reaches it (Attn Len).
 
-    python -m experiments.ablation                              # the full budget (about 2.5 h on one core)
+    python -m experiments.ablation                              # PTB, the full budget (about 2.5 h on one core)
+    python -m experiments.ablation --corpus wt2 --runs-dir /work/txl-runs/wt2    # WikiText-2 (see its plan)
     python -m experiments.ablation --steps 2 --valid-tokens 600 --contexts 8,16 ...   # a smoke test
 
-Finished runs (``runs/ablation/<name>/done.json``) and computed losses are reused, so the command
-can be interrupted and rerun; results/ablation.{json,md,png} are rewritten from them.
+Finished runs (``<runs-dir>/<name>/done.json``) and computed losses are reused, so the command
+can be interrupted and rerun; results/ablation[_wt2].{json,md,png} are rewritten from them.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import common
+from experiments import common, paper
 from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -56,47 +62,107 @@ the one at the training length by more than SIGNIFICANCE standard errors of the 
 class Variant:
     attn_type: str
     recurrence: bool
+    loss: str = "Full"
+    """'Full' (every segment position) or 'Half' (the last half only), the paper's Loss column."""
+    seed: int = 0
+    """Added to --seed: a second seed of the same row measures run-to-run noise."""
 
     @property
     def name(self) -> str:
-        return f"{self.attn_type}-{'rec' if self.recurrence else 'norec'}"
+        return (f"{self.attn_type}-{'rec' if self.recurrence else 'norec'}" + ("-half" if self.loss == "Half" else "")
+                + (f"-seed{self.seed}" if self.seed else ""))
 
 
 VARIANTS = tuple(Variant(a, r) for r in (True, False) for a in ENCODINGS)
+"""The PTB grid: every encoding with and without recurrence, Full loss."""
+
+WT2_VARIANTS = (
+    # The main question first: ours with recurrence against Shaw's with recurrence and ours without; then the
+    # seed noise, then the Half rows; the rest of the paper's first block; then the Full Transformers for context.
+    Variant("relative", True), Variant("shaw", True), Variant("relative", False), Variant("relative", True, seed=1),
+    Variant("relative", True, "Half"), Variant("relative", False, "Half"), Variant("shaw", False),
+    Variant("shaw", False, "Half"), Variant("absolute", False, "Half"), Variant("al_rfou", False, "Half"),
+    Variant("absolute", False), Variant("al_rfou", False),
+)
+"""The WikiText-2 grid, in priority order: the paper's nine first-block rows, two Full rows, a second seed."""
+
+GRIDS = {"ptb": VARIANTS, "wt2": WT2_VARIANTS}
+
+CORPUS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ptb": {"data_dir": str(common.SHARED_DATA / "ptb"), "out": str(common.RUNS_DIR / "ablation"),
+            "steps": 12000, "batch_size": 16, "tgt_len": 32, "mem_len": 32, "n_layer": 3, "d_model": 128,
+            "n_head": 4, "d_inner": 512, "dropout": 0.1, "cutoffs": "2000,6000",
+            "contexts": "32,64,96,128,160,192,224,256", "eval_seg_len": 64, "checkpoints": 4},
+    "wt2": {"data_dir": str(common.SHARED_DATA / "wikitext-2"), "out": str(common.RUNS_DIR / "ablation-wt2"),
+            "steps": 4000, "batch_size": 16, "tgt_len": 64, "mem_len": 64, "n_layer": 3, "d_model": 128,
+            "n_head": 4, "d_inner": 512, "dropout": 0.1, "cutoffs": "2000,10000",
+            "contexts": "64,128,192,256,384,512,768,1024", "eval_seg_len": 128, "checkpoints": 20},
+}
+"""Each corpus's full budget: the defaults of the flags left unset. PTB's are the runs in docs/results.md;
+WikiText-2's are sized in its plan (docs/results.md, 'WikiText-2'). ``checkpoints`` per run bound the
+work an interruption loses (WikiText-2 runs are long and run in the background)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the ablation runs (shared by experiments.recl, which reuses the same models)."""
-    g = p.add_argument_group("budget (identical for every run)")
-    g.add_argument("--steps", type=int, default=12000, help="optimiser steps per run (the budget)")
+    """The flags of the ablation runs (shared by experiments.recl, which reuses the same models). Flags
+    whose default depends on --corpus default to None here; ``resolve`` fills them from CORPUS_DEFAULTS."""
+    p.add_argument("--corpus", choices=sorted(CORPUS_DEFAULTS), default="ptb",
+                   help="ptb (short news sentences) or wt2 (WikiText-2, long articles); sets the defaults below")
+    g = p.add_argument_group("budget (identical for every run; defaults per corpus)")
+    g.add_argument("--steps", type=int, help="optimiser steps per run (the budget)")
     g.add_argument("--minutes-per-run", type=float, default=0.0,
                    help="also stop a run after this many minutes (0: no limit; steps are the budget)")
-    g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--tgt-len", type=int, default=32, help="training segment length")
-    g.add_argument("--mem-len", type=int, default=32, help="training memory length of the recurrent runs")
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--tgt-len", type=int, help="training segment length")
+    g.add_argument("--mem-len", type=int, help="training memory length of the recurrent runs")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--seed", type=int, default=0)
-    m = p.add_argument_group("model")
-    m.add_argument("--n-layer", type=int, default=3)
-    m.add_argument("--d-model", type=int, default=128)
-    m.add_argument("--n-head", type=int, default=4)
-    m.add_argument("--d-inner", type=int, default=512)
-    m.add_argument("--dropout", type=float, default=0.1)
-    m.add_argument("--cutoffs", default="2000,6000",
-                   help="adaptive softmax clusters (cheaper output layer on CPU); empty: a full softmax")
+    m = p.add_argument_group("model (defaults per corpus)")
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--d-model", type=int)
+    m.add_argument("--n-head", type=int)
+    m.add_argument("--d-inner", type=int)
+    m.add_argument("--dropout", type=float)
+    m.add_argument("--cutoffs", help="adaptive softmax clusters (cheaper output layer on CPU); empty: a full softmax")
     e = p.add_argument_group("data and evaluation")
-    e.add_argument("--data-dir", default=str(common.SHARED_DATA / "ptb"), help="folder of ptb.{train,valid}.txt")
+    e.add_argument("--data-dir", help="folder of the corpus files (default: ../shared/data/ptb or wikitext-2)")
     e.add_argument("--valid-tokens", type=int, default=0, help="score the first N validation tokens (0: all)")
-    e.add_argument("--contexts", default="32,64,96,128,160,192,224,256",
-                   help="evaluation attention lengths, increasing; must include the training ones")
+    e.add_argument("--contexts", help="evaluation attention lengths, increasing; must include the training ones")
     e.add_argument("--streams", type=int, default=8, help="parallel evaluation streams")
-    e.add_argument("--eval-seg-len", type=int, default=64,
+    e.add_argument("--eval-seg-len", type=int,
                    help="segment length of RECL's exact scoring (no effect on relative encodings' losses); "
                    "the ablation table reads --tgt-len segments")
     e.add_argument("--variants", default="all", help="comma-separated run names (e.g. relative-rec), or all")
-    p.add_argument("--out", default=str(common.RUNS_DIR / "ablation"), help="run directories go here")
+    p.add_argument("--out", "--runs-dir", dest="out", help="run directories go here (default: runs/ablation, "
+                   "runs/ablation-wt2); a folder outside the checkout keeps long runs safe")
     p.add_argument("--results", default=str(common.RESULTS_DIR), help="tables and plots go here")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every flag left unset taken from its corpus's full budget (CORPUS_DEFAULTS)."""
+    for key, value in CORPUS_DEFAULTS[args.corpus].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The ablation's flags (on ``parser`` when given, e.g. with RECL's extra ones), resolved per corpus."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__.split("\n\n")[0])
+        add_arguments(parser)
+    return resolve(parser.parse_args(argv))
+
+
+def defaults(corpus: str) -> dict[str, Any]:
+    """Every flag's value in the full budget of ``corpus`` (what the report calls 'not reduced')."""
+    return vars(parse_args(["--corpus", corpus]))
+
+
+def stem(base: str, corpus: str) -> str:
+    """Result file stem: PTB keeps the plain names (ablation, recl), other corpora add theirs (ablation_wt2)."""
+    return base if corpus == "ptb" else f"{base}_{corpus}"
 
 
 def contexts_of(args: argparse.Namespace) -> list[int]:
@@ -111,9 +177,10 @@ def contexts_of(args: argparse.Namespace) -> list[int]:
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
+    grid = GRIDS[args.corpus]
     if args.variants == "all":
-        return list(VARIANTS)
-    by_name = {v.name: v for v in VARIANTS}
+        return list(grid)
+    by_name = {v.name: v for v in grid}
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     bad = [n for n in names if n not in by_name]
     if bad:
@@ -127,43 +194,52 @@ def train_attention_length(v: Variant, args: argparse.Namespace) -> int:
 
 
 def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConfig:
-    """One run of the ablation: only attn_type and mem_len differ between runs."""
+    """One run of the ablation: only attn_type, mem_len, the loss positions and the seed differ between runs."""
     max_len = max(contexts_of(args)) + args.eval_seg_len  # keys per evaluation forward
     model = ModelConfig(vocab_size=vocab_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                         d_inner=args.d_inner, dropout=args.dropout, dropatt=0.0, attn_type=v.attn_type,
                         cutoffs=[int(c) for c in args.cutoffs.split(",") if c.strip()],
                         mem_len=args.mem_len if v.recurrence else 0,
                         learned_positions=max(512, max_len))  # longer-than-trained rows stay untrained
+    checkpoints = CORPUS_DEFAULTS[args.corpus]["checkpoints"]
     return RunConfig(
-        data=DataConfig(corpus="ptb", data_dir=args.data_dir),
+        data=DataConfig(corpus=args.corpus, data_dir=str(Path(args.data_dir).resolve())),  # one name per folder
         model=model,
         optim=OptimConfig(lr=args.lr, min_lr=args.lr / 100, schedule="cosine",
                           warmup_steps=max(1, args.steps // 20), clip=0.25),
         train=TrainConfig(out_dir=str(Path(args.out) / v.name), max_steps=args.steps,
                           minutes=args.minutes_per_run, batch_size=args.batch_size, tgt_len=args.tgt_len,
-                          seed=args.seed, device="cpu", eval_interval=0, ckpt_interval=max(1, args.steps // 4),
+                          seed=args.seed + v.seed, device="cpu", precision="fp32", eval_interval=0,
+                          ckpt_interval=max(1, args.steps // checkpoints),
+                          loss_positions="last_half" if v.loss == "Half" else "all",
                           keep_last=1, log_interval=max(1, args.steps // 50), tensorboard=False, plot=True,
                           progress=False))
 
 
-def collect(args: argparse.Namespace, *, exact: bool = False) -> dict[str, Any]:
+def collect(args: argparse.Namespace, *, exact: bool = False, available_only: bool = False) -> dict[str, Any]:
     """Train (or reuse) every variant and score it at every context: {name: {record, losses}}.
 
     Not ``exact`` (this table): the paper's evaluation, segments of the training length and memory
     context - tgt_len, so PPL init is measured exactly as the model was trained. ``exact`` (RECL): every
-    query sees exactly ``context`` keys (``common.position_losses``).
+    query sees exactly ``context`` keys (``common.position_losses``). ``available_only``: neither train
+    nor score; only the runs that are finished and scored at every context (a report of a grid that
+    other processes are still running).
     """
     common.set_threads(args.threads)
     grid = contexts_of(args)
-    corpus = common.load_trimmed_corpus("ptb", args.data_dir, valid_tokens=args.valid_tokens)
+    corpus = common.load_trimmed_corpus(args.corpus, args.data_dir, valid_tokens=args.valid_tokens)
     seg_len, name = (args.eval_seg_len, "losses") if exact else (args.tgt_len, "losses-train-segments")
     runs = {}
     for v in variants_of(args):
-        record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
         run_dir = Path(args.out) / v.name
-        losses = common.cached_position_losses(common.load_trained(run_dir), corpus.valid, grid,
-                                               run_dir / name, n_streams=args.streams,
+        if available_only and not (run_dir / common.DONE_FILE).is_file():
+            continue
+        record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
+        losses = common.cached_position_losses(None if available_only else common.load_trained(run_dir),
+                                               corpus.valid, grid, run_dir / name, n_streams=args.streams,
                                                seg_len=seg_len, skip=grid[-1] - 1, exact=exact)
+        if losses is None:
+            continue
         runs[v.name] = {"variant": v, "record": record, "losses": losses,
                         "eval_wall_s": common.eval_seconds(run_dir / name, grid)}
     return runs
@@ -201,6 +277,7 @@ def findings(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.nda
     error, so a tie within noise is told from a real loss.
     """
     out: dict[str, Any] = {}
+    rows = {n: r for n, r in rows.items() if "-seed" not in n}  # other seeds measure noise, they are no rows
     if rows:
         best = min(rows, key=lambda n: rows[n]["ppl_best"])
         out["best_run"] = best
@@ -215,11 +292,87 @@ def findings(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.nda
         out["improving_with_longer_attention"] = improving
         out["only_ours_keeps_improving"] = bool(improving) and all(n.startswith("relative-") for n in improving)
         # The weaker form: with recurrence, our encoding suffers least from attention longer than in training.
-        recurrent = {n: r for n, r in rows.items() if n.endswith("-rec")}
+        recurrent = {n: r for n, r in rows.items() if "-rec" in n}
         if recurrent:
             least = min(recurrent, key=lambda n: recurrent[n]["loss_pct_longest"])
             out["recurrent_least_hurt_by_longest_attention"] = least
             out["ours_least_hurt_by_longest_attention"] = least == "relative-rec"
+    return out
+
+
+CLAIMS = (
+    # (a, b, what the paper's Table 6 says: a has the lower PPL best)
+    ("relative-rec", "shaw-rec", "with recurrence, our encoding beats Shaw et al.'s"),
+    ("relative-rec", "relative-norec", "recurrence helps our encoding (Full loss)"),
+    ("relative-rec-half", "relative-norec-half", "recurrence helps our encoding (Half loss)"),
+    ("relative-rec", "relative-rec-half", "with recurrence, the Full loss beats the Half loss"),
+    ("relative-norec", "shaw-norec", "without recurrence, our encoding beats Shaw et al.'s (Full loss)"),
+    ("relative-norec-half", "shaw-norec-half", "without recurrence, our encoding beats Shaw et al.'s (Half loss)"),
+    ("shaw-norec-half", "absolute-norec-half", "Shaw et al.'s encoding beats Vaswani et al.'s (Half, no recurrence)"),
+    ("absolute-norec-half", "al_rfou-norec-half", "Vaswani et al.'s beats Al-Rfou et al.'s (Half, no recurrence)"),
+    ("relative-rec", "al_rfou-norec-half", "Transformer-XL beats the vanilla Transformer (Al-Rfou et al., Half)"),
+)
+"""The pairwise orderings of the paper's first block that the WikiText-2 grid checks."""
+NOISE_PAIR = ("relative-rec", "relative-rec-seed1")
+"""The same row trained with two seeds: its gap is the run-to-run noise the claims must exceed."""
+
+
+def paper_best() -> dict[str, float]:
+    """The paper's PPL best by our run name (Table 6, first block)."""
+    return {Variant(enc, rec, loss).name: best for _, rec, enc, loss, _, best, _ in paper.TABLE6}
+
+
+def compare(a: str, b: str, rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.ndarray]]
+            ) -> dict[str, float]:
+    """Run ``a`` against ``b``, each at its best attention length: the PPL gap (%, negative when ``a`` is
+    better) and the mean per-position loss difference over its paired standard error."""
+    diff = losses[a][rows[a]["best_len"]] - losses[b][rows[b]["best_len"]]  # (P,) nats, same positions
+    se = standard_error(diff)
+    return {"gap_pct": 100 * (rows[a]["ppl_best"] / rows[b]["ppl_best"] - 1),
+            "gap_over_se": float(diff.mean()) / se if se > 0 else math.inf}
+
+
+def claims(rows: dict[str, dict[str, Any]], losses: dict[str, dict[int, np.ndarray]]) -> dict[str, Any]:
+    """Each of CLAIMS on our runs: the paper's gap, ours with its paired SE, and a verdict against noise.
+
+    'reproduced': ``a`` is better by more than SIGNIFICANCE paired standard errors and by more than the
+    seed-to-seed gap of NOISE_PAIR (when measured); 'reversed': the same, the other way; otherwise
+    'within noise'; 'not run yet' while a run is missing.
+    """
+    noise = compare(*NOISE_PAIR, rows, losses) if all(n in rows for n in NOISE_PAIR) else None
+    paper_ppl = paper_best()
+    out = []
+    for a, b, text in CLAIMS:
+        item: dict[str, Any] = {"a": a, "b": b, "claim": text,
+                                "paper_gap_pct": 100 * (paper_ppl[a] / paper_ppl[b] - 1)}
+        if a in rows and b in rows:
+            c = compare(a, b, rows, losses)
+            above_noise = noise is None or abs(c["gap_pct"]) > abs(noise["gap_pct"])
+            beyond = abs(c["gap_over_se"]) > SIGNIFICANCE and above_noise
+            item.update(c, verdict=("reproduced" if c["gap_pct"] < 0 else "reversed") if beyond else "within noise")
+        else:
+            item["verdict"] = "not run yet"
+        out.append(item)
+    return {"noise": noise, "claims": out}
+
+
+def long_memory(runs: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """The paper's second block: each recurrent run with our encoding at every attention length from its
+    training one on, against that training length (PPL change % and the paired gain over its SE)."""
+    out = {}
+    for name, r in runs.items():
+        v = r["variant"]
+        if not (v.recurrence and v.attn_type == "relative"):
+            continue
+        init = rows[name]["init_len"]
+        base = r["losses"][init]
+        out[name] = []
+        for c in sorted(c for c in r["losses"] if c >= init):
+            diff = base - r["losses"][c]  # (P,) nats gained by the longer attention
+            se = standard_error(diff)
+            out[name].append({"attn_len": c, "ratio": c / init, "ppl": math.exp(float(np.mean(r["losses"][c]))),
+                              "pct_vs_train_len": 100 * (math.exp(-float(diff.mean())) - 1),
+                              "gain_over_se": float(diff.mean()) / se if se > 0 else 0.0})
     return out
 
 
@@ -228,47 +381,61 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
     table_rows = []
     for name, r in runs.items():
         v, s, rec = r["variant"], rows[name], r["record"]
-        table_rows.append([name, "yes" if v.recurrence else "no", ENCODING_NAMES[v.attn_type], s["init_len"],
+        table_rows.append([name, "yes" if v.recurrence else "no", ENCODING_NAMES[v.attn_type], v.loss, s["init_len"],
                            s["ppl_init"], s["ppl_best"], s["best_len"], f"{s['gain_pct']:.2f}",
                            f"{s['gain_nats'] / s['gain_se_nats']:.1f}" if s["gain_se_nats"] > 0 else "-",
                            s["ppl_longest"], f"{s['loss_pct_longest']:+.1f}",
                            rec["steps"], f"{rec['train_s']:.0f}", f"{r['eval_wall_s']:.0f}"])
-    md = common.markdown_table(["run", "recurrence", "encoding", "train attn len", "PPL init", "PPL best",
+    md = common.markdown_table(["run", "recurrence", "encoding", "loss", "train attn len", "PPL init", "PPL best",
                                 "attn len (best)", "gain %", "gain / SE", "PPL at longest", "% vs init", "steps",
                                 "train s", "eval s"],
                                table_rows)
     payload = {
         "experiment": "ablation", "command": common.command_line("experiments.ablation", argv),
         "args": {k: v for k, v in vars(args).items()}, "contexts": contexts_of(args), "wall_s": wall_s,
+        "corpus": args.corpus,
         "runs": {name: {"attn_type": r["variant"].attn_type, "recurrence": r["variant"].recurrence,
+                        "loss": r["variant"].loss, "seed_offset": r["variant"].seed,
                         "train": {k: v for k, v in r["record"].items() if k != "run"},
                         "model": r["record"]["run"]["model"], "eval_wall_s": r["eval_wall_s"],
                         **{k: v for k, v in rows[name].items() if k != "ppl"},
                         "ppl": {str(c): p for c, p in rows[name]["ppl"].items()}}
                  for name, r in runs.items()},
         "findings": findings(rows, {name: r["losses"] for name, r in runs.items()}),
+        "grid": [v.name for v in variants_of(args)],
+        "long_memory": long_memory(runs, rows),
     }
-    results = Path(args.results)
-    common.write_results("ablation", payload, md, results)
-    plot(runs, rows, results / "ablation.png")
+    if args.corpus != "ptb":  # PTB's grid has no Half rows; its findings above are its whole report
+        payload["claims"] = claims(rows, {name: r["losses"] for name, r in runs.items()})
+    results, name = Path(args.results), stem("ablation", args.corpus)
+    common.write_results(name, payload, md, results)
+    plot(runs, rows, results / f"{name}.png", CORPUS_TITLES[args.corpus])
+    if payload["long_memory"]:
+        plot_long_memory(payload["long_memory"], results / f"{stem('longmem', args.corpus)}.png",
+                         CORPUS_TITLES[args.corpus])
     return payload
 
 
-def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path) -> None:
+CORPUS_TITLES = {"ptb": "PTB", "wt2": "WikiText-2"}
+
+
+def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path, corpus_title: str = "PTB") -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1")))
     for name, r in runs.items():
         v, s = r["variant"], rows[name]
         cs = sorted(s["ppl"])
-        ax.plot(cs, [s["ppl"][c] for c in cs], color=colors[v.attn_type], linestyle="-" if v.recurrence else "--",
-                marker="o", markersize=3,
-                label=f"{ENCODING_NAMES[v.attn_type]}, {'recurrence' if v.recurrence else 'no recurrence'}")
+        style = ("-" if v.recurrence else "--") if v.loss == "Full" else ("-." if v.recurrence else ":")
+        ax.plot(cs, [s["ppl"][c] for c in cs], color=colors[v.attn_type], linestyle=style,
+                marker="o", markersize=3, alpha=0.6 if v.seed else 1.0,
+                label=f"{ENCODING_NAMES[v.attn_type]}, {'recurrence' if v.recurrence else 'no recurrence'}"
+                + ("" if v.loss == "Full" else ", Half loss") + (f", seed +{v.seed}" if v.seed else ""))
         ax.plot([s["init_len"]], [s["ppl_init"]], color=colors[v.attn_type], marker="s", markersize=7,
                 markerfacecolor="none")
     ax.set_xlabel("evaluation attention length (keys per query)")
     ax.set_ylabel("validation perplexity")
-    ax.set_title("PTB ablation (squares: training attention length)")
+    ax.set_title(f"{corpus_title} ablation (squares: training attention length)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -276,16 +443,33 @@ def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path) -> No
     plt.close(fig)
 
 
+def plot_long_memory(curves: dict[str, list[dict[str, float]]], png: Path, corpus_title: str) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (name, points) in enumerate(curves.items()):
+        ax.plot([p["attn_len"] for p in points], [p["ppl"] for p in points], marker="o", markersize=3,
+                color=f"C{i}", label=name)
+        ax.plot([points[0]["attn_len"]], [points[0]["ppl"]], color=f"C{i}", marker="s", markersize=7,
+                markerfacecolor="none")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation attention length (keys per query; square: training length)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(f"{corpus_title}: trained with a short memory, evaluated with longer ones")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     common.setup_logging()
     start = time.perf_counter()
     runs = collect(args)
     payload = report(runs, args, argv, time.perf_counter() - start)
-    print(Path(args.results, "ablation.md").read_text(encoding="utf-8"))
+    print(Path(args.results, f"{stem('ablation', args.corpus)}.md").read_text(encoding="utf-8"))
     print(json.dumps(payload["findings"]))
     return 0
 

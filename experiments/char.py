@@ -56,7 +56,7 @@ def run_config(args: argparse.Namespace, vocab_size: int) -> RunConfig:
         optim=OptimConfig(lr=args.lr, min_lr=args.lr / 100, schedule="cosine",
                           warmup_steps=max(1, args.steps // 20), clip=0.25),
         train=TrainConfig(out_dir=args.out, max_steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
-                          tgt_len=args.tgt_len, seed=args.seed, device="cpu", eval_interval=0,
+                          tgt_len=args.tgt_len, seed=args.seed, device="cpu", precision="fp32", eval_interval=0,
                           ckpt_interval=max(1, args.steps // 4), keep_last=1, log_interval=max(1, args.steps // 50),
                           tensorboard=False, plot=True, progress=False))
 

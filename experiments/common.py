@@ -78,13 +78,13 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     done = out / DONE_FILE
     if done.is_file():
         record = json.loads(done.read_text(encoding="utf-8"))
-        if record["run"] == cfg.to_dict():
+        if RunConfig.from_dict(record["run"]).to_dict() == cfg.to_dict():  # fields added since: their defaults
             log.info("%s: finished earlier (%d steps, %.0f s), skipped", out, record["steps"], record["wall_s"])
             return _with_train_seconds(record, out)
         raise ValueError(f"{out} holds a finished run of another config; delete it or choose another --out")
     resume = None
     if (out / "latest.json").is_file():
-        saved = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        saved = RunConfig.from_dict(json.loads((out / "run.json").read_text(encoding="utf-8"))).to_dict()
         if saved != cfg.to_dict():
             raise ValueError(f"{out} holds an unfinished run of another config; delete it or choose another --out")
         resume = out
@@ -175,14 +175,20 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     return torch.cat(nll, dim=1)[:, skip:].reshape(-1).numpy()  # (P,)
 
 
-def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: Sequence[int], cache: Path, *,
-                           n_streams: int, seg_len: int, skip: int, exact: bool = True) -> dict[int, np.ndarray]:
+def cached_position_losses(model: TransformerXL | None, tokens: np.ndarray, contexts: Sequence[int], cache: Path, *,
+                           n_streams: int, seg_len: int, skip: int, exact: bool = True
+                           ) -> dict[int, np.ndarray] | None:
     """``position_losses`` for each context, cached as ``cache/c{context}.npy`` (reused while the
-    evaluation setup and the tokens are unchanged)."""
+    evaluation setup and the tokens are unchanged). With ``model=None`` nothing is computed: the cached
+    losses, or None when any context is missing (another process may still be computing them)."""
     key = {"n_streams": n_streams, "seg_len": seg_len, "skip": skip, **({} if exact else {"exact": False}),
            "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()}
     meta = cache / "meta.json"
-    if not meta.is_file() or json.loads(meta.read_text(encoding="utf-8")) != key:
+    current = meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) == key
+    if model is None:
+        files = [cache / f"c{c}.npy" for c in contexts]
+        return {c: np.load(f) for c, f in zip(contexts, files)} if current and all(f.is_file() for f in files) else None
+    if not current:
         cache.mkdir(parents=True, exist_ok=True)
         for old in [*cache.glob("c*.npy"), *cache.glob("c*.seconds")]:
             old.unlink()
@@ -196,8 +202,10 @@ def cached_position_losses(model: TransformerXL, tokens: np.ndarray, contexts: S
         start = time.perf_counter()
         out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip,
                                  exact=exact)
-        np.save(file, out[c])
         (cache / f"c{c}.seconds").write_text(f"{time.perf_counter() - start:.3f}\n", encoding="utf-8")
+        partial = cache / f"c{c}.partial.npy"
+        np.save(partial, out[c])
+        partial.replace(file)  # whole or absent: a report running beside this process never reads half a file
         log.info("%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, c, out[c].mean(),
                  out[c].size, time.perf_counter() - start)
     return out

@@ -1,18 +1,20 @@
 """Relative effective context length (Dai et al. 2019, Appendix C) of the ablation's models.
 
-The group is every model of ``experiments.ablation`` (the same flags select and, if needed, train
-them; finished runs and their losses are reused). Each model is scored on the same validation
-positions at every attention length c of --contexts, each query attending to exactly c keys
-(``mem_len = c`` with ``same_length``; ``common.position_losses``). Why this choice: RECL compares
-l_i(c, t) across models and lengths on identical positions, so every position must really see c
-keys (hence the dropped warm-up positions and same_length, which stops the last queries of a segment
-seeing more keys than the first ones). For recurrent models the cached states still carry older
-information through the layers; that is the mechanism RECL is meant to credit.
+The group is every model of ``experiments.ablation`` (on WikiText-2 the paper's Table 8 group,
+``GROUPS``; the same flags select and, if needed, train them; finished runs and their losses are
+reused). Each model is scored on the same validation positions at every attention length c of
+--contexts, each query attending to exactly c keys (``mem_len = c`` with ``same_length``;
+``common.position_losses``). Why this choice: RECL compares l_i(c, t) across models and lengths on
+identical positions, so every position must really see c keys (hence the dropped warm-up positions and
+same_length, which stops the last queries of a segment seeing more keys than the first ones). For
+recurrent models the cached states still carry older information through the layers; that is the
+mechanism RECL is meant to credit.
 
 RECL is computed with ``txl.recl`` for r = 0.1, 0.5 and 1 (the paper's Table 8/9), threshold 0.01,
 starting at the shortest context and stepping along the grid.
 
     python -m experiments.recl --steps 3000      # same flags as experiments.ablation
+    python -m experiments.recl --corpus wt2 --runs-dir /work/txl-runs/wt2       # the WikiText-2 group
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ from experiments import ablation, common
 from txl.recl import recl_details
 
 RATIOS = (0.1, 0.5, 1.0)
+GROUPS = {"wt2": ("relative-rec", "shaw-rec", "relative-norec", "al_rfou-norec-half")}
+"""The RECL group per corpus, where it is not every ablation run: RECL measures each model against the best
+of its group, so WikiText-2 uses the paper's Table 8 group (Transformer-XL, with Shaw et al.'s encoding,
+without recurrence, the vanilla Transformer: Al-Rfou et al. with the Half loss), not the Half, Full-Transformer
+and second-seed rows. PTB's group is its eight runs."""
+
+
+def group_of(runs: dict[str, Any], corpus: str) -> dict[str, Any]:
+    """The runs of ``corpus``'s RECL group that are at hand, in the group's order."""
+    if corpus not in GROUPS:
+        return runs
+    return {name: runs[name] for name in GROUPS[corpus] if name in runs}
 
 
 def compute(runs: dict[str, Any], grid: list[int], threshold: float) -> dict[float, dict[str, Any]]:
@@ -49,6 +63,7 @@ def diagnose(losses: dict[int, np.ndarray], grid: list[int]) -> dict[str, float]
 
 
 def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall_s: float) -> dict[str, Any]:
+    runs = group_of(runs, args.corpus)
     grid = ablation.contexts_of(args)
     results = compute(runs, grid, args.threshold)
     rows, diagnostics = [], {name: diagnose(runs[name]["losses"], grid) for name in runs}
@@ -69,9 +84,10 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
         "recl": {str(r): {name: {"recl": d.recl, "saturated": d.saturated, "gains": [list(g) for g in d.gains]}
                           for name, d in results[r].items()} for r in RATIOS},
     }
-    out = Path(args.results)
-    common.write_results("recl", payload, md, out)
-    plot(results, list(runs), out / "recl.png")
+    out, name = Path(args.results), ablation.stem("recl", args.corpus)
+    payload["corpus"] = args.corpus
+    common.write_results(name, payload, md, out)
+    plot(results, list(runs), out / f"{name}.png")
     return payload
 
 
@@ -94,17 +110,24 @@ def plot(results: dict[float, dict[str, Any]], names: list[str], png: Path) -> N
     plt.close(fig)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ablation's flags (they select, and if needed train, the group) and RECL's threshold."""
+    ablation.add_arguments(p)
+    p.add_argument("--threshold", type=float, default=0.01, help="stop at the first relative gain below this")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m experiments.recl", description=__doc__.split("\n\n")[0])
-    ablation.add_arguments(p)
-    p.add_argument("--threshold", type=float, default=0.01, help="stop at the first relative gain below this")
-    args = p.parse_args(argv)
+    add_arguments(p)
+    args = ablation.parse_args(argv, p)
     common.setup_logging()
     start = time.perf_counter()
+    if args.variants == "all" and args.corpus in GROUPS:
+        args.variants = ",".join(GROUPS[args.corpus])  # train and score only the group
     runs = ablation.collect(args, exact=True)
     report(runs, args, argv, time.perf_counter() - start)
-    print(Path(args.results, "recl.md").read_text(encoding="utf-8"))
+    print(Path(args.results, f"{ablation.stem('recl', args.corpus)}.md").read_text(encoding="utf-8"))
     return 0
 
 

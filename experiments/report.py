@@ -38,19 +38,23 @@ def _mins(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
-def ablation_section(a: dict[str, Any], img: str) -> list[str]:
+def ablation_section(a: dict[str, Any], img: str,
+                     title: str = "## 1. Ablation: recurrence x positional encoding (the paper's Table 6), PTB words",
+                     ) -> list[str]:
     runs, f = a["runs"], a["findings"]
-    defaults = _defaults(ablation.add_arguments)
+    corpus = a["args"].get("corpus", "ptb")
+    defaults = ablation.defaults(corpus)
+    full = "python -m experiments.ablation" + ("" if corpus == "ptb" else f" --corpus {corpus}")
     reduced = _reduced(a["args"], defaults, ("steps", "minutes_per_run", "batch_size", "tgt_len", "mem_len",
                                                   "valid_tokens", "contexts"))
     any_run = next(iter(runs.values()))
     m, args = any_run["model"], a["args"]
     tokens = args["steps"] * args["batch_size"] * args["tgt_len"]
-    out = ["## 1. Ablation: recurrence x positional encoding (the paper's Table 6), PTB words", ""]
+    out = [title, ""]
     if reduced:
         per_step = sum(r["train"]["train_s"] / max(1, r["train"]["steps"]) for r in runs.values())
         out += [f"**Reduced budget.** This run used {', '.join(reduced)}. The full budget is "
-                "`python -m experiments.ablation` with its defaults (then `python -m experiments.recl` and "
+                f"`{full}` with its defaults (then `{full.replace('ablation', 'recl')}` and "
                 "`python -m experiments.report`); at this run's time per step its training would take about "
                 f"{per_step * defaults['steps'] / 3600:.1f} h on this shared machine.", ""]
     out += [f"Command: `{a['command']}` (this invocation took {_mins(a['wall_s'])}: it reuses finished runs "
@@ -59,7 +63,9 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
             f"dropout {m['dropout']}, adaptive softmax cutoffs {m['cutoffs']}; {args['steps']} steps of "
             f"{args['batch_size']} x {args['tgt_len']} tokens ({tokens:,} training tokens), Adam lr {args['lr']} "
             f"with cosine decay; memory {args['mem_len']} with recurrence, 0 without. Only `attn_type` and "
-            "`mem_len` differ between runs.",
+            "`mem_len` differ between runs" + ("." if corpus == "ptb" else ", and the loss (`train.loss_positions`: "
+                                                "Full = every position of a training segment, Half = its last half) "
+                                                "and, for the noise run, the seed (`-seed1`: --seed + 1)."),
             "",
             f"Evaluation: {'the first ' + format(args['valid_tokens'], ',') if args['valid_tokens'] else 'all the'} "
             f"validation tokens in {args['streams']} streams, "
@@ -104,11 +110,13 @@ def ablation_section(a: dict[str, Any], img: str) -> list[str]:
     return out
 
 
-def recl_section(r: dict[str, Any], img: str) -> list[str]:
-    out = ["## 2. Relative effective context length (Appendix C)", "",
+def recl_section(r: dict[str, Any], img: str,
+                 title: str = "## 2. Relative effective context length (Appendix C)") -> list[str]:
+    out = [title, "",
            f"Command: `{r['command']}` (wall time {_mins(r['wall_s'])}; it reuses the ablation's models and "
            "cached losses, training them first if they are missing).", "",
-           f"Group: all {len(r['group'])} ablation models; contexts {r['contexts']}; threshold {r['threshold']}; "
+           f"Group: {len(r['group'])} ablation models ({', '.join(f'`{n}`' for n in r['group'])}); "
+           f"contexts {r['contexts']}; threshold {r['threshold']}; "
            f"{r['positions']:,} validation positions, the same for every model and context. Each query attends "
            "to exactly c keys (`context=model.config.context(mem_len=c, same_length=True)`) so that l_i(c, t) compares "
            "models on identical positions and context sizes; the recurrent memory can still carry older "
@@ -173,13 +181,13 @@ def char_section(c: dict[str, Any], img: str) -> list[str]:
     return out
 
 
-def wall_times(a: dict[str, Any] | None) -> list[str]:
+def wall_times(a: dict[str, Any] | None, title: str = "## Wall time of each ablation run") -> list[str]:
     if a is None:
         return []
     rows = [[n, _mins(r["train"]["train_s"]) + (" (resumed, from its log)" if r["train"]["resumed"] else ""),
              r["train"]["steps"], r["train"]["stopped"], _mins(r["eval_wall_s"])] for n, r in a["runs"].items()]
     total = sum(r["train"]["train_s"] for r in a["runs"].values())
-    return ["## Wall time of each ablation run", "",
+    return [title, "",
             "Measured on the 2-core CPU described in the introduction, two runs at a time, each with `--threads 1` "
             "(`--variants` splits the grid between two processes; the listed command then reused the finished "
             "runs), so one run's time is what one core gives it. Runs interrupted by a restart of the machine "
@@ -190,10 +198,129 @@ def wall_times(a: dict[str, Any] | None) -> list[str]:
             f"Training total: {_mins(total)}.", ""]
 
 
+WT2_FLAGS = ("--corpus wt2 --data-dir ../shared/data/wikitext-2 --runs-dir /work/txl-runs/wt2/runs "
+             "--results docs/results --valid-tokens 60000")
+"""The flags of the WikiText-2 grid as it runs (the first 60,000 validation tokens keep evaluation at about
+a tenth of a run's time on a busy core; drop --valid-tokens to score all of them, reusing the models)."""
+WT2_RESUME = (f"for i in 0 1; do nohup nice -n 10 python -m experiments.grid {WT2_FLAGS} --threads 1 "
+              "--worker $i/2 > /work/txl-runs/wt2/worker$i.log 2>&1 & done")
+"""How the WikiText-2 grid is started and resumed (two workers, one core each, in the background)."""
+
+
+def sizing_lines(z: dict[str, Any] | None) -> list[str]:
+    if z is None:
+        return []
+    load = z["load_average_1min"]
+    return [f"Model size. Seconds per training step of candidate sizes, the grid's costliest row (ours with "
+            f"recurrence), {z['batch_size']} x {z['tgt_len']} tokens, memory {z['mem_len']}, one thread "
+            f"(`{z['command']}`; measured while the machine was shared, 1-minute load average {load[0]:.1f} "
+            f"before and {load[1]:.1f} after, so the times are those of a busy core):", "",
+            Path(z["_md"]).read_text(encoding="utf-8")]
+
+
+def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str, Any] | None, rel: str
+                ) -> list[str]:
+    """Section 5: the WikiText-2 grid (Table 6 with both losses), longer memory, RECL, plan and status."""
+    d = ablation.defaults("wt2")
+    n_runs = len(ablation.WT2_VARIANTS)
+    out = ["## 5. WikiText-2 (long articles): Table 6 with Full and Half losses, longer memory, RECL", "",
+           "Penn Treebank's sentences are short, so section 1 could not show context beyond a segment paying off. "
+           "WikiText-2 has the long Wikipedia articles of the paper's WikiText-103 (2.09M training tokens, "
+           "vocabulary 33,278). The grid: the nine rows of the paper's first block (recurrence on: ours Full, "
+           "Shaw Full, ours Half; off: ours Full and Half, Shaw Full and Half, Vaswani Half, Al-Rfou Half), the "
+           "Full Vaswani and Al-Rfou rows for context, and the main row again with another seed to measure the "
+           f"run-to-run noise: {n_runs} runs, in the order that answers the main question first "
+           f"({', '.join(f'`{v.name}`' for v in ablation.WT2_VARIANTS)}).", "",
+           f"Plan. Every run: {d['n_layer']} layers, d_model {d['d_model']}, {d['n_head']} heads, d_inner "
+           f"{d['d_inner']}, adaptive softmax cutoffs {d['cutoffs']}; {d['steps']} steps of {d['batch_size']} x "
+           f"{d['tgt_len']} tokens (about {d['steps'] * d['batch_size'] * d['tgt_len'] / 2.088628e6:.1f} epochs), "
+           f"memory {d['mem_len']} with recurrence; evaluation at attention lengths {d['contexts']} (up to "
+           f"{int(d['contexts'].split(',')[-1]) // (d['tgt_len'] + d['mem_len'])}x the recurrent models' training "
+           "attention length, the paper's second block).", ""]
+    out += sizing_lines(z)
+    chosen = [x for x in (z or {}).get("rows", []) if x["flags"][1::2] == [str(d["n_layer"]), str(d["d_model"]),
+                                                                          str(d["n_head"]), str(d["d_inner"])]]
+    if chosen:
+        c = chosen[0]
+        hours = c["s_per_step"] * d["steps"] * n_runs / 3600
+        out += [f"The grid uses candidate `{c['candidate']}`, the smallest: at its measured {c['s_per_step']:.2f} s "
+                f"per step the {n_runs} runs' training takes about {hours:.0f} core-hours (about "
+                f"{hours / 2:.0f} h on two cores, plus evaluation), the larger candidates two to three times that. "
+                "It was chosen so that the runs of the main question and of the noise could finish within the "
+                "working session that started them on this shared machine. Whether differences of the size "
+                "the paper reports (3-10% in perplexity) stand above the run-to-run noise at this scale is what "
+                "the second seed of the main row measures (below); where they do not, a larger model and more "
+                "steps are the next step, and the same commands run them (`--n-layer`, `--d-model`, `--steps`, "
+                "into another --runs-dir).", ""]
+    out += ["Commands (from the repository root; every one resumes where it stopped, runs and losses are reused):",
+            "", "```", "# start or resume the grid: two background workers, one core each", WT2_RESUME,
+            "# the results of the runs finished so far, then this document",
+            f"python -m experiments.grid {WT2_FLAGS} --report-only",
+            "python -m experiments.report", "```", ""]
+    if a is None:
+        return out + ["No WikiText-2 run has finished yet.", ""]
+    done = list(a["runs"])
+    missing = [n for n in a.get("grid", []) if n not in done]
+    if missing:
+        out += [f"**Incomplete.** {len(done)} of {len(a.get('grid', done))} runs are finished and scored "
+                f"({', '.join(f'`{n}`' for n in done)}); not yet: {', '.join(f'`{n}`' for n in missing)}. Every "
+                "verdict below is about the finished runs only.", ""]
+    out += ablation_section(a, f"{rel}/ablation_wt2.png", title="### Table 6 on WikiText-2")
+    c = a.get("claims")
+    if c:
+        noise = c["noise"]
+        out += ["The paper's orderings, run against run, each at its best attention length. 'gap' is the PPL "
+                "difference in % (negative: the first run is better, as the paper has it); 'gap / SE' the mean "
+                "per-position loss difference over its paired standard error (the same validation positions). "
+                + (f"The noise: `{ablation.NOISE_PAIR[1]}`, the main row with another seed, is "
+                   f"{noise['gap_pct']:+.2f}% from `{ablation.NOISE_PAIR[0]}` ({noise['gap_over_se']:+.1f} SE), so "
+                   "positions alone understate the run-to-run noise whenever that gap is many SE. "
+                   if noise else "The seed-to-seed noise is not measured yet (its run is not finished), so the "
+                   "verdicts rest on the paired SE alone, which leaves out run-to-run noise. ")
+                + f"A claim is 'reproduced' when the gap has the paper's sign, exceeds {ablation.SIGNIFICANCE:g} "
+                "SE and exceeds the seed-to-seed gap; 'reversed' when the same holds the other way; otherwise "
+                "'within noise'.", ""]
+        out.append(common.markdown_table(
+            ["claim (paper, Table 6)", "runs", "paper gap %", "our gap %", "gap / SE", "verdict"],
+            [[x["claim"], f"`{x['a']}` vs `{x['b']}`", f"{x['paper_gap_pct']:+.1f}",
+              f"{x['gap_pct']:+.2f}" if "gap_pct" in x else "-",
+              f"{x['gap_over_se']:+.1f}" if "gap_over_se" in x else "-", x["verdict"]] for x in c["claims"]]))
+    lm = a.get("long_memory") or {}
+    name_long, init_long, best_long, len_long = paper.TABLE6_LONG_MEMORY
+    name_long = name_long.removeprefix("Transformer-XL ").strip("()")
+    if lm:
+        out += ["### Trained with a short memory, evaluated with longer ones (the paper's second block)", "",
+                "Our recurrent models evaluated with the memory grown past the training one (segments of the "
+                "training length, memory A - segment). '% vs training length' is the perplexity change from the "
+                "training attention length; 'gain / SE' the paired per-position gain over its standard error. "
+                f"The paper's {name_long} WikiText-103 model goes from {init_long} at its training length to "
+                f"{best_long} at {len_long} ({100 * (best_long / init_long - 1):+.1f}%).", ""]
+        for name, points in lm.items():
+            out += [f"`{name}`:", "", common.markdown_table(
+                ["attention length", "x training", "PPL", "% vs training length", "gain / SE"],
+                [[p["attn_len"], f"{p['ratio']:g}", p["ppl"], f"{p['pct_vs_train_len']:+.2f}",
+                  f"{p['gain_over_se']:.1f}"] for p in points])]
+        out += [f"![perplexity against a longer evaluation memory]({rel}/longmem_wt2.png)", ""]
+        if "relative-rec" in lm:
+            points = lm["relative-rec"]
+            best = min(points, key=lambda p: (p["ppl"], p["attn_len"]))
+            gains = best["attn_len"] > points[0]["attn_len"] and best["gain_over_se"] > ablation.SIGNIFICANCE
+            out += [f"*A model trained with a short memory gains from a longer one at evaluation*: "
+                    f"{'reproduced' if gains else 'not reproduced'}; `relative-rec` is best at attention length "
+                    f"{best['attn_len']} ({best['ratio']:g}x its training length), {best['pct_vs_train_len']:+.2f}% "
+                    f"from its training length ({best['gain_over_se']:.1f} SE), and "
+                    f"{points[-1]['pct_vs_train_len']:+.2f}% at the longest, {points[-1]['attn_len']} "
+                    f"({points[-1]['ratio']:g}x); the paper: {100 * (best_long / init_long - 1):+.1f}%.", ""]
+    if r is not None:
+        out += recl_section(r, f"{rel}/recl_wt2.png", title="### RECL of the WikiText-2 group")
+    out += wall_times(a, title="### Wall time of each WikiText-2 run")
+    return out
+
+
 def render(results: Path, doc: Path) -> str:
     rel = os.path.relpath(results, doc.parent)
     data = {}
-    for stem in ("ablation", "recl", "char", "speedup"):
+    for stem in ("ablation", "recl", "char", "speedup", "ablation_wt2", "recl_wt2", "sizing_wt2"):
         d = _load(results, stem)
         if d is not None:
             d["_md"] = str(results / f"{stem}.md")
@@ -211,7 +338,8 @@ def render(results: Path, doc: Path) -> str:
     out += speedup_section(data["speedup"])
     if data["char"]:
         out += char_section(data["char"], f"{rel}/char.png")
-    out += wall_times(data["ablation"])
+    out += wt2_section(data["ablation_wt2"], data["recl_wt2"], data["sizing_wt2"], rel)
+    out += wall_times(data["ablation"], title="## Wall time of each PTB ablation run")
     out += [Path(ROOT / "experiments" / "discussion.md").read_text(encoding="utf-8")]
     text = "\n".join(out).rstrip() + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)

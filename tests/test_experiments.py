@@ -3,6 +3,7 @@ reuse finished runs, and the report is generated from their JSON. Full runs are 
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -207,3 +208,92 @@ def test_logged_train_seconds_counts_each_step_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # steps 1-4 at 10 tok/s (4 s), 5-6 at 20 (1 s), 7-8 at 20 (1 s)
     assert common.logged_train_seconds(tmp_path) == pytest.approx(6.0)
+
+
+@pytest.fixture
+def wt2_dir(tmp_path, monkeypatch):
+    """A tiny WikiText-2 look-alike: articles under ' = Title = ' lines, the files named as the real ones."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rng = np.random.default_rng(2)
+    d = tmp_path / "wikitext-2"
+    d.mkdir()
+    for split, n in (("train", 300), ("valid", 80), ("test", 20)):
+        lines = [f" = Article {i} = " if i % 25 == 0 else _word_text(rng, 1).strip() for i in range(n)]
+        (d / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_wt2_grid_workers_half_loss_noise_and_report(wt2_dir, tmp_path, monkeypatch):
+    """The WikiText-2 path end to end: two workers share the grid, the Half row trains with the last-half
+    loss and the noise row with the next seed, results are rewritten from whatever is finished, and
+    --report-only trains and scores nothing."""
+    from experiments import grid
+
+    res = tmp_path / "results"
+    args = ["--corpus", "wt2", "--data-dir", str(wt2_dir), "--steps", "2", "--tgt-len", "4", "--mem-len", "4",
+            "--contexts", "4,8,16", "--cutoffs", "", "--valid-tokens", "120", "--variants",
+            "relative-rec,shaw-rec,relative-rec-half,relative-rec-seed1", *TINY_MODEL,
+            "--runs-dir", str(tmp_path / "runs"), "--results", str(res)]
+    with monkeypatch.context() as plots:  # plots only from the final --report-only (they dominate the time)
+        for module, name in ((txl.train, "plot_learning_curve"), (ablation, "plot"), (ablation, "plot_long_memory"),
+                             (recl, "plot")):
+            plots.setattr(module, name, lambda *a, **k: None)
+        assert grid.main([*args, "--worker", "0/2"]) == 0  # relative-rec and relative-rec-half
+        a = json.loads((res / "ablation_wt2.json").read_text())
+        assert set(a["runs"]) == {"relative-rec", "relative-rec-half"} and a["corpus"] == "wt2"
+        half = json.loads((tmp_path / "runs" / "relative-rec-half" / "run.json").read_text())
+        assert half["train"]["loss_positions"] == "last_half" and half["data"]["corpus"] == "wt2"
+        assert a["runs"]["relative-rec-half"]["loss"] == "Half"
+        claim = {(c["a"], c["b"]): c for c in a["claims"]["claims"]}
+        assert claim[("relative-rec", "relative-rec-half")]["verdict"] != "not run yet"
+        assert claim[("relative-rec", "shaw-rec")]["verdict"] == "not run yet" and a["claims"]["noise"] is None
+        assert [p["attn_len"] for p in a["long_memory"]["relative-rec"]] == [8, 16]  # from the training length on
+        text = report.render(res, tmp_path / "docs" / "results.md")
+        assert "## 5. WikiText-2" in text and "**Incomplete.** 2 of 4 runs" in text and "`shaw-rec`" in text
+
+        assert grid.main([*args, "--worker", "1/2"]) == 0  # shaw-rec and the noise run
+        seed = json.loads((tmp_path / "runs" / "relative-rec-seed1" / "run.json").read_text())
+        assert seed["train"]["seed"] == 1 and seed["train"]["loss_positions"] == "all"
+
+    def nothing(*a, **k):
+        raise AssertionError("--report-only trained or scored")
+    monkeypatch.setattr(txl.train, "train", nothing)
+    monkeypatch.setattr(common, "position_losses", nothing)
+    assert grid.main([*args, "--report-only"]) == 0
+    a = json.loads((res / "ablation_wt2.json").read_text())
+    assert len(a["runs"]) == 4 and "--worker" not in a["command"] and "--report-only" not in a["command"]
+    noise = a["claims"]["noise"]
+    gap = ablation.compare("relative-rec", "relative-rec-seed1",
+                           {n: {"best_len": r["best_len"], "ppl_best": r["ppl_best"]} for n, r in a["runs"].items()},
+                           {n: {c: np.load(tmp_path / "runs" / n / "losses-train-segments" / f"c{c}.npy")
+                                for c in (4, 8, 16)} for n in a["runs"]})
+    assert noise == pytest.approx(gap)
+    assert {c["verdict"] for c in a["claims"]["claims"]} <= {"reproduced", "reversed", "within noise", "not run yet"}
+    assert json.loads((res / "recl_wt2.json").read_text())["group"] == ["relative-rec", "shaw-rec"]  # Table 8's
+    assert (res / "longmem_wt2.png").stat().st_size > 0 and (res / "ablation_wt2.png").stat().st_size > 0
+    text = report.render(res, tmp_path / "docs" / "results.md")
+    assert "Incomplete" not in text and f"{a['runs']['relative-rec-half']['ppl_best']:.2f}" in text
+
+
+def test_ptb_stays_the_default_corpus():
+    args = ablation.parse_args([])
+    assert args.corpus == "ptb" and args.data_dir.endswith("ptb") and args.steps == 12000 and args.tgt_len == 32
+    assert [v.name for v in ablation.variants_of(args)] == [v.name for v in ablation.VARIANTS]
+    wt2 = ablation.parse_args(["--corpus", "wt2", "--steps", "10"])
+    assert wt2.steps == 10 and wt2.data_dir.endswith("wikitext-2") and wt2.out.endswith("ablation-wt2")
+    names = [v.name for v in ablation.variants_of(wt2)]
+    assert names[:4] == ["relative-rec", "shaw-rec", "relative-norec", "relative-rec-seed1"] and len(names) == 12
+    assert {a for a, _, _ in ablation.CLAIMS} | {b for _, b, _ in ablation.CLAIMS} <= set(names)
+
+
+def test_grid_claim_skips_a_run_held_by_a_live_worker_and_takes_a_stale_one(tmp_path):
+    from experiments import grid
+
+    run = tmp_path / "relative-rec"
+    with grid.claim(run) as first, grid.claim(run) as second:
+        assert first and not second and (run / grid.LOCK_FILE).is_file()
+    assert not (run / grid.LOCK_FILE).exists()  # released
+    for owner in ({"pid": os.getpid(), "boot": "another boot"}, "not json"):  # a previous boot's, or corrupt
+        (run / grid.LOCK_FILE).write_text(json.dumps(owner) if isinstance(owner, dict) else owner)
+        with grid.claim(run) as mine:
+            assert mine

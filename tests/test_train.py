@@ -363,3 +363,13 @@ if __name__ == "__main__":  # python tests/test_train.py: record the golden loss
     GOLDEN.write_text(json.dumps({"command": "python tests/test_train.py", "args": GOLDEN_ARGS,
                                   "torch": torch.__version__, "losses": recorded}, indent=2) + "\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_checkpoints_from_before_the_training_state_key_are_read():
+    """Old checkpoints kept step, tokens, ... at the top level with one RNG state and memory list per process."""
+    old = {"optimizer": {}, "scaler": {}, "step": 6, "tokens": 96, "best_valid": 1.5, "horizon": 0,
+           "iterator": {"pos": 3}, "rng": ["r0", "r1"], "memories": [[None], [None]], "world_size": 2}
+    part = txl.train.train_part(old)
+    assert part == {"step": 6, "tokens": 96, "best_valid": 1.5, "horizon": 0, "iterator": {"pos": 3},
+                    "ranks": [{"rng": "r0", "memories": [None]}, {"rng": "r1", "memories": [None]}]}
+    assert txl.train.train_part({"train": part}) is part

@@ -234,6 +234,7 @@ class Context:
 OptimizerName = Literal["adam", "adamw"]
 Schedule = Literal["cosine", "inv_sqrt", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+LossPositions = Literal["all", "last_half"]
 
 
 def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
@@ -338,6 +339,12 @@ class TrainConfig:
     compile: bool = False
     """Run the training forward and backward through torch.compile (the first steps pay the compilation;
     the model and its checkpoints are unchanged)."""
+    loss_positions: LossPositions = "all"
+    """Segment positions the training loss is taken on: 'all' (the paper's 'Full' loss) or 'last_half'
+    ('Half': the cross-entropy only on the last half of the positions of each training segment, as Al-Rfou
+    et al. 2018 train, so every scored position has at least half a segment of context; Dai et al. 2019,
+    Table 6). Validation and test always score every position; the training log's token counts are of
+    scored positions."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'."""
     eval_interval: int = 200
@@ -368,6 +375,7 @@ class TrainConfig:
             _check("TrainConfig", name, getattr(self, name) >= 0, "must be >= 0", getattr(self, name))
         _check("TrainConfig", "minutes", self.minutes >= 0, "must be >= 0", self.minutes)
         _check_literal("TrainConfig", self, "precision", Precision)
+        _check_literal("TrainConfig", self, "loss_positions", LossPositions)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"TrainConfig.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 

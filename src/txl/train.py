@@ -13,6 +13,7 @@ together; resuming from a checkpoint reproduces the uninterrupted run bit for bi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from txl import checkpoint as ckpt
-from txl.config import RunConfig
+from txl.config import LossPositions, RunConfig
 from txl.data import Batch, Corpus, OrderedIterator
 from txl.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
@@ -70,15 +71,31 @@ class StepStats:
 
 # -- one step -------------------------------------------------------------------------------------------
 
+def loss_labels(batch: Batch, loss_positions: LossPositions) -> torch.Tensor:
+    """The batch's labels with the positions the loss skips set to IGNORE_INDEX: (B, C + T) int64.
+
+    'last_half' (the paper's 'Half' loss, after Al-Rfou et al. 2018) ignores the first T // 2 segment
+    positions besides the C carried-context ones, so the cross-entropy covers the last T - T // 2.
+    The model's mean loss then averages over those only, and the ignored targets send no gradient.
+    """
+    if loss_positions == "all":
+        return batch.labels
+    labels = batch.labels.clone()  # the iterator's tensor is left as it is
+    labels[:, : batch.context_len + batch.tgt_len // 2] = IGNORE_INDEX  # (B, C + T)
+    return labels
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                batch: Batch, memories: list[Memory | None], *, lr: float, clip: float, precision: str,
-               info: DistInfo) -> tuple[StepStats, list[Memory | None]]:
+               info: DistInfo, loss_positions: LossPositions = "all") -> tuple[StepStats, list[Memory | None]]:
     """Forward/backward every accumulation chunk with its own memory, then one clipped optimiser step.
 
-    Each chunk's mean loss is weighted by its share of the tokens, so the gradient is that of the mean
-    over the whole (local) batch; DDP averages it over processes, which hold equal token counts.
+    Each chunk's mean loss is weighted by its share of the scored tokens, so the gradient is that of the
+    mean over the whole (local) batch; DDP averages it over processes, which hold equal token counts.
+    ``loss_positions`` chooses the scored positions (``loss_labels``).
     """
     set_lr(optimizer, lr)
+    batch = dataclasses.replace(batch, labels=loss_labels(batch, loss_positions))
     chunks = list(zip(batch.input_ids.chunk(len(memories)), batch.labels.chunk(len(memories))))
     n_total = int((batch.labels != IGNORE_INDEX).sum())
     new_memories, nll_sum = [], 0.0
@@ -110,6 +127,20 @@ def batches(it: OrderedIterator) -> Iterator[Batch]:
     """Segments forever, epoch after epoch."""
     while True:
         yield from it
+
+
+def train_part(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's training state (``TrainState.state_dict`` with every process's part under "ranks").
+
+    Checkpoints written before the training state had its own key kept its fields at the top level, with
+    one RNG state and one memory list per process; they are read into the same form, so runs started then
+    (e.g. a long experiment grid) resume with this code.
+    """
+    if "train" in state:
+        return state["train"]
+    return {**{k: state[k] for k in ("step", "tokens", "best_valid", "horizon", "iterator")},
+            "ranks": [{"rng": rng, "memories": memories}
+                      for rng, memories in zip(state["rng"], state["memories"], strict=True)]}
 
 
 # -- the time budget ------------------------------------------------------------------------------------
@@ -250,7 +281,7 @@ class Trainer:
         self.model.load_state_dict(loaded.model.state_dict())
         self.optimizer.load_state_dict(loaded.state["optimizer"])
         self.scaler.load_state_dict(loaded.state["scaler"])
-        self.state.load_state_dict(loaded.state["train"], rank=self.info.rank, world_size=self.info.world_size)
+        self.state.load_state_dict(train_part(loaded.state), rank=self.info.rank, world_size=self.info.world_size)
         log.info("resumed from %s at step %d", loaded.path, self.state.step)
 
     # -- evaluation ---------------------------------------------------------------------------------
@@ -331,7 +362,8 @@ class Trainer:
                 state.reset_memories()
             lr = lr_at(state.step, cfg.optim, state.horizon or t.max_steps)
             stats, state.memories = train_step(self.step_model, self.optimizer, self.scaler, batch, state.memories,
-                                               lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info)
+                                               lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info,
+                                               loss_positions=t.loss_positions)
             if not math.isfinite(stats.loss):
                 latest = self.checkpointer.latest() if info.is_main else None
                 raise TrainingError(
