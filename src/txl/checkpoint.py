@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from txl.atomic import fsync_dir, fsync_tree
 from txl.config import RunConfig
 from txl.model import TransformerXL
 from txl.pretrained import _atomic_write, from_pretrained, save_pretrained
@@ -54,11 +55,26 @@ class Checkpoint:
 
 
 def write_json(path: Path, data: Any) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8"))
+    """Atomically write strict JSON: a NaN or infinity raises ValueError instead of writing a bare
+    ``NaN`` that JSON readers reject."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
     torch.save(state, path)
+
+
+def _write_error(err: BaseException) -> str:
+    """A short reason for a failed write. torch raises RuntimeError and safetensors SafetensorError
+    (neither an OSError) with the OS error buried in their text; a full disk is named as such."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    text = str(err)
+    if "No space left" in text or "StorageFull" in text or "code: 28" in text or "errno 28" in text.lower():
+        return "No space left on device"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 def save_checkpoint(out_dir: str | os.PathLike, *, step: int, model: TransformerXL, run: RunConfig,
@@ -77,19 +93,25 @@ def save_checkpoint(out_dir: str | os.PathLike, *, step: int, model: Transformer
         write_json(tmp / RUN_FILE, run.to_dict())
         tokenizer.save(tmp / TOKENIZER_DIR)
         _write_state(tmp / STATE_FILE, state)
-        if final.exists():  # the same step again (a resumed run): replace it
-            shutil.rmtree(final)
+        fsync_tree(tmp)  # the data is on disk before the rename that publishes it
+        old = root / f".tmp-old-{name}-{os.getpid()}"
+        if final.exists():  # the same step again (a resumed run): move it aside, deleted once replaced
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(root)
         pointer = {"step": step, "path": f"{CKPT_DIR}/{name}", **(info or {})}
         write_json(out / "latest.json", pointer)
         if best:
             write_json(out / "best.json", pointer)
-    except OSError as err:
+    except Exception as err:  # torch's and safetensors' write errors are not OSError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = _pointer(out, "latest")
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write checkpoint step {step} to {final} ({err.strerror or err}); "
-                              f"{kept}. Free disk space and resume with: txl train --resume {out}") from err
+        fix = "Free disk space and resume" if previous else "Free disk space and run again"
+        how = f"txl train --resume {out}" if previous else "the same command with --overwrite"
+        raise CheckpointError(f"could not write checkpoint step {step} to {final} ({_write_error(err)}); "
+                              f"{kept}. {fix} with: {how}") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

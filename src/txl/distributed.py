@@ -74,3 +74,15 @@ def barrier(info: DistInfo) -> None:
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class OtherRankFailed(RuntimeError):
+    """Another process of the run failed and said why; this one stops without repeating it."""
+
+
+def any_true(flag: bool, info: DistInfo) -> bool:
+    """Whether ``flag`` holds on any process (so that every process takes the same branch)."""
+    if not info.enabled:
+        return flag
+    return all_reduce_sum([float(flag)], info)[0] > 0
+

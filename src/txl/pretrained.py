@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from txl.atomic import atomic_write
 from txl.config import ModelConfig
 from txl.convert.hf import (
     ClusterOrder,
@@ -136,15 +136,8 @@ def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "h
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in the same directory and rename: a crash leaves the old file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write via a temporary file in the same directory, fsync and rename: a crash leaves the old file."""
+    atomic_write(path, write)
 
 
 def save_pretrained(model: TransformerXL, path: str | os.PathLike) -> Path:

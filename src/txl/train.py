@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,12 +27,23 @@ import torch
 from txl import checkpoint as ckpt
 from txl.config import RunConfig
 from txl.data import Batch, Corpus, OrderedIterator
-from txl.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from txl.distributed import (
+    DistInfo,
+    OtherRankFailed,
+    all_reduce_min,
+    all_reduce_sum,
+    any_true,
+    barrier,
+    init_distributed,
+    shutdown,
+)
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.model import Memory, TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
+from txl.rundir import RunDirError, RunLock, open_run_dir
 from txl.runtime import cpu_has_native_bf16
+from txl.signals import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -189,20 +201,49 @@ class MetricsLog:
 
 # -- wiring ---------------------------------------------------------------------------------------------
 
-def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None) -> TrainResult:
-    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample."""
+def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None,
+          overwrite: bool = False) -> TrainResult:
+    """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample.
+
+    A fresh run refuses a run directory that already holds files unless ``overwrite`` (which deletes
+    them); one process at a time may train into a directory (``txl.rundir``). SIGTERM and SIGINT stop
+    the run at the next step boundary with a checkpoint and raise ``txl.signals.Stopped``.
+    """
     from txl.corpus import load_run_corpus
 
     info = init_distributed(cfg.train.device)
+    lock = None
     try:
+        lock = _open_run_dir(Path(cfg.train.out_dir), resume is not None, overwrite, info)
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
-        return _train(cfg, corpus, info, resume)
+        with StopRequest() as stop:
+            result = _train(cfg, corpus, info, resume, stop)
+        barrier(info)  # no process tears the group down while another still tests, plots or samples
+        return result
     finally:
         shutdown(info)
+        if lock is not None:
+            lock.release()
 
 
-def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | None) -> TrainResult:
+def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
+    """The main process locks and checks the run directory; every process learns whether it may go on."""
+    lock, refusal = None, None
+    if info.is_main:
+        try:
+            lock = open_run_dir(out, resume=resume, overwrite=overwrite)
+        except RunDirError as err:
+            refusal = err
+    if any_true(refusal is not None, info) and refusal is None:
+        raise OtherRankFailed("the main process refused the run directory")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | None,
+           stop: StopRequest) -> TrainResult:
     t, out = cfg.train, Path(cfg.train.out_dir)
     if t.batch_size % (info.world_size * t.grad_accum):
         raise ValueError(f"train.batch_size={t.batch_size} must be divisible by {info.world_size} processes x "
@@ -244,19 +285,36 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
         return evaluate(model, corpus.valid, metric=corpus.metric, batch_size=cfg.eval.batch_size,
                         tgt_len=t.tgt_len, max_batches=max_batches, precision=t.precision, info=info)
 
-    def save(best: bool, valid: EvalResult | None) -> None:
+    saved_at: list[int | None] = [None]  # the step of the last checkpoint this run wrote
+
+    def save(best: bool, valid: EvalResult | None) -> Path | None:
+        """Write a checkpoint of this step (the main process returns its path); refuse diverged ones."""
+        _check_finite(model, valid, state.step, out, info)
         rngs, memories = gather((rng_state(info.device), _cpu(state.memories)), info)
+        path = None
         if info.is_main:
             extra = {"valid_loss": valid.loss} if valid else {}
             payload = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
                        "tokens": state.tokens, "best_valid": state.best_valid, "horizon": state.horizon, "rng": rngs,
                        "iterator": it.state_dict(), "memories": memories, "world_size": info.world_size}
             try:
-                ckpt.save_checkpoint(out, step=state.step, model=model, run=cfg, tokenizer=corpus.tokenizer,
+                path = ckpt.save_checkpoint(out, step=state.step, model=model, run=cfg, tokenizer=corpus.tokenizer,
                                      state=payload, best=best, keep_last=t.keep_last, info=extra)
             except ckpt.CheckpointError as err:
                 raise TrainingError(str(err)) from err
         barrier(info)
+        saved_at[0] = state.step
+        return path
+
+    def stop_here() -> None:
+        """At a step boundary: on SIGTERM/SIGINT (on any process) checkpoint this step and stop."""
+        if any_true(stop.requested, info):
+            sig = stop.signal or signal.SIGTERM  # a process that saw none follows the one that did
+            if saved_at[0] != state.step:  # the same on every process: save() is collective
+                save(False, None)
+            saved = ckpt._pointer(out, "latest") if info.is_main else None
+            metrics.close()
+            raise Stopped(sig, state.step, saved, out)
 
     bar = _progress(t, state.step, info)
     start, stopped, seen_since, time_since = time.perf_counter(), "max_steps", 0, time.perf_counter()
@@ -309,6 +367,7 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
             if best:
                 state.best_valid = valid.loss
             save(best, valid if is_eval else None)
+        stop_here()
     bar.close()
 
     valid = validate(0)
@@ -317,6 +376,7 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
     best = valid.loss < state.best_valid
     state.best_valid = min(state.best_valid, valid.loss)
     save(best, valid)
+    stop_here()  # a signal during the final validation: the final checkpoint is written, skip the test
     if not best:
         _load_best(out, model, info)
     e = cfg.eval
@@ -336,6 +396,23 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
     if state.horizon and state.horizon < t.max_steps and stopped == "max_steps":
         stopped = "time"
     return TrainResult(out_dir=out, steps=state.step, valid=valid, test=test, sample=sample, stopped=stopped)
+
+
+def _check_finite(model: torch.nn.Module, valid: EvalResult | None, step: int, out: Path, info: DistInfo) -> None:
+    """Raise rather than checkpoint diverged weights or a non-finite validation loss: ``latest`` must
+    always name weights a run can resume from (and latest.json stays valid JSON, which has no NaN)."""
+    bad = None
+    if valid is not None and not math.isfinite(valid.loss):
+        bad = f"the validation loss is {valid.loss}"
+    elif not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        bad = "the weights hold non-finite values"
+    if bad is None:
+        return
+    latest = ckpt._pointer(out, "latest") if info.is_main else None
+    raise TrainingError(
+        f"{bad} at step {step}: training diverged and this step was not saved. The last good checkpoint is "
+        f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or use "
+        "--train.precision fp32, then resume from it or restart")
 
 
 CALIBRATION_STEPS = 20

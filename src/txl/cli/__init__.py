@@ -18,6 +18,14 @@ from txl.runtime import retain_freed_memory
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
 
 
+def is_main_process() -> bool:
+    """Whether this is rank 0 of a torchrun job (or no torchrun job): the one process that prints and
+    logs (torch-free, so the entry point can ask before anything heavy is imported)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txl", description="Transformer-XL language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -33,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "extra_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `txl train --SECTION.FIELD VALUE` overrides
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    main_process = is_main_process()  # under torchrun only rank 0 prints and logs
+    logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
                         format="%(message)s", stream=sys.stderr)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -42,5 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
-        print(f"txl {args.command}: error: {err}", file=sys.stderr)
+        if main_process:
+            print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no limit)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train afresh into a run directory that holds an earlier run, deleting that run")
     p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
     p.set_defaults(func=run, extra_args=True)
 
@@ -50,7 +52,10 @@ def parse_overrides(extra: list[str]) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from txl.checkpoint import find_checkpoint, read_run
+    from txl.cli import is_main_process
     from txl.config import RunConfig, apply_overrides, load_preset, preset_names
+    from txl.distributed import OtherRankFailed
+    from txl.signals import Stopped
     from txl.train import TrainingError, train
 
     if args.list_presets:
@@ -70,17 +75,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         base = load_preset(args.preset or "default")
     cfg = RunConfig.from_dict(apply_overrides(base, overrides))
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite deletes it; give one of them")
     try:
-        result = train(cfg, resume=args.resume)
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
+    except OtherRankFailed:
+        return 1  # the main process says why
+    except Stopped as stop:
+        if is_main_process():
+            print(f"txl train: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
-        print(f"txl train: error: {err}", file=sys.stderr)
+        if is_main_process() or not isinstance(err, TrainingError):  # every process sees the same loss
+            print(f"txl train: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"txl train: interrupted; resume with: txl train --resume {cfg.train.out_dir}", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
+        print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 130
-    if result.valid is None:  # another process of a distributed run
+    if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
     print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
     print(f"valid: {result.valid.describe()}")
@@ -91,6 +105,21 @@ def run(args: argparse.Namespace) -> int:
         print("sample (prompt >>> continuation):")
         print(result.sample)
     return 0
+
+
+def _resume_hint(out_dir: str) -> str:
+    """The exact resume command when a checkpoint exists, else what to do instead."""
+    from pathlib import Path
+
+    from txl.checkpoint import _pointer
+
+    try:
+        latest = _pointer(Path(out_dir), "latest")
+    except ValueError:
+        latest = None
+    if latest is not None and latest.is_dir():
+        return f"the last checkpoint is {latest}; resume with: txl train --resume {out_dir}"
+    return f"no checkpoint was written, nothing to resume; start again with --out {out_dir} --overwrite"
 
 
 def _run_dir(path: str):
