@@ -60,8 +60,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     create_empty(tmp)  # 0o666 & ~umask, the mode an ordinary open() gives
+    mode = tmp.stat().st_mode & 0o777  # the umask's mode, learnt without changing the process umask
     try:
         write(str(tmp))
+        if tmp.stat().st_mode & 0o777 != mode:  # a writer that replaced the file (safetensors: 0o600)
+            os.chmod(tmp, mode)
         fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -18,9 +18,11 @@ pointers as they were.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,18 +63,44 @@ def write_json(path: Path, data: Any) -> None:
     _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+class _KeepWriteError(io.RawIOBase):
+    """A file that remembers the OSError of a failed write: torch.save turns it into a RuntimeError
+    whose text ("enforce fail at inline_container.cc ... unexpected pos") does not say the disk is full."""
+
+    def __init__(self, f: io.RawIOBase) -> None:
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int | None:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+
 def _write_state(path: Path, state: dict[str, Any]) -> None:
-    torch.save(state, path)
+    with open(path, "wb", buffering=0) as f:
+        out = _KeepWriteError(f)
+        try:
+            torch.save(state, out)
+        except RuntimeError as err:
+            if out.error is not None:
+                raise out.error from err
+            raise
 
 
 def _write_error(err: BaseException) -> str:
-    """A short reason for a failed write. torch raises RuntimeError and safetensors SafetensorError
-    (neither an OSError) with the OS error buried in their text; a full disk is named as such."""
+    """A short reason for a failed write: the OS's words for its error. safetensors raises
+    SafetensorError (not an OSError) with the OS error number in its text ("os error 28")."""
     if isinstance(err, OSError):
         return err.strerror or str(err)
     text = str(err)
-    if "No space left" in text or "StorageFull" in text or "code: 28" in text or "errno 28" in text.lower():
-        return "No space left on device"
+    code = re.search(r"os error (\d+)|code: (\d+)", text)
+    if code:
+        return os.strerror(int(code.group(1) or code.group(2)))
     first = text.strip().splitlines()[0] if text.strip() else ""
     return f"{type(err).__name__}: {first[:200]}"
 
@@ -130,9 +158,11 @@ def prune(out_dir: Path, keep_last: int) -> None:
 
 
 def clean_partial(out_dir: str | os.PathLike) -> None:
-    """Remove temporary directories a killed writer left behind."""
+    """Remove temporary directories and files a killed writer left behind."""
     for tmp in (Path(out_dir) / CKPT_DIR).glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in Path(out_dir).glob(".*.tmp"):  # atomic_write's temporary files (pointers, run.json)
+        tmp.unlink(missing_ok=True)
 
 
 def _pointer(out_dir: Path, which: str) -> Path | None:
