@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import torch
 from txl.atomic import fsync_dir, fsync_tree
 from txl.config import RunConfig
 from txl.model import TransformerXL
-from txl.pretrained import _atomic_write, from_pretrained, save_pretrained
+from txl.pretrained import _atomic_write, from_pretrained, save_pretrained, unsafe_load_message
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,11 @@ def load_checkpoint(path: str | os.PathLike, *, which: str = "latest", with_stat
             raise FileNotFoundError(f"{file} not found: the checkpoint has weights but no training state")
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(unsafe_load_message(file, err)) from None
         except Exception as err:
-            raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}: {err}); resume "
-                             "from an earlier checkpoint under checkpoints/") from None
+            raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}); resume from an earlier "
+                             "checkpoint under checkpoints/") from None
     return Checkpoint(path=ckpt, model=model, run=run, state=state)
 
 

@@ -217,6 +217,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         lock = _open_run_dir(Path(cfg.train.out_dir), resume is not None, overwrite, info)
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
+        check_splits_fit(cfg, corpus)
         with StopRequest() as stop:
             result = _train(cfg, corpus, info, resume, stop)
         barrier(info)  # no process tears the group down while another still tests, plots or samples
@@ -225,6 +226,20 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         shutdown(info)
         if lock is not None:
             lock.release()
+
+
+def check_splits_fit(cfg: RunConfig, corpus: Corpus) -> None:
+    """Refuse a segment length the validation or test split cannot fill once per evaluation stream:
+    the evaluation would otherwise silently measure a handful of tokens."""
+    e = cfg.eval
+    for split, tokens, tgt_len, flag in (("validation", corpus.valid, cfg.train.tgt_len, "--train.tgt_len"),
+                                         ("test", corpus.test, e.tgt_len or cfg.train.tgt_len,
+                                          "--eval.tgt_len" if e.tgt_len else "--train.tgt_len")):
+        need = e.batch_size * tgt_len + 1
+        if len(tokens) < need:
+            raise ValueError(f"the {split} split has {len(tokens):,} tokens, fewer than eval.batch_size x tgt_len + 1 "
+                             f"= {e.batch_size} x {tgt_len} + 1 = {need:,}: use a smaller {flag} or "
+                             "--eval.batch_size, or a corpus with a larger split")
 
 
 def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:

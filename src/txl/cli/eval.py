@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate, plot_sweep
 
+    _check_args(args)
     device = resolve_device(args.device)
     loaded = load_checkpoint(args.checkpoint, which=args.which, with_state=False, device=device)
     run_cfg, model = loaded.run, loaded.model
@@ -51,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_run_corpus(data)
     check_tokenizer(find_checkpoint(args.checkpoint, args.which), corpus.tokenizer)
     e = run_cfg.eval
-    kwargs = dict(metric=corpus.metric, batch_size=args.batch_size or e.batch_size,
-                  tgt_len=args.tgt_len or e.tgt_len or run_cfg.train.tgt_len,
+    kwargs = dict(metric=corpus.metric, batch_size=args.batch_size if args.batch_size is not None else e.batch_size,
+                  tgt_len=args.tgt_len if args.tgt_len is not None else e.tgt_len or run_cfg.train.tgt_len,
                   clamp_len=args.clamp_len if args.clamp_len is not None else e.clamp_len,
                   same_length=args.same_length if args.same_length is not None else e.same_length,
                   ext_len=args.ext_len if args.ext_len is not None else e.ext_len,
@@ -80,3 +81,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"mem_len {mem if mem is not None else run_cfg.model.mem_len}, tgt_len {kwargs['tgt_len']}: "
           f"{r.describe()}")
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers before loading anything (0 must not silently mean "the default")."""
+    for flag, value, minimum in (("--batch-size", args.batch_size, 1), ("--tgt-len", args.tgt_len, 1),
+                                 ("--mem-len", args.mem_len, 0), ("--ext-len", args.ext_len, 0),
+                                 ("--max-batches", args.max_batches, 0)):
+        if value is not None and value < minimum:
+            default = "; leave it out for the run's own" if flag in ("--batch-size", "--tgt-len", "--mem-len") else ""
+            raise ValueError(f"{flag} {value} must be >= {minimum}{default}")

@@ -24,15 +24,37 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model_and_codec(args: argparse.Namespace):
+    from pathlib import Path
+
     import txl
     from txl.checkpoint import find_checkpoint
     from txl.codec import load_codec
+    from txl.distributed import resolve_device
 
+    device = resolve_device(args.device)
+    if args.vocab is not None and not Path(args.vocab).is_file():
+        raise FileNotFoundError(f"--vocab {args.vocab} is not a file: pass the vocabulary (vocab.txt, one word a "
+                                "line, or JSON)")
     directory = find_checkpoint(args.checkpoint, "best")  # a run directory: its best, else latest, checkpoint
-    model = txl.from_pretrained(directory, device=args.device)
+    model = txl.from_pretrained(directory, device=device)
     codec = load_codec(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                        allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
     return model, codec
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file's content, or a ValueError/FileNotFoundError naming the file and the fix."""
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{what} {path} is {'a directory' if file.is_dir() else 'missing'}: "
+                                "pass a text file")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
+                         "e.g. iconv -f latin1 -t utf-8") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +72,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from txl.codec import TextStream
     from txl.generate import check_sampling, generate_stream
@@ -58,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     # Cheap checks first: a typo should not cost loading a model.
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p)
-    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
     model, codec = load_model_and_codec(args)
