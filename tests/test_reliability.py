@@ -121,6 +121,7 @@ def test_overwrite_starts_afresh_and_spares_foreign_files(corpus, tmp_path, caps
     assert (out / "notes.txt").read_text() == "mine" and (out / "checkpoints" / "step_00000002").is_dir()
 
 
+@pytest.mark.slow  # real processes
 def test_second_process_refused_by_the_lock(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     first = spawn_training(corpus, out, "--max-steps", "100000", "--train.ckpt_interval", "1")
@@ -145,6 +146,7 @@ def test_second_process_refused_by_the_lock(corpus, tmp_path, capsys):
 
 # -- signals ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # real processes
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_checkpoints_at_step_boundary_and_resumes_exactly(corpus, tmp_path, sig, code):
     out = tmp_path / "r"
@@ -320,6 +322,7 @@ def test_files_are_fsynced_before_and_after_rename(corpus, tmp_path, monkeypatch
 
 # -- kill -9 ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # real processes
 def test_kill_9_at_random_moments_resumes_to_identical_weights(corpus, tmp_path):
     """Ten kills at random moments (a checkpoint every step, so several land mid-write); the resumed
     runs end with the uninterrupted run's weights, byte for byte."""
