@@ -91,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         if is_main_process() or not isinstance(err, TrainingError):  # every process sees the same loss
             print(f"txl train: error: {err}", file=sys.stderr)
         return 1
+    except RuntimeError as err:
+        if not _peer_died(err):
+            raise
+        print(f"txl train: error: another process of this distributed run died (see its output above); "
+              f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
         print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 130
@@ -105,6 +111,15 @@ def run(args: argparse.Namespace) -> int:
         print("sample (prompt >>> continuation):")
         print(result.sample)
     return 0
+
+
+def _peer_died(err: RuntimeError) -> bool:
+    """Whether a collective failed because another torchrun process is gone (gloo and NCCL's words)."""
+    import os
+
+    text = str(err)
+    return os.environ.get("WORLD_SIZE", "1") != "1" and (
+        type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
 
 
 def _resume_hint(out_dir: str) -> str:
