@@ -90,8 +90,9 @@ def open_run_dir(out_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -
             shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
             raise RunDirError(f"{out} already holds a run ({shown}); continue it with txl train --resume {out}, "
                               "start again with --overwrite (deletes it), or choose another --out")
+        # a killed atomic write's temporary files are the run's own too
         foreign = [name for name in found if name.rstrip("/") not in RUN_FILES + RUN_DIRS
-                   and not (name.startswith(".") and name.endswith(".tmp"))]  # a killed atomic write's
+                   and not name.startswith(".tmp-") and not (name.startswith(".") and name.endswith(".tmp"))]
         if foreign:
             raise RunDirError(f"--overwrite deletes only a run's own files, and {out} also holds "
                               f"{', '.join(foreign[:4])}; choose another --out")
