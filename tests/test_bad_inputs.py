@@ -77,8 +77,8 @@ def world(tmp_path_factory):
     broken("truncated_state", lambda r, c: (c / "train_state.pt").write_bytes(
         (c / "train_state.pt").read_bytes()[:100]))
     broken("pickled_state", lambda r, c: torch.save({"step": 2, "evil": _Evil()}, c / "train_state.pt"))
-    broken("other_vocab", lambda r, c: _edit_json(c / "tokenizer" / "tokenizer.json",
-                                                  lambda d: d.update(vocab_size=7)))
+    broken("other_vocab", lambda r, c: [_edit_json(f, lambda d: d.update(vocab_size=7))
+                                        for f in (c / "tokenizer").glob("*.json") if '"vocab_size"' in f.read_text()])
 
     (root / "empty.txt").write_text("")
     (root / "blank.txt").write_text("   \n\n")
@@ -183,7 +183,7 @@ CASES = [
      "--train.device 'cuda': CUDA is not available on this machine; use --train.device cpu", 2, no_cuda),
     ("train-missing-corpus", ["train", *T, "--data.corpus", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with "
-     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b", 2),
+     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
     ("train-empty-corpus", ["train", *T, "--data.corpus", "{root}/empty.txt"],
      "the train split of corpus 'empty' is empty ({root}/empty.txt[0:0]); give a non-empty file or larger split "
      "fractions", 2),
@@ -313,7 +313,7 @@ CASES = [
     ("generate-pickled-vocab", ["generate", "--checkpoint", "{hf_pickle}", "--prompt", "x"],
      "{root}/hf_pickle/vocab.pkl is a pickled vocabulary and pickles can run code, so it is not read by "
      "default; if you trust it pass --allow-pickle (allow_pickle=True), or convert it once to vocab.txt with "
-     "txl.text.hf_vocab.write_vocab_txt", 2),
+     "txl.data.tokenizer.hf_vocab.write_vocab_txt", 2),
     ("generate-pickled-weights", ["generate", "--checkpoint", "{pickled_bin}", "--prompt", "x"],
      "{root}/pickled_bin/pytorch_model.bin holds Python objects other than tensors and numbers, and txl never "
      "unpickles those (unpickling can run code); it was not written by txl: convert it to model.safetensors "
@@ -340,7 +340,8 @@ CASES = [
      "--device 'cuda': CUDA is not available on this machine; use --device cpu", 2, no_cuda),
     # -- txl data
     ("data-unknown-corpus", ["data", "download", "wikipedia"],
-     "unknown corpus 'wikipedia'; corpora that can be downloaded: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b", 2),
+     "unknown corpus 'wikipedia'; corpora that can be downloaded: enwik8, text8, wt103, wt2, ptb, pennchar, "
+     "lm1b, stdlib", 2),
     ("data-download-offline", ["data", "download", "ptb", "--dir", "{root}/ptb"],
      "could not download http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz: <urlopen error "
      "[Errno -3] Temporary failure in name resolution> (tried 4 times, nothing was received). Check "
@@ -367,7 +368,7 @@ CASES = [
      "put them under those names in --dir and run txl data download lm1b without --from-file", 2),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with "
-     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b", 2),
+     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
     ("data-prepare-empty", ["data", "prepare", "{root}/blank.txt", "--level", "char"],
      "the test split of corpus 'blank' is empty ({root}/blank.txt[5:5]); give a non-empty file or larger split "
      "fractions", 2),
@@ -397,6 +398,7 @@ def test_bad_input_is_one_clear_line(world, case, monkeypatch, tmp_path):
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and err.rstrip().splitlines()[-1] == errors[0], err  # one line, the last one
     message = errors[0].split("error: ", 1)[1]
+    print(f"@@ {name} rc={rc} :: {errors[0]}")  # pytest -s shows every message, to review a change
     expected = expected.format(**world)
     if expected.endswith("..."):
         assert message.startswith(expected[:-3].rstrip()), message

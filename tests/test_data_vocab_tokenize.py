@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from txl.data.sources import Source, iter_text
-from txl.data.tokenize import fit_tokenizer, load_tokenizer, make_spec
-from txl.data.vocab import Vocab
+from txl.data.tokenizer import Vocab, fit_tokenizer, load_tokenizer, make_spec
 
 TEXT = "the cat sat on the mat\nthe dog\n\nnaïve café ünïcödé €\n"
 
@@ -125,9 +124,9 @@ def test_load_tokenizer_detects_mismatches(tmp_path):
     vocab.write_text(vocab.read_text(encoding="utf-8") + "extra\n", encoding="utf-8")
     with pytest.raises(ValueError, match="does not match"):
         load_tokenizer(tmp_path / "tok")
-    meta = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    meta = json.loads((tmp_path / "tok" / "txl_tokenizer.json").read_text())
     assert meta["spec"]["level"] == "word"
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match="txl_tokenizer.json"):
         load_tokenizer(tmp_path / "nowhere")
 
 
@@ -146,3 +145,16 @@ def test_text_chunks_never_split_characters_or_lines(tmp_path):
     assert "".join(chars) == data.decode() and len(chars) > 10
     lines = list(iter_text(Source(path), "line", chunk=7))
     assert "".join(lines) == data.decode() and all(c.endswith("\n") for c in lines)
+
+
+def test_word_level_with_wikitext103_rules_learns_and_round_trips_raw_text(tmp_path):
+    path = tmp_path / "raw.txt"
+    raw = "It's a state-of-the-art model, 5,000 of them.\nDon't stop.\n"
+    path.write_text(raw, encoding="utf-8")
+    tok = fit_tokenizer(make_spec("word", rules="wt103", specials=["<eos>", "<unk>"]), [Source(path)])
+    assert {"'s", "@-@", "@,@", "'t"} <= set(tok.vocab.symbols)  # the vocabulary is of the rules' tokens
+    ids = tok.encode(raw)
+    assert tok.unk_id not in ids.tolist() and tok.decode(ids) == raw
+    assert tok.with_rules("whitespace").encode("It 's\n").tolist() == [tok.vocab.index["It"], tok.vocab.index["'s"], 0]
+    with pytest.raises(ValueError, match="word rules must be one of whitespace, wt103"):
+        make_spec("word", rules="moses")

@@ -12,8 +12,8 @@ import torch
 
 import txl
 from txl.cli import main
-from txl.codec import TextStream, load_codec
-from txl.text.hf_vocab import write_vocab_txt
+from txl.data.tokenizer import load_model_tokenizer
+from txl.data.tokenizer.hf_vocab import write_vocab_txt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -45,30 +45,30 @@ def run_cli(capsys, *argv):
 
 def test_hf_generate_api_streams_wt103_text(hf_dir):
     model = txl.from_pretrained(hf_dir)
-    codec = load_codec(hf_dir, vocab_size=model.config.vocab_size)
-    ids = codec.encode_prompt("It's a state-of-the-art model, 5,000")
-    assert codec.decode(ids) == "It's a state-of-the-art model, 5,000"  # WikiText-103 round trip
-    assert [codec.symbols[i] for i in ids][:4] == ["It", "'s", "a", "state"]
+    tok = load_model_tokenizer(hf_dir, vocab_size=model.config.vocab_size)
+    ids = tok.encode_prompt("It's a state-of-the-art model, 5,000")
+    assert tok.decode(ids) == "It's a state-of-the-art model, 5,000"  # WikiText-103 round trip
+    assert [tok.vocab.symbols[i] for i in ids][:4] == ["It", "'s", "a", "state"]
     new = txl.generate(model, ids, max_new_tokens=30, seed=1)[0].tolist()
-    stream = TextStream(codec)
+    stream = tok.stream()
     shown = "".join(stream.push(t) for t in new) + stream.finish()
-    assert shown.split() and "".join(shown.split()) == "".join(codec.decode(new).split())  # spacing may differ
-    words = [codec.index[w] for w in "the cat sat on a mat . <eos> It 's 5 @,@ 000 .".split()]
-    stream = TextStream(codec)
+    assert shown.split() and "".join(shown.split()) == "".join(tok.decode(new).split())  # spacing may differ
+    words = [tok.vocab.index[w] for w in "the cat sat on a mat . <eos> It 's 5 @,@ 000 .".split()]
+    stream = tok.stream()
     pieces = [stream.push(t) for t in words] + [stream.finish()]
-    assert "".join(pieces) == codec.decode(words) == "the cat sat on a mat.\nIt's 5,000."
+    assert "".join(pieces) == tok.decode(words) == "the cat sat on a mat.\nIt's 5,000."
     assert pieces[:3] == ["", "the", " cat"]  # shown as produced, one token behind
 
 
 def test_unknown_words_warn_and_vocab_without_unk_fails(hf_dir, tmp_path, caplog):
-    codec = load_codec(hf_dir)
-    with caplog.at_level(logging.WARNING, logger="txl.codec"):
-        ids = codec.encode_prompt("the zebra sat on the quokka")
-    assert ids.count(codec.unk_id) == 2
+    tok = load_model_tokenizer(hf_dir)
+    with caplog.at_level(logging.WARNING, logger="txl.data.tokenizer.levels"):
+        ids = tok.encode_prompt("the zebra sat on the quokka")
+    assert ids.count(tok.unk_id) == 2 and tok.unk_id == tok.vocab.unk_id == 1 and tok.eos_id == 0
     assert "'zebra'" in caplog.text and "'quokka'" in caplog.text
     write_vocab_txt([w for w in WORDS if w != "<unk>"], tmp_path / "vocab.txt")
     with pytest.raises(ValueError, match="no <unk>"):
-        load_codec(hf_dir, vocab_file=tmp_path / "vocab.txt").encode_prompt("the zebra")
+        load_model_tokenizer(hf_dir, vocab_file=tmp_path / "vocab.txt").encode_prompt("the zebra")
 
 
 def test_cli_generate_is_reproducible(hf_dir, capsys):
@@ -135,8 +135,8 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     rc, out, err = run_cli(capsys, "generate", "--checkpoint", ckpt, "--prompt", "hel", "--max-new-tokens", 5,
                            "--seed", 0)
     assert rc == 0, err
-    codec = load_codec(ckpt)
-    assert np.array_equal(codec.encode_prompt("hé"), list("hé".encode()))
+    tok = load_model_tokenizer(ckpt)
+    assert np.array_equal(tok.encode_prompt("hé"), list("hé".encode()))
 
 
 def test_readme_generation_example_runs(tmp_path):

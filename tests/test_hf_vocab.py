@@ -9,7 +9,8 @@ from collections import Counter, OrderedDict
 import pytest
 import torch
 
-from txl.text.hf_vocab import InertObject, Vocab, read_vocab, restricted_unpickle, write_vocab_txt
+from txl.data.tokenizer import Vocab
+from txl.data.tokenizer.hf_vocab import InertObject, read_vocab, restricted_unpickle, write_vocab_txt
 
 SYMBOLS = ["<unk>", "<eos>", "the", ",", ".", "@-@", "Valkyria"]
 
@@ -31,7 +32,7 @@ def original_vocab_dict() -> dict:
     }
 
 
-EXPECTED = Vocab(symbols=tuple(SYMBOLS), unk_token="<unk>", eos_token="<eos>")
+EXPECTED = Vocab(SYMBOLS, unk="<unk>", eos="<eos>", bos=None)
 
 
 def test_plain_text(tmp_path):
@@ -39,15 +40,15 @@ def test_plain_text(tmp_path):
     path.write_text("\n".join(SYMBOLS) + "\n", encoding="utf-8")
     vocab = read_vocab(path)
     assert vocab == EXPECTED
-    assert vocab.sym2idx()["Valkyria"] == 6 and len(vocab) == 7
+    assert vocab.index["Valkyria"] == 6 and len(vocab) == 7
 
 
 def test_symbol_count_variant_and_duplicates(tmp_path):
     path = tmp_path / "vocab.txt"
     path.write_text("<UNK> 0\nthe 120\n, 80\n\nthe 3\n", encoding="utf-8")
     vocab = read_vocab(path)
-    assert vocab.symbols == ("<UNK>", "the", ",")
-    assert vocab.unk_token == "<UNK>" and vocab.eos_token is None
+    assert vocab.symbols == ["<UNK>", "the", ","]
+    assert vocab.unk == "<UNK>" and vocab.unk_id == 0 and vocab.eos is None and vocab.eos_id is None
 
 
 def test_json_list_and_map(tmp_path):
@@ -172,7 +173,7 @@ def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
 def test_write_vocab_txt_round_trip_and_validation(tmp_path):
     path = write_vocab_txt(["<eos>", "é", "x"], tmp_path / "v.txt")
     assert path.read_text(encoding="utf-8") == "<eos>\né\nx\n"
-    assert read_vocab(path) == Vocab(symbols=("<eos>", "é", "x"), unk_token=None, eos_token="<eos>")
+    assert read_vocab(path) == Vocab(["<eos>", "é", "x"], unk=None, eos="<eos>", bos=None)
     with pytest.raises(ValueError, match="whitespace"):
         write_vocab_txt(["ok", "two words"], tmp_path / "bad.txt")
     with pytest.raises(ValueError, match="whitespace"):

@@ -228,10 +228,11 @@ def load_checkpoint(path: str | os.PathLike, *, which: str = "latest", with_stat
 
 def check_tokenizer(ckpt: Path, tokenizer: Any) -> None:
     """Raise unless ``tokenizer`` has the vocabulary the checkpoint was trained with."""
-    file = ckpt / TOKENIZER_DIR / "tokenizer.json"
-    if not file.is_file():
+    from txl.data.tokenizer import read_meta
+
+    saved = read_meta(ckpt / TOKENIZER_DIR)
+    if saved is None:
         return  # a plain model directory: only the vocabulary size can be checked (by the model)
-    saved = json.loads(file.read_text(encoding="utf-8"))
     vocab_sha = getattr(getattr(tokenizer, "vocab", None), "sha256", lambda: None)()
     if saved.get("vocab_size") != tokenizer.vocab_size or saved.get("spec", {}).get("level") != \
             tokenizer.spec.get("level") or (vocab_sha and saved.get("vocab_sha256") not in (None, vocab_sha)):

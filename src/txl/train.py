@@ -209,7 +209,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
     them); one process at a time may train into a directory (``txl.rundir``). SIGTERM and SIGINT stop
     the run at the next step boundary with a checkpoint and raise ``txl.signals.Stopped``.
     """
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
     lock = None

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from txl.checkpoint import check_tokenizer, find_checkpoint, load_checkpoint
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate, plot_sweep
 

@@ -23,12 +23,12 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
 
 
-def load_model_and_codec(args: argparse.Namespace):
+def load_model_and_tokenizer(args: argparse.Namespace):
     from pathlib import Path
 
     import txl
     from txl.checkpoint import find_checkpoint
-    from txl.codec import load_codec
+    from txl.data.tokenizer import load_model_tokenizer
     from txl.distributed import resolve_device
 
     device = resolve_device(args.device)
@@ -37,9 +37,9 @@ def load_model_and_codec(args: argparse.Namespace):
                                 "line, or JSON)")
     directory = find_checkpoint(args.checkpoint, "best")  # a run directory: its best, else latest, checkpoint
     model = txl.from_pretrained(directory, device=device)
-    codec = load_codec(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
-                       allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
-    return model, codec
+    tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
+                                     allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
+    return model, tokenizer
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -73,7 +73,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    from txl.codec import TextStream
     from txl.generate import check_sampling, generate_stream
 
     # Cheap checks first: a typo should not cost loading a model.
@@ -82,17 +81,17 @@ def run(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
-    model, codec = load_model_and_codec(args)
-    ids = codec.encode_prompt(text)
+    model, tokenizer = load_model_and_tokenizer(args)
+    ids = tokenizer.encode_prompt(text)
     if not ids:
         raise ValueError("the prompt has no tokens after tokenisation: give some words")
-    stream = TextStream(codec)
+    stream = tokenizer.stream()
     tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
                              segment_len=256 if args.segment_len is None else args.segment_len)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
-    if codec.level == "word" and not text.endswith("\n"):
+    if tokenizer.level == "word" and not text.endswith("\n"):
         out.write(" ")
     for token in tokens:
         out.write(stream.push(int(token[0])))

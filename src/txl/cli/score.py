@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import math
     from pathlib import Path
 
-    from txl.cli.generate import load_model_and_codec
+    from txl.cli.generate import load_model_and_tokenizer
     from txl.score import DocumentScore, iter_scores
 
     for path in args.files:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
     if args.output != "-":
         _check_output(args.output)
-    model, codec = load_model_and_codec(args)
+    model, codec = load_model_and_tokenizer(args)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115

@@ -10,8 +10,7 @@ Training code needs three calls::
 
 from txl.data.corpora import REGISTRY, Corpus, CorpusSpec, Download, download_corpus, load_corpus
 from txl.data.iterator import IGNORE_INDEX, Batch, OrderedIterator, eval_iterator
-from txl.data.tokenize import Tokenizer, fit_tokenizer, load_tokenizer, make_spec
-from txl.data.vocab import Vocab
+from txl.data.tokenizer import Tokenizer, Vocab, fit_tokenizer, load_tokenizer, make_spec
 
 __all__ = [
     "IGNORE_INDEX", "REGISTRY", "Batch", "Corpus", "CorpusSpec", "Download", "OrderedIterator",

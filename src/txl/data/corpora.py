@@ -21,6 +21,9 @@ Transformer-XL code (kimiyoung/transformer-xl ``getdata.sh``, ``prep_enwik8.py``
   symbol ``</S>`` is our eos and ``<UNK>`` our unk). Valid and test are both
   ``news.en.heldout-00000-of-00050``, as in the original ``getdata.sh``.
 
+* ``stdlib``: this Python's standard-library source (``txl.data.stdlib``), bytes; files go to the three
+  splits by a seeded hash of their path. Its files are written by txl, not downloaded: the default job.
+
 User text: a single file split by fractions (at line boundaries for word/BPE, character boundaries
 for char), or a directory with ``train.txt``/``valid.txt``/``test.txt``, at any level.
 """
@@ -35,15 +38,19 @@ from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from txl.data import cache
-from txl.data import tokenize as tz
+from txl.data import tokenizer as tz
 from txl.data.download import download, extract
 from txl.data.sources import Source, file_sha256, snap
-from txl.data.tokenize import LEVELS, Level, Tokenizer, encode_source, make_spec
+from txl.data.stdlib import build_stdlib_corpus
+from txl.data.tokenizer import LEVELS, Level, Tokenizer, encode_source, make_spec
+
+if TYPE_CHECKING:
+    from txl.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,7 @@ class CorpusSpec:
     metric: Metric
     """How results are reported: perplexity (word level) or bits per character (byte/char)."""
     tokenizer: dict[str, Any] = field(default_factory=dict)
-    """Options of the tokenizer spec for ``level`` (see ``txl.data.tokenize.make_spec``)."""
+    """Options of the tokenizer spec for ``level`` (see ``txl.data.tokenizer.make_spec``)."""
     train: tuple[str, ...] = ()
     """Training files (glob patterns allowed), relative to the data directory or ``subdir``."""
     valid: tuple[str, ...] = ()
@@ -96,6 +103,8 @@ class CorpusSpec:
     """Folder the files are in after extracting the downloads (also tried: the data directory itself)."""
     downloads: tuple[Download, ...] = ()
     """What ``txl data download`` fetches."""
+    generated: Literal["stdlib"] | None = None
+    """The files are written by txl instead (``stdlib``: ``txl.data.stdlib``, into the cache)."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -189,7 +198,13 @@ REGISTRY: Mapping[str, CorpusSpec] = MappingProxyType({
             Download(url="http://download.tensorflow.org/models/LM_LSTM_CNN/vocab-2016-09-10.txt",
                      sha256=None, filename="1b_word_vocab.txt", extract=False)),
         description="One Billion Word benchmark (Chelba et al. 2013), sentence per line"),
+    "stdlib": CorpusSpec(
+        name="stdlib", level="byte", metric="bpc", train=("train.txt",), valid=("valid.txt",),
+        test=("test.txt",), generated="stdlib",
+        description="this Python's standard-library source, split 90/5/5 by a seeded hash of each file's path"),
 })
+STDLIB_SEED = 0
+"""The seed of the stdlib corpus's split (fixed: the same split on every machine)."""
 
 # Sensible defaults for user text: an unknown symbol for characters/words unseen in train.
 _USER_TOKENIZER: dict[str, dict[str, Any]] = {
@@ -325,17 +340,22 @@ def _token_chunks(tok: Tokenizer, sources: list[Source]) -> Iterator[np.ndarray]
 
 
 def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | None = None, *,
-                level: Level | None = None, cache_dir: str | Path | None = None) -> Corpus:
+                level: Level | None = None, cache_dir: str | Path | None = None,
+                max_bytes: int = 4_000_000) -> Corpus:
     """Encode (or load from the cache) a corpus: a registry name, a spec, a text file or a directory.
 
     ``data_dir`` holds a named corpus's files (default ``data/<name>``); files already on disk are used
     as they are (e.g. ``../shared/data/ptb``). ``level`` overrides the tokenisation level. Tokens are
     cached under ``cache_dir`` (default ``~/.cache/txl/tokens``) keyed by file contents and specs.
+    ``max_bytes``: the size of a generated corpus (``stdlib``), written beside the token cache.
     """
     spec, named = get_spec(name_or_path, level=level)
     data_root = Path(data_dir) if data_dir is not None else Path("data") / spec.name
     if not named:
         data_root = Path("/")  # user specs carry absolute paths
+    cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
+    if spec.generated == "stdlib":
+        data_root = build_stdlib_corpus(cache_root.parent / "stdlib", max_bytes=max_bytes, seed=STDLIB_SEED)
     sources = resolve_sources(spec, data_root)
     tok_options = dict(spec.tokenizer)
     vocab_digest = None
@@ -356,7 +376,6 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
         "splits": {split: [[digests[s.path], s.start, s.stop()] for s in srcs]
                    for split, srcs in sources.items()},
     })
-    cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     entry = cache.lookup(cache_root, key)
     cached = entry is not None
     if entry is None:
@@ -387,6 +406,12 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
                   **arrays)
 
 
+def load_run_corpus(cfg: DataConfig) -> Corpus:
+    """Load (encode or read from the cache) the corpus a run's DataConfig names."""
+    return load_corpus(cfg.corpus, cfg.data_dir, level=cfg.level,  # type: ignore[arg-type]
+                       cache_dir=cfg.cache_dir, max_bytes=cfg.max_bytes)
+
+
 def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None, *, retries: int = 3) -> Path:
     """Fetch, verify and unpack a named corpus into ``directory`` (default ``data/<name>``); return it."""
     if isinstance(name, CorpusSpec):
@@ -395,6 +420,9 @@ def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None,
         spec = REGISTRY[name]
     else:
         raise ValueError(f"unknown corpus {name!r}; corpora that can be downloaded: {', '.join(REGISTRY)}")
+    if spec.generated is not None:
+        raise ValueError(f"corpus {spec.name!r} is written by txl itself (from this Python's standard library) "
+                         "the first time it is used; there is nothing to download")
     if not spec.downloads:
         raise ValueError(f"corpus {spec.name!r} has no downloads; put its files in a folder and pass it as "
                          "data_dir / --data-dir")

@@ -18,6 +18,9 @@ vocabulary (its Moses tokenizer objects, compiled regular expressions, ``AddedTo
 replaced by inert placeholders that only record their arguments: none of those modules is imported
 and none of their code runs. Any other global (``os.system``, ``builtins.eval``, ...) is an error.
 Convert once with :func:`write_vocab_txt` and keep the plain-text file.
+
+These readers are the Hugging Face loader of the word tokenizer (``txl.data.tokenizer.WordTokenizer.from_hf_vocab``);
+they return the one :class:`~txl.data.tokenizer.vocab.Vocab` of the package.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import pickle
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from txl.data.tokenizer.vocab import Vocab
+
 __all__ = [
     "InertObject",
-    "Vocab",
     "read_vocab",
     "restricted_unpickle",
     "vocab_from_pickled_dict",
@@ -118,28 +121,12 @@ def restricted_unpickle(data: bytes | io.BufferedIOBase) -> Any:
         raise ValueError(f"refusing or unable to read the pickle: {e}") from e
 
 
-@dataclass(frozen=True)
-class Vocab:
-    """An ordered word vocabulary: ``symbols[i]`` is the symbol of index ``i``."""
-
-    symbols: tuple[str, ...]
-    unk_token: str | None
-    """``<unk>`` (or ``<UNK>``) if present, else None."""
-    eos_token: str | None
-    """``<eos>`` if present, else None."""
-
-    def sym2idx(self) -> dict[str, int]:
-        return {s: i for i, s in enumerate(self.symbols)}
-
-    def __len__(self) -> int:
-        return len(self.symbols)
-
-
 def _make_vocab(symbols: Iterable[str]) -> Vocab:
     ordered = tuple(dict.fromkeys(symbols))  # keep the first occurrence of a repeated symbol
     present = set(ordered)
     unk = next((u for u in UNK_TOKENS if u in present), None)
-    return Vocab(symbols=ordered, unk_token=unk, eos_token=EOS_TOKEN if EOS_TOKEN in present else None)
+    # Transformer-XL vocabularies have no begin-of-line symbol; <S> is an ordinary word in them.
+    return Vocab(ordered, unk=unk, eos=EOS_TOKEN, bos=None)
 
 
 def _parse_text(text: str) -> Vocab:

@@ -28,6 +28,7 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "Moses",
     "SPECIAL_TOKENS",
     "detokenize",
     "detokenize_numbers",
@@ -169,7 +170,7 @@ def tokenize(text: str, *, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> li
 
         def protect(m: re.Match[str]) -> str:
             protected.append(m.group(0))
-            return f" TXLSPECIAL{_letters(len(protected) - 1)}TXLEND "
+            return f"TXLSPECIAL{_letters(len(protected) - 1)}TXLEND"
 
         text = pattern.sub(protect, text)
     text = text.strip()
@@ -260,3 +261,41 @@ def detokenize(tokens: str | Sequence[str], *, eos: str = "<eos>") -> str:
         else:
             lines[-1].append(token)
     return "\n".join(_detokenize_line(line) for line in lines)
+
+
+class Moses:
+    """The same conventions through ``sacremoses`` (``pip install txl[moses]``), as Hugging Face applies them.
+
+    ``TransfoXLTokenizer.moses_pipeline`` of transformers 4.37: the English punctuation normaliser, the
+    Moses tokenizer (``aggressive_dash_splits=True``, ``escape=False``, special tokens protected), then
+    :func:`tokenize_numbers`; :meth:`detokenize` is the Moses detokenizer then :func:`detokenize_numbers`.
+    The rule-based :func:`tokenize` above is the dependency-free default; this is the reference it follows.
+    """
+
+    def __init__(self, *, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> None:
+        try:
+            import sacremoses
+        except ImportError:
+            raise ImportError("the sacremoses backend of the WikiText-103 rules needs the sacremoses package: "
+                              "pip install 'txl[moses]', or use wt103_backend='builtin'") from None
+        self.special_tokens = list(special_tokens)
+        self._normalizer = sacremoses.MosesPunctNormalizer("en")
+        self._tokenizer = sacremoses.MosesTokenizer("en")
+        self._detokenizer = sacremoses.MosesDetokenizer("en")
+
+    def tokenize(self, text: str) -> list[str]:
+        text = self._normalizer.normalize(text.strip())
+        tokens = self._tokenizer.tokenize(text, aggressive_dash_splits=True, return_str=False, escape=False,
+                                          protected_patterns=[re.escape(s) for s in self.special_tokens])
+        return tokenize_numbers(tokens)
+
+    def detokenize(self, tokens: str | Sequence[str], *, eos: str = "<eos>") -> str:
+        if isinstance(tokens, str):
+            tokens = tokens.split()
+        lines: list[list[str]] = [[]]
+        for token in tokens:
+            if token == eos:
+                lines.append([])
+            else:
+                lines[-1].append(token)
+        return "\n".join(detokenize_numbers(self._detokenizer.detokenize(line)).strip() for line in lines)

@@ -1,13 +1,11 @@
-"""Tokenisation levels: byte, char, word and BPE, each with a plain-dict spec.
+"""The tokenizer: byte, char, word and BPE levels, each with a plain-dict spec.
 
-A tokenizer's ``spec`` (a JSON-able dict) says how it was built: the level and its options, never
-learned state. The spec goes into the token-cache key and is saved beside a model, so a changed
-tokenisation is never silently reused. Learned state (the vocabulary, the BPE merges) is saved next
-to it in the same directory::
-
-    tokenizer.json   {"format": "txl-tokenizer", "spec": {...}, "vocab_size": N, "vocab_sha256": ...}
-    vocab.txt        one symbol per line (byte with an observed vocabulary, char, word)
-    bpe.json         the Hugging Face ``tokenizers`` model (BPE)
+One class per level, one base class for what every level does the same way: encode a prompt (words
+it does not know are named in a warning), encode a document line by line, show one token, and stream
+generated ids back into text (:meth:`Tokenizer.stream`). A tokenizer's ``spec`` (a JSON-able dict)
+says how it was built: the level and its options, never learned state. The spec goes into the
+token-cache key and is saved beside a model, so a changed tokenisation is never silently reused.
+Saving and loading (and Hugging Face ``tokenizer.json`` export) are in ``txl.data.tokenizer.files``.
 
 Levels:
 
@@ -15,33 +13,44 @@ Levels:
   only the bytes seen in the training split, most frequent first (the enwik8 convention of the
   original code, whose symbols are the decimal byte values). ``drop_newlines`` drops byte 10.
 * ``char``: Unicode characters of UTF-8 text; the vocabulary is the training split's characters.
-* ``word``: whitespace-separated words, with ``<eos>`` at each line end as WikiText/PTB do; words not
-  in the vocabulary map to ``<unk>`` when the vocabulary has it.
+* ``word``: words, with ``<eos>`` at each line end as WikiText/PTB do; words not in the vocabulary map
+  to ``<unk>`` when the vocabulary has it. ``rules`` says how a line is cut into words and words are
+  joined back: ``"whitespace"`` (pre-tokenised corpora) or ``"wt103"`` (raw English text to WikiText-103
+  tokens and back, ``txl.data.tokenizer.wt103``; ``wt103_backend="sacremoses"`` applies the Moses reference
+  instead of the built-in rules). A Hugging Face / original Transformer-XL vocabulary file is loaded by
+  :meth:`WordTokenizer.from_hf_vocab`.
 * ``bpe``: byte-level BPE trained with Hugging Face ``tokenizers`` (``pip install txl[cli]``).
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 
 from txl.data.sources import Boundary, Source, iter_bytes, iter_text
-from txl.data.vocab import BOS, EOS, UNK, Vocab
+from txl.data.tokenizer import wt103
+from txl.data.tokenizer.stream import TextStream
+from txl.data.tokenizer.vocab import BOS, EOS, UNK, Vocab
+
+logger = logging.getLogger(__name__)
 
 Level = Literal["byte", "char", "word", "bpe"]
 LEVELS: tuple[str, ...] = ("byte", "char", "word", "bpe")
-FORMAT = "txl-tokenizer"
+RULES: tuple[str, ...] = ("whitespace", "wt103")
+WT103_BACKENDS: tuple[str, ...] = ("builtin", "sacremoses")
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "byte": {"vocab": "fixed", "drop_newlines": False},
     "char": {"specials": [], "unk": None},
     "word": {"specials": [EOS], "unk": UNK, "eos": EOS, "bos": BOS, "add_eos": True, "add_bos": False,
-             "lower_case": False, "min_freq": 1, "max_size": None, "vocab_file": None},
+             "lower_case": False, "min_freq": 1, "max_size": None, "vocab_file": None, "rules": "whitespace",
+             "wt103_backend": "builtin"},
     "bpe": {"vocab_size": 8192, "min_frequency": 2},
 }
 
@@ -60,25 +69,85 @@ def make_spec(level: str, **options: Any) -> dict[str, Any]:
             spec[key] = list(value)
     if level == "byte" and spec["vocab"] not in ("fixed", "observed"):
         raise ValueError(f"byte vocab must be 'fixed' or 'observed', got {spec['vocab']!r}")
+    if level == "word" and spec["rules"] not in RULES:
+        raise ValueError(f"word rules must be one of {', '.join(RULES)}, got {spec['rules']!r}")
+    if level == "word" and spec["wt103_backend"] not in WT103_BACKENDS:
+        raise ValueError(f"wt103_backend must be one of {', '.join(WT103_BACKENDS)}, got {spec['wt103_backend']!r}")
     return spec
 
 
-class Tokenizer(Protocol):
+def complete_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with the defaults of its level filled in (a spec saved before an option existed)."""
+    return make_spec(spec["level"], **{k: v for k, v in spec.items() if k != "level"})
+
+
+class Tokenizer:
+    """What every level does: text <-> ids, prompts, documents, one token's text, streaming."""
+
     spec: dict[str, Any]
     boundary: Boundary
     """How text may be cut into chunks without changing the encoding."""
 
     @property
-    def vocab_size(self) -> int: ...
-    def encode(self, text: str | bytes) -> np.ndarray: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
-    def save(self, directory: str | Path) -> None: ...
+    def level(self) -> str:
+        return str(self.spec["level"])
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Ids of a document (int64); word level ends every line, the last included, with ``<eos>``."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer files into ``directory`` (see ``txl.data.tokenizer.files``)."""
+        from txl.data.tokenizer.files import save_tokenizer  # files.py builds on this module: import late
+
+        save_tokenizer(self, directory)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a prompt to continue (word level: no ``<eos>`` after its last words, so the line goes on)."""
+        return [int(i) for i in self.encode(text)]
+
+    def encode_lines(self, lines: Iterable[str]) -> Iterator[int]:
+        """Ids of a document given as lines (each ending in '\\n' but perhaps the last), one line at a time."""
+        for line in lines:
+            yield from (int(i) for i in self.encode(line))
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (the ``token`` field of scores)."""
+        return self.decode([int(token_id)])
+
+    @property
+    def context_id(self) -> int | None:
+        """The token read before a document so its first token is scored too (word level: ``<eos>``)."""
+        return None
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id unknown symbols become, when the vocabulary has one."""
+        vocab = getattr(self, "vocab", None)
+        return vocab.unk_id if vocab is not None else None
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id of the end-of-line symbol, when the vocabulary has one."""
+        vocab = getattr(self, "vocab", None)
+        return vocab.eos_id if vocab is not None else None
+
+    def stream(self) -> TextStream:
+        """A :class:`TextStream` that turns generated ids into text as they come."""
+        return TextStream(self)
 
 
 # -- byte ----------------------------------------------------------------------------------------------
 
 
-class ByteTokenizer:
+class ByteTokenizer(Tokenizer):
     boundary: Boundary = "byte"
 
     def __init__(self, spec: dict[str, Any], vocab: Vocab | None = None) -> None:
@@ -123,8 +192,9 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def save(self, directory: str | Path) -> None:
-        _save(self, directory, self.vocab)
+    def token_text(self, token_id: int) -> str:
+        # A lone byte need not be valid UTF-8: show it escaped rather than as a replacement character.
+        return self.decode_bytes([int(token_id)]).decode("utf-8", errors="backslashreplace")
 
 
 def _fit_byte(spec: dict[str, Any], train: Sequence[Source]) -> ByteTokenizer:
@@ -144,7 +214,7 @@ def _fit_byte(spec: dict[str, Any], train: Sequence[Source]) -> ByteTokenizer:
 # -- char ----------------------------------------------------------------------------------------------
 
 
-class CharTokenizer:
+class CharTokenizer(Tokenizer):
     boundary: Boundary = "char"
 
     def __init__(self, spec: dict[str, Any], vocab: Vocab) -> None:
@@ -179,8 +249,14 @@ class CharTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.vocab.decode(ids))
 
-    def save(self, directory: str | Path) -> None:
-        _save(self, directory, self.vocab)
+    def encode_prompt(self, text: str) -> list[int]:
+        unknown = sorted({c for c in text if c not in self.vocab})
+        if unknown and self.vocab.unk_id is None:
+            raise ValueError(f"character(s) {unknown[:10]} are not in the vocabulary, which has no <unk>; "
+                             "use only characters the model was trained with")
+        if unknown:
+            logger.warning("prompt character(s) not in the vocabulary became <unk>: %s", unknown[:20])
+        return super().encode_prompt(text)
 
 
 def _fit_char(spec: dict[str, Any], train: Sequence[Source]) -> CharTokenizer:
@@ -198,7 +274,17 @@ def _fit_char(spec: dict[str, Any], train: Sequence[Source]) -> CharTokenizer:
 # -- word ----------------------------------------------------------------------------------------------
 
 
-class WordTokenizer:
+def _rules(spec: dict[str, Any]) -> tuple[Callable[[str], list[str]], Callable[[list[str]], str] | None]:
+    """How a line becomes words, and words text again (None: lines of space-separated words)."""
+    if spec["rules"] == "whitespace":
+        return str.split, None
+    if spec["wt103_backend"] == "sacremoses":
+        moses = wt103.Moses()
+        return moses.tokenize, functools.partial(moses.detokenize, eos=spec["eos"])
+    return wt103.tokenize, functools.partial(wt103.detokenize, eos=spec["eos"])
+
+
+class WordTokenizer(Tokenizer):
     boundary: Boundary = "line"
 
     def __init__(self, spec: dict[str, Any], vocab: Vocab) -> None:
@@ -208,33 +294,89 @@ class WordTokenizer:
             if spec[flag] and spec[name] not in self.vocab:
                 raise ValueError(f"{flag} is set but {spec[name]!r} is not in the vocabulary; the "
                                  "vocabulary and tokenizer spec do not belong together")
+        self._split, self._join = _rules(spec)
+
+    @classmethod
+    def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = False, rules: str = "wt103",
+                      wt103_backend: str = "builtin") -> WordTokenizer:
+        """The word tokenizer of a Hugging Face / original Transformer-XL vocabulary file.
+
+        ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` only with
+        ``allow_pickle`` (``txl.data.tokenizer.hf_vocab``). Its text follows the WikiText-103 conventions, so
+        ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in WikiText form.
+        """
+        from txl.data.tokenizer.hf_vocab import read_vocab
+
+        vocab = read_vocab(path, allow_pickle=allow_pickle)
+        spec = make_spec("word", specials=[], unk=vocab.unk, eos=EOS, add_eos=vocab.eos_id is not None,
+                         rules=rules, wt103_backend=wt103_backend)
+        return cls(spec, vocab)
+
+    def with_rules(self, rules: str) -> WordTokenizer:
+        """The same vocabulary with other split/join rules (``"whitespace"`` for pre-tokenised text)."""
+        return WordTokenizer(make_spec("word", **{**{k: v for k, v in self.spec.items() if k != "level"},
+                                                  "rules": rules}), self.vocab)
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
 
-    def symbols(self, text: str) -> Iterator[str]:
-        """Words of ``text``, with ``<S>``/``<eos>`` around each line when the spec asks for them."""
-        lines = text.split("\n")
-        if text.endswith("\n"):
-            lines.pop()  # the final newline ends the last line; it does not start an empty one
+    @property
+    def context_id(self) -> int | None:
+        return self.vocab.eos_id
+
+    def _words(self, lines: Iterable[str], *, final_eos: bool) -> Iterator[str]:
+        """Words of ``lines``, with ``<S>``/``<eos>`` around each line when the spec asks for them; a
+        last line without a line break gets its ``<eos>`` only when ``final_eos``."""
         bos, eos, lower = self.spec["add_bos"], self.spec["add_eos"], self.spec["lower_case"]
         for line in lines:
             if bos:
                 yield self.spec["bos"]
-            yield from (line.lower() if lower else line).split()
-            if eos:
+            yield from self._split(line.lower() if lower else line)
+            if eos and (final_eos or line.endswith("\n")):
                 yield self.spec["eos"]
+
+    def symbols(self, text: str) -> Iterator[str]:
+        """Words of ``text``, with ``<S>``/``<eos>`` around each line when the spec asks for them."""
+        return self._words(_lines(text) or [""], final_eos=True)  # "" is one empty line, as in a file
+
+    def _ids(self, words: Iterable[str], *, unknown: list[str] | None) -> Iterator[int]:
+        index, unk = self.vocab.index, self.vocab.unk_id
+        for w in words:
+            i = index.get(w)
+            if i is None:
+                if unk is None:
+                    raise ValueError(f"the word {w!r} is not in the vocabulary, which has no <unk> to stand for "
+                                     "it; use only words the model was trained with, or rebuild the vocabulary "
+                                     "with '<unk>' among its specials")
+                if unknown is not None:
+                    unknown.append(w)
+                i = unk
+            yield i
 
     def encode(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
         return self.vocab.encode(self.symbols(text))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        unknown: list[str] = []
+        ids = list(self._ids(self._words(_lines(text), final_eos=False), unknown=unknown))
+        if unknown:
+            shown = ", ".join(repr(w) for w in dict.fromkeys(unknown[:20]))
+            logger.warning("%d prompt word(s) not in the vocabulary became <unk>: %s", len(unknown), shown)
+        return ids
+
+    def encode_lines(self, lines: Iterable[str]) -> Iterator[int]:
+        return self._ids(self._words(lines, final_eos=True), unknown=None)
+
     def decode(self, ids: Iterable[int]) -> str:
+        words = self.vocab.decode(ids)
+        if self._join is not None:
+            return self._join([w for w in words if not (self.spec["add_bos"] and w == self.spec["bos"])])
         out: list[str] = []
         line: list[str] = []
-        for s in self.vocab.decode(ids):
+        for s in words:
             if s == self.spec["eos"] and self.spec["add_eos"]:
                 out.append(" ".join(line) + "\n")
                 line = []
@@ -242,8 +384,18 @@ class WordTokenizer:
                 line.append(s)
         return "".join(out) + " ".join(line)
 
-    def save(self, directory: str | Path) -> None:
-        _save(self, directory, self.vocab)
+    def token_text(self, token_id: int) -> str:
+        return self.vocab.symbols[int(token_id)]
+
+
+def _lines(text: str) -> list[str]:
+    """Lines of ``text`` cut at '\\n' only, each keeping its '\\n' (a final one ends the last line, it
+    does not start an empty one)."""
+    lines = [line + "\n" for line in text.split("\n")]
+    last = lines.pop()[:-1]
+    if last:
+        lines.append(last)
+    return lines
 
 
 def _fit_word(spec: dict[str, Any], train: Sequence[Source]) -> WordTokenizer:
@@ -257,11 +409,11 @@ def _fit_word(spec: dict[str, Any], train: Sequence[Source]) -> WordTokenizer:
                    if (fields := line.split())]
         return WordTokenizer(spec, Vocab(list(dict.fromkeys(symbols))))
     counts: Counter[str] = Counter()
-    lower = spec["lower_case"]
+    lower, split = spec["lower_case"], _rules(spec)[0]
     for source in train:
         for text in iter_text(source, "line"):
             for line in text.split("\n"):
-                counts.update((line.lower() if lower else line).split())
+                counts.update(split(line.lower() if lower else line))
     specials = list(spec["specials"])
     for flag, name in (("add_bos", "bos"), ("add_eos", "eos")):
         if spec[flag] and spec[name] not in specials:
@@ -282,7 +434,7 @@ def _hf_tokenizers() -> Any:
     return tokenizers
 
 
-class BPETokenizer:
+class BPETokenizer(Tokenizer):
     boundary: Boundary = "line"
 
     def __init__(self, spec: dict[str, Any], model: Any) -> None:
@@ -303,12 +455,6 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return str(self.model.decode([int(i) for i in ids]))
-
-    def save(self, directory: str | Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.model.save(str(directory / "bpe.json"))
-        _write_meta(self, directory, None)
 
 
 def _new_bpe_model(tk: Any) -> Any:
@@ -353,62 +499,3 @@ def encode_source(tokenizer: Tokenizer, source: Source) -> Iterator[np.ndarray]:
     else:
         for text in iter_text(source, tokenizer.boundary):
             yield tokenizer.encode(text)
-
-
-def _write_meta(tokenizer: Tokenizer, directory: Path, vocab: Vocab | None) -> None:
-    meta = {"format": FORMAT, "version": 1, "spec": tokenizer.spec, "vocab_size": tokenizer.vocab_size,
-            "vocab_sha256": vocab.sha256() if vocab is not None else None}
-    (directory / "tokenizer.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n",
-                                              encoding="utf-8")
-
-
-def _save(tokenizer: Tokenizer, directory: str | Path, vocab: Vocab | None) -> None:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if vocab is not None:
-        vocab.save(directory / "vocab.txt")
-    _write_meta(tokenizer, directory, vocab)
-
-
-def load_tokenizer(directory: str | Path, *, spec: dict[str, Any] | None = None,
-                   vocab_size: int | None = None) -> Tokenizer:
-    """Load a tokenizer saved with ``save``; check it against an expected ``spec`` / ``vocab_size``.
-
-    Raises ValueError when the files do not belong together (vocab.txt edited or swapped) or do not
-    match what the caller expects (a model trained with another vocabulary).
-    """
-    directory = Path(directory)
-    meta_path = directory / "tokenizer.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path} does not exist; pass the directory a tokenizer was saved to")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path} is not a txl tokenizer (format {meta.get('format')!r})")
-    saved = meta["spec"]
-    if spec is not None:
-        want = make_spec(spec["level"], **{k: v for k, v in spec.items() if k != "level"})
-        if want != saved:
-            diff = sorted(k for k in set(want) | set(saved) if want.get(k) != saved.get(k))
-            raise ValueError(f"tokenizer in {directory} was built with a different spec (differs in {diff}: "
-                             f"saved {[saved.get(k) for k in diff]}, expected {[want.get(k) for k in diff]})")
-    level = saved["level"]
-    tok: Tokenizer
-    vocab: Vocab | None = None
-    if level == "bpe":
-        tok = BPETokenizer(saved, _hf_tokenizers().Tokenizer.from_file(str(directory / "bpe.json")))
-    elif level == "byte" and saved["vocab"] == "fixed":
-        tok = ByteTokenizer(saved)
-    else:
-        vocab = Vocab.load(directory / "vocab.txt", unk=None, eos=None, bos=None)
-        if meta["vocab_sha256"] is not None and vocab.sha256() != meta["vocab_sha256"]:
-            raise ValueError(f"{directory / 'vocab.txt'} does not match {meta_path} (vocab_sha256 differs: "
-                             f"{len(vocab)} symbols now, {meta['vocab_size']} when saved); the vocabulary "
-                             "was changed or replaced: restore it or re-prepare the corpus")
-        tok = {"byte": ByteTokenizer, "char": CharTokenizer, "word": WordTokenizer}[level](saved, vocab)
-    if tok.vocab_size != meta["vocab_size"]:
-        raise ValueError(f"tokenizer in {directory} has {tok.vocab_size} symbols but tokenizer.json records "
-                         f"{meta['vocab_size']}; the files do not belong together")
-    if vocab_size is not None and tok.vocab_size != vocab_size:
-        raise ValueError(f"tokenizer in {directory} has {tok.vocab_size} symbols but {vocab_size} were "
-                         "expected (the model's vocab_size); use the tokenizer saved with that model")
-    return tok

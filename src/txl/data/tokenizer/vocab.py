@@ -60,6 +60,10 @@ class Vocab:
         self.unk_id: int | None = self.index.get(unk) if unk is not None else None
         self.eos_id: int | None = self.index.get(eos) if eos is not None else None
         self.bos_id: int | None = self.index.get(bos) if bos is not None else None
+        self.unk: str | None = unk if self.unk_id is not None else None
+        """The unknown symbol, when the vocabulary has it (likewise ``eos``, ``bos``)."""
+        self.eos: str | None = eos if self.eos_id is not None else None
+        self.bos: str | None = bos if self.bos_id is not None else None
 
     @classmethod
     def from_counts(cls, counts: Mapping[str, int], *, specials: Sequence[str] = (), min_freq: int = 1,
