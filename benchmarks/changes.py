@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 import txl  # noqa: E402
 from txl.config import OptimConfig  # noqa: E402
-from txl.model.attention import realign, rel_shift  # noqa: E402
+from txl.model.attention import rel_shift  # noqa: E402
+from txl.model.kernels import realign  # noqa: E402
 from txl.model.transformer import attention_mask  # noqa: E402
 from txl.optim import build_optimizer  # noqa: E402
 from txl.runtime import retain_freed_memory  # noqa: E402

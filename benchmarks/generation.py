@@ -52,9 +52,10 @@ def recompute(model, prompt, n, device) -> float:
     window, ids = prompt.size(1), prompt
     sync(device)
     start = time.perf_counter()
-    with inference_context(model, mem_len=0, same_length=False):
+    with inference_context(model, mem_len=0, same_length=False) as context:
         for _ in range(n):
-            hidden = model(ids[:, -window:], return_log_probs=False).hidden  # (B, C, d): everything again
+            # (B, C, d): everything again
+            hidden = model(ids[:, -window:], return_log_probs=False, context=context).hidden
             token = model.softmax.log_prob(hidden[:, -1]).argmax(-1)  # (B,)
             ids = torch.cat([ids, token[:, None]], dim=1)
     sync(device)

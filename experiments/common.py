@@ -22,6 +22,7 @@ import torch
 from experiments import ROOT
 from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
+from txl.evaluate import inference_context
 from txl.model import TransformerXL
 from txl.runtime import retain_freed_memory
 
@@ -159,23 +160,19 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     y = data[1:].view(n_streams, L).to(device)  # (S, L): y[:, t] follows x[:, t]
     if not exact and context < seg_len:
         raise ValueError(f"attention length {context} is shorter than the segment ({seg_len} tokens)")
-    old_config, was_training = model.config, model.training
     if exact:
-        model.reconfigure(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
+        changes = dict(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
     else:
-        model.reconfigure(mem_len=context - seg_len, same_length=False, ext_len=0)
-    model.eval()
-    try:
+        changes = dict(mem_len=context - seg_len, same_length=False, ext_len=0)
+    with inference_context(model, **changes) as attention_context:
         # As txl.evaluate: the memory rows' keys and values are carried (KVCache), not projected again.
         cache = model.start_kv_cache()
         memory, nll = None, []
         for s in range(0, L, seg_len):
-            out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory, kv_cache=cache)
+            out = model(x[:, s:s + seg_len], labels=y[:, s:s + seg_len], memory=memory, kv_cache=cache,
+                        context=attention_context)
             memory, cache = out.memory, out.kv_cache
             nll.append(out.nll.double().cpu())  # (S, T)
-    finally:
-        model.config = old_config
-        model.train(was_training)
     return torch.cat(nll, dim=1)[:, skip:].reshape(-1).numpy()  # (P,)
 
 

@@ -110,7 +110,7 @@ def recl_section(r: dict[str, Any], img: str) -> list[str]:
            "cached losses, training them first if they are missing).", "",
            f"Group: all {len(r['group'])} ablation models; contexts {r['contexts']}; threshold {r['threshold']}; "
            f"{r['positions']:,} validation positions, the same for every model and context. Each query attends "
-           "to exactly c keys (`model.reconfigure(mem_len=c, same_length=True)`) so that l_i(c, t) compares "
+           "to exactly c keys (`context=model.config.context(mem_len=c, same_length=True)`) so that l_i(c, t) compares "
            "models on identical positions and context sizes; the recurrent memory can still carry older "
            "information through the layers, which is what RECL credits. `>=` marks a RECL that reached the "
            "largest evaluated context (a lower bound). Beside RECL, read each model's perplexity at the shortest "

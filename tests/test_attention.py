@@ -1,4 +1,7 @@
-"""The attention fast paths: the fused kernel against the explicit path, and their gradients."""
+"""The attention fast paths: the fused kernel against the reference and the explicit path, and their gradients.
+
+The full comparison of every kernel with the reference (every attention type, train and eval, memory,
+same_length, clamp_len) is tests/test_kernels.py."""
 
 import math
 
@@ -7,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import txl
-from txl.model.attention import Attention, _RecomputedAttention
+from txl.model.attention import Attention
+from txl.model.kernels import _RecomputedAttention
 from txl.model.transformer import attention_mask
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -25,18 +29,26 @@ def tiny(attn_type: str, **changes) -> txl.TransformerXL:
 
 @pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou"])
 def test_fused_and_explicit_paths_agree(attn_type):
-    """Without gradients the positional term goes into the fused kernel as its mask; with them, relative and
-    Shaw attention take the explicit path. Both give the same log-probabilities, segment after segment."""
-    model = tiny(attn_type)
+    """The fused kernel (positional term as the kernel's additive mask, without gradients; recomputing backward,
+    with them) and the reference attention (every score materialised, the paper's equation) give the same
+    log-probabilities and memories, segment after segment."""
+    fused = tiny(attn_type)
+    reference = txl.TransformerXL(fused.config.replace(attn_impl="reference")).eval()
+    reference.load_state_dict(fused.state_dict())
+    assert all(layer.attn.impl == "reference" for layer in reference.layers)
     tokens = torch.randint(0, 50, (3, 16))
-    mem_fused = mem_explicit = None
+    mem_fused = mem_reference = mem_grad = None
     for s in range(3):
         x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
         with torch.no_grad():
-            fused = model(x, labels=y, memory=mem_fused, return_log_probs=True)
-        explicit = model(x, labels=y, memory=mem_explicit, return_log_probs=True)
-        torch.testing.assert_close(explicit.log_probs, fused.log_probs, **TOL)
-        mem_fused, mem_explicit = fused.memory, explicit.memory
+            got = fused(x, labels=y, memory=mem_fused, return_log_probs=True)
+            want = reference(x, labels=y, memory=mem_reference, return_log_probs=True)
+        with_grad = fused(x, labels=y, memory=mem_grad, return_log_probs=True)  # the training kernels
+        torch.testing.assert_close(got.log_probs, want.log_probs, **TOL)
+        torch.testing.assert_close(with_grad.log_probs, want.log_probs, **TOL)
+        for a, b in zip(got.memory, want.memory, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        mem_fused, mem_reference, mem_grad = got.memory, want.memory, with_grad.memory
 
 
 def explicit_attention(module: Attention, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

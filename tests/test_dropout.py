@@ -1,8 +1,14 @@
-"""The cheaper dropout: identity in evaluation, the right drop rate, unbiased, reproducible, exact gradient."""
+"""Dropout: nn.Dropout by default; the cheaper kernel ('fast16'): identity in evaluation, the right drop rate,
+unbiased, reproducible, exact gradient."""
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from txl.model.dropout import Dropout, ReLUDropout, keep_mask
+import txl
+from txl.model.kernels import FastDropout as Dropout
+from txl.model.kernels import FastReLUDropout, ReLUDropout, keep_mask
 
 
 def test_identity_in_eval_and_at_zero():
@@ -44,7 +50,7 @@ def test_relu_dropout_equals_dropout_of_relu():
     x = torch.randn(5, 33, requires_grad=True)
     weight = torch.randn(5, 33)
     torch.manual_seed(7)
-    fused = ReLUDropout(0.2).train()(x)
+    fused = FastReLUDropout(0.2).train()(x)
     (fused * weight).sum().backward()
     grad, x.grad = x.grad, None
     torch.manual_seed(7)
@@ -52,15 +58,36 @@ def test_relu_dropout_equals_dropout_of_relu():
     (plain * weight).sum().backward()
     torch.testing.assert_close(fused, plain, atol=0, rtol=0)
     torch.testing.assert_close(grad, x.grad, atol=0, rtol=0)
-    assert torch.equal(ReLUDropout(0.2).eval()(x), torch.relu(x))
+    assert torch.equal(FastReLUDropout(0.2).eval()(x), torch.relu(x))
 
 
 def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
     x = torch.randn(4, 9)
     y = x.clone()
-    assert ReLUDropout(0.2, inplace=True).eval()(y) is y and torch.equal(y, torch.relu(x))
+    assert FastReLUDropout(0.2, inplace=True).eval()(y) is y and torch.equal(y, torch.relu(x))
     y = x.clone()
-    assert torch.equal(ReLUDropout(0.0, inplace=True).train()(y), torch.relu(x)) and torch.equal(y, torch.relu(x))
+    assert torch.equal(FastReLUDropout(0.0, inplace=True).train()(y), torch.relu(x)) and torch.equal(y, torch.relu(x))
     y = x.clone()
-    ReLUDropout(0.2, inplace=True).train()(y)
+    FastReLUDropout(0.2, inplace=True).train()(y)
     assert torch.equal(y, x)  # with dropout the input is left alone
+
+
+@pytest.mark.parametrize("impl, plain, relu", [("torch", nn.Dropout, ReLUDropout),
+                                               ("fast16", Dropout, FastReLUDropout)])
+def test_dropout_impl_chooses_the_modules(impl, plain, relu):
+    config = txl.ModelConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_inner=16, dropout=0.1,
+                             dropout_impl=impl)
+    model = txl.TransformerXL(config)
+    assert type(model.drop) is plain and type(model.layers[0].attn.drop) is plain
+    assert type(model.layers[0].ff.relu_drop) is relu and model.layers[0].ff.relu_drop.p == 0.1
+
+
+def test_default_dropout_is_nn_dropout_exactly():
+    """'torch': exactly p and torch's own stream, the draws F.dropout makes from the same seed."""
+    x = torch.randn(7, 13, requires_grad=True)
+    torch.manual_seed(5)
+    got = ReLUDropout(0.1).train()(x)
+    torch.manual_seed(5)
+    want = F.dropout(torch.relu(x), 0.1, training=True)
+    assert torch.equal(got, want)
+    assert torch.equal(ReLUDropout(0.1).eval()(x), torch.relu(x))

@@ -33,8 +33,8 @@ def tiny_model(**overrides) -> txl.TransformerXL:
 
 def full_log_probs(model, tokens, **changes):
     """(B, L, V): one forward pass over the whole text, no memory."""
-    with inference_context(model, **changes):
-        return model(tokens, return_log_probs=True).log_probs
+    with inference_context(model, **changes) as context:
+        return model(tokens, return_log_probs=True, context=context).log_probs
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -188,7 +188,8 @@ def test_kv_cache_built_from_memory_and_projects_one_position_per_step(monkeypat
             ref.append(model(tokens[:, t:t + 1], memory=ref[-1].memory))  # (B, 1) steps without a cache
     rows = []
     attn = model.layers[0].attn
-    monkeypatch.setattr(attn, "position_keys", lambda pos, f=attn.position_keys: rows.append(pos.size(0)) or f(pos))
+    monkeypatch.setattr(attn, "project_positions",
+                        lambda pos, f=attn.project_positions: rows.append(pos.size(0)) or f(pos))
     with torch.no_grad():
         out = model(tokens[:, 8:9], memory=ref[0].memory, kv_cache=txl.KVCache())
         assert out.kv_cache.length == out.memory[0].size(1) == 6

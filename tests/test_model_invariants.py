@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import txl
-from txl.model.attention import realign, rel_shift, relative_distances, sinusoid
+from txl.model import kernels
+from txl.model.attention import Positions, rel_shift, relative_distances, sinusoid
+from txl.model.kernels import realign
 from txl.model.transformer import attention_mask
 
 SMALL = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, dropout=0.0)
@@ -66,26 +68,27 @@ def test_rel_shift_equals_explicit_gather():
 
 
 def test_relative_scores_use_R_of_the_true_distance():
-    """Terms (b)+(d) of query i and key j are (q_i + v) . W_kR R(i - j) for every visible pair; hidden ones -inf."""
+    """Terms (b)+(d) of query i and key j are (q_i + v) . W_kR R(i - j) for every visible pair, in the reference's
+    rel_shift and in the fused path's realigned bias (which also carries 1/sqrt(D) and -inf where hidden)."""
     model = model_of(mem_len=4)
     attn = model.layers[0].attn
     B, T, M, H, D = 1, 3, 4, 4, 8
     K = M + T
-    q, k = torch.randn(B, T, H, D), torch.randn(B, K, H, D)
-    pos = sinusoid(relative_distances(K, -1), 32)
-    zero = torch.zeros(H, D)
+    q = torch.randn(B, T, H, D)
+    positions = Positions(encodings=sinusoid(relative_distances(K, -1), 32))
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
-    query, bias = attn.query_and_bias(q, K, pos, zero, model.v, mask)  # both carry the 1/sqrt(D) scale
-    scores = (torch.einsum("bthd,bkhd->bhtk", query, k) + bias) / attn.scale
-    content = torch.einsum("bthd,bkhd->bhtk", q, k)
+    reference = rel_shift(attn.position_scores(q, K, positions, model.v))  # (B, H, T, K)
+    inputs, bias_fn = kernels.positional_inputs(attn, q, K, positions, model.v)
+    fused = bias_fn(*inputs, mask_bias=kernels.mask_to_bias(mask, q.dtype)) / attn.scale  # (B, H, T, K)
     r = attn.r_proj(sinusoid(torch.arange(K), 32)).view(K, H, D)  # row n: distance n
     for i in range(T):
         for j in range(K):
             if j > M + i:
-                assert torch.isneginf(scores[0, :, i, j]).all()
+                assert torch.isneginf(fused[0, :, i, j]).all()
                 continue
-            expected = content[0, :, i, j] + ((q[0, i] + model.v) * r[M + i - j]).sum(-1)
-            torch.testing.assert_close(scores[0, :, i, j], expected, atol=1e-5, rtol=1e-5)
+            expected = ((q[0, i] + model.v) * r[M + i - j]).sum(-1)
+            torch.testing.assert_close(reference[0, :, i, j], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused[0, :, i, j], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads_first", [True, False])
@@ -207,12 +210,25 @@ def test_same_length_matches_tensorflow_definition():
     assert torch.equal(attention_mask(T, M, mem_len=M, same_length=True, style="tensorflow"), tf)
 
 
-def test_reconfigure_changes_only_the_context():
+def test_context_is_passed_in_and_leaves_the_config_alone():
+    """A longer evaluation context is an argument, as the memory is: the same as a model built with it."""
     model = model_of(mem_len=4)
-    model.reconfigure(mem_len=16, clamp_len=8, same_length=True)
-    assert (model.config.mem_len, model.config.clamp_len, model.config.same_length) == (16, 8, True)
-    with pytest.raises(ValueError, match="d_model"):
-        model.reconfigure(d_model=64)
+    wide = model_of(mem_len=16, clamp_len=8, same_length=True)
+    wide.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 61, (2, 12))
+    context = model.config.context(mem_len=16, clamp_len=8, same_length=True)
+    assert context == wide.config.context()
+    with torch.no_grad():
+        a = model(tokens[:, :6], context=context)
+        a = model(tokens[:, 6:], memory=a.memory, context=context)
+        b = wide(tokens[:, :6])
+        b = wide(tokens[:, 6:], memory=b.memory)
+    torch.testing.assert_close(a.log_probs, b.log_probs)
+    assert a.memory[0].size(1) == 12 and model.config.mem_len == 4
+    with pytest.raises(ValueError, match="Context.mem_len=-1 must be an integer >= 0"):
+        model.config.context(mem_len=-1)
+    with pytest.raises(ValueError, match="context must be a txl.Context"):
+        model(tokens, context=dict(mem_len=3))
 
 
 def test_zero_memory_is_attended_to():

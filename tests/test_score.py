@@ -52,8 +52,8 @@ def test_scores_equal_full_forward_when_memory_covers():
     model = tiny_model()
     doc = torch.randint(0, 97, (30,))
     [result] = score_documents(model, [doc], segment_len=4, mem_len=30, keep_logprobs=True)
-    with inference_context(model, mem_len=30, same_length=False):
-        lp = model(doc[None, :-1], return_log_probs=True).log_probs[0]  # (29, V)
+    with inference_context(model, mem_len=30, same_length=False) as context:
+        lp = model(doc[None, :-1], return_log_probs=True, context=context).log_probs[0]  # (29, V)
     expected = lp.gather(1, doc[1:, None]).squeeze(1).double().numpy()
     np.testing.assert_allclose(result.logprobs, expected, **TOL)
     assert math.isclose(result.perplexity, math.exp(-expected.mean()), rel_tol=1e-5)

@@ -1,9 +1,9 @@
 """txl: Transformer-XL (Dai et al., 2019) language models in PyTorch."""
 
-from txl.config import ModelConfig
+from txl.config import Context, ModelConfig
 from txl.model import KVCache, LMOutput, Memory, TransformerXL
 
-__all__ = ["KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL"]
+__all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL"]
 __version__ = "0.1.0"
 
 from txl.pretrained import from_pretrained, save_hf, save_pretrained  # noqa: E402

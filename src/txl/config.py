@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
+AttnImpl = Literal["fused", "reference"]
+DropoutImpl = Literal["torch", "fast16"]
 
 
 @dataclass(kw_only=True)
@@ -83,11 +85,22 @@ class ModelConfig:
     pre_ln: bool = False
     """Layer norm before each sub-layer (pre-LN) instead of after the residual (the paper's post-LN)."""
     layer_norm_eps: float = 1e-5
+    attn_impl: AttnImpl = "fused"
+    """How attention is computed (``txl.model.kernels``); the numbers are the same up to rounding.
+    'fused': the fast path. The fused kernel ``scaled_dot_product_attention`` with the positional scores
+    as its additive mask, realigned without rel_shift's padded copy; in training a backward that recomputes
+    the scores (see recompute_attention); the key/value cache's projected position table.
+    'reference': the paper's equation term by term (``Attention.reference``), every score materialised;
+    the oracle the fused path is tested against. Timings of both: benchmarks/README.md."""
     recompute_attention: bool = True
-    """Training: recompute the attention scores in backward instead of keeping the (B, H, T, M+T) probabilities
-    of every layer (192 MiB at the benchmark's base shape, growing with the memory). No effect on the numbers;
-    False gave 6-7% higher MFU in the benchmark, where memory allows. Ignored with dropatt > 0, whose dropped
-    probabilities are kept."""
+    """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
+    (B, H, T, M+T) probabilities of every layer (their size grows with the memory). No effect on the numbers;
+    False is faster where memory allows (benchmarks/README.md, phase train-keep). Ignored with dropatt > 0,
+    whose dropped probabilities are kept."""
+    dropout_impl: DropoutImpl = "torch"
+    """'torch': ``nn.Dropout`` (exactly p, torch's RNG stream). 'fast16': a cheaper mask
+    (``txl.model.kernels.FastDropout``): 16 random bits per element kept as one byte, p rounded to a
+    multiple of 2**-16 (0.1 -> 0.1000061), the masks a different draw of torch's generator."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02
@@ -147,6 +160,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attn_type={self.attn_type!r} is unknown; choose one of "
                 f"{', '.join(typing.get_args(AttnType))}")
+        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl)):
+            if getattr(self, name) not in typing.get_args(kind):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
+                                 f"{', '.join(map(repr, typing.get_args(kind)))}")
         if self.same_length_style not in typing.get_args(SameLengthStyle):
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
@@ -170,12 +187,50 @@ class ModelConfig:
                 f"unknown ModelConfig field(s) {unknown}; known fields are {sorted(known)}")
         return cls(**data)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+    def context(self, **changes: Any) -> Context:
+        """The attention context this config trains with; ``changes`` (None: keep) give another one."""
+        own = dict(mem_len=self.mem_len, clamp_len=self.clamp_len, same_length=self.same_length,
+                   same_length_style=self.same_length_style, ext_len=self.ext_len)
+        unknown = sorted(set(changes) - set(own))
+        if unknown:
+            raise ValueError(f"the context has no field(s) {unknown}; its fields are {sorted(own)} (the others "
+                             "shape the parameters and cannot change after construction)")
+        return Context(**{**own, **{k: v for k, v in changes.items() if v is not None}})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """The attention context of a forward pass: how far back it looks and how the keys are masked.
+
+    These fields own no parameters, so a trained model can run in another context than its config's
+    (Dai et al. 2019, section 3.2: evaluate with a longer memory than in training). Passed to
+    ``TransformerXL.forward(context=)`` as the memory is; ``ModelConfig.context()`` is the default.
+    """
+
+    mem_len: int
+    """Hidden states kept per layer for the next segment (0: no recurrence)."""
+    clamp_len: int = -1
+    """Relative distances beyond clamp_len share one encoding; <= 0 means no clamping."""
+    same_length: bool = False
+    """Every query attends to the same number of keys."""
+    same_length_style: SameLengthStyle = "pytorch"
+    """'pytorch' (each query sees mem_len keys) or 'tensorflow' (mem_len + 1); see ModelConfig."""
+    ext_len: int = 0
+    """Trailing tokens of each segment not written to memory (re-fed with the next segment)."""
+
+    def __post_init__(self) -> None:
+        for name in ("mem_len", "ext_len", "clamp_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 0 and name != "clamp_len"):
+                need = "an integer" if name == "clamp_len" else "an integer >= 0"
+                raise ValueError(f"Context.{name}={value!r} must be {need}")
+        if self.same_length_style not in typing.get_args(SameLengthStyle):
+            raise ValueError(f"Context.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
+                             "or 'tensorflow'")
 
 
 # -- training and evaluation ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Evaluation: loss, perplexity or bits per character over a split, in any attention context.
 
 Transformer-XL is trained with one memory length and evaluated with a longer one (Dai et al. 2019,
-section 3.2: the effective context grows with the memory); ``inference_context`` changes the context of a
-trained model for the duration of an evaluation, since these fields own no parameters.
+section 3.2: the effective context grows with the memory); the context is an argument of the forward pass
+(``txl.Context``), as the memory is, since these fields own no parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from txl.config import Context
 from txl.distributed import DistInfo, all_reduce_sum
 from txl.model import TransformerXL
 
@@ -52,22 +53,19 @@ def metric_value(loss: float, metric: str) -> float:
 
 
 @contextlib.contextmanager
-def inference_context(model: TransformerXL, **changes: object) -> Iterator[TransformerXL]:
-    """Eval mode, no autograd and a temporary evaluation context (``model.reconfigure(**changes)``).
-
-    The model's training flag and config are restored on exit, so a model in the middle of training
-    can be evaluated or sampled from without being changed. ``None`` values leave a field as it is.
+def inference_context(model: TransformerXL, **changes: object) -> Iterator[Context]:
+    """Eval mode and no autograd for the duration; yields the ``Context`` to pass to ``model(..., context=)``:
+    the config's, with ``changes`` (mem_len, clamp_len, same_length, same_length_style, ext_len; None keeps a
+    field). The model's training flag is restored on exit and its config is never changed, so a model in the
+    middle of training can be evaluated or sampled from.
     """
-    was_training, config = model.training, model.config
-    changes = {k: v for k, v in changes.items() if v is not None}
+    context = model.config.context(**changes)
+    was_training = model.training
     model.eval()
     try:
-        if changes:
-            model.reconfigure(**changes)
         with torch.no_grad():
-            yield model
+            yield context
     finally:
-        model.config = config
         model.train(was_training)
 
 
@@ -99,7 +97,8 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
                        world_size=info.world_size, device=device)
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
-    with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length, ext_len=ext_len):
+    with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length,
+                           ext_len=ext_len) as context:
         # The weights do not change while evaluating, so the memory rows' keys and values are carried from
         # segment to segment (KVCache) instead of being projected again; absolute encodings cannot be cached.
         cache = model.start_kv_cache()
@@ -108,7 +107,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
             if max_batches and i >= max_batches:
                 break
             with autocast(device, precision):
-                out = model(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache)
+                out = model(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache, context=context)
             memory, cache = out.memory, out.kv_cache
             nll_sum += float(out.nll.double().sum())
             count += int((batch.labels != IGNORE_INDEX).sum())

@@ -65,12 +65,13 @@ class IncrementalDecoder:
         if ids.dim() != 2 or ids.size(1) == 0:
             raise ValueError(f"feed() takes a non-empty (B, T) tensor of token ids, got shape {tuple(ids.shape)}")
         hidden = None
-        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0):
+        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0) as context:
             if self.kv_cache is not None and self.kv_cache.weights_version not in (None, weights_version(self.model)):
                 self.kv_cache = KVCache()  # the weights changed between feeds: rebuild from the memory
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
-                out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache)
+                out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
+                                 context=context)
                 self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
             # Only the last position is needed: score it alone, not the (B, T, V) of the whole prompt.
             log_probs = self.model.softmax.log_prob(hidden[:, -1])  # (B, V)

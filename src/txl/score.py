@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from txl.config import Context
 from txl.generate import inference_context
 from txl.model import Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
@@ -121,7 +122,8 @@ def _group(documents: Sequence[Iterable[int]], batch_size: int) -> list[list[int
 
 
 def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, context_id: int | None,
-                 keep_logprobs: bool, device: torch.device) -> Iterator[ScoredSegment | DocumentScore]:
+                 keep_logprobs: bool, device: torch.device,
+                 context: Context) -> Iterator[ScoredSegment | DocumentScore]:
     for row in rows:
         first = row.reader.take(1) if context_id is None else np.array([context_id])
         row.done = len(first) == 0
@@ -142,7 +144,8 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
                 y[b, :len(ids)] = torch.from_numpy(ids)
                 row.carry = int(ids[-1])
         if n:
-            out = model(x.to(device), labels=y.to(device), memory=memory, return_log_probs=False, kv_cache=cache)
+            out = model(x.to(device), labels=y.to(device), memory=memory, return_log_probs=False, kv_cache=cache,
+                        context=context)
             memory, cache = out.memory, out.kv_cache
             logprobs = (-out.nll).double().cpu().numpy()  # (B, S)
         for b, (row, ids) in enumerate(zip(rows, new)):
@@ -180,16 +183,17 @@ def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, seg
     if mem_len is not None and (isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 0):
         raise ValueError(f"mem_len={mem_len!r} must be an integer >= 0")
     device = next(model.parameters()).device
-    context = dict(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
+    changes = dict(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
+    context = model.config.context(**changes)
 
     def items() -> Iterator[ScoredSegment | DocumentScore]:
         for group in _group(documents, batch_size):
             rows = [_Row(doc=i, reader=_Reader(documents[i])) for i in group]
             segments = _score_group(model, rows, segment_len=segment_len, context_id=context_id,
-                                    keep_logprobs=keep_logprobs, device=device)
+                                    keep_logprobs=keep_logprobs, device=device, context=context)
             while True:
                 # The context covers the forward passes only: nothing leaks to the caller between yields.
-                with inference_context(model, **context):
+                with inference_context(model, **changes):
                     item = next(segments, None)
                 if item is None:
                     break

@@ -15,12 +15,6 @@ Memory = tuple[torch.Tensor, ...]
 """One (B, M, d_model) tensor per layer, oldest position first."""
 
 
-def empty_memory(n_layer: int, batch_size: int, d_model: int, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> Memory:
-    """The memory of the first segment: nothing to attend to (M = 0)."""
-    return zeros_memory(n_layer, batch_size, d_model, 0, device=device, dtype=dtype)
-
-
 def zeros_memory(n_layer: int, batch_size: int, d_model: int, length: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Memory:
     """A zero-filled memory of ``length`` positions that *is* attended to.

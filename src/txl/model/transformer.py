@@ -18,17 +18,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from txl.config import ModelConfig
+from txl.config import Context, ModelConfig
+from txl.model import kernels
 from txl.model.adaptive import IGNORE_INDEX, AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import (
     Attention,
+    Positions,
     RelativeAttention,
     ShawAttention,
     build_attention,
     relative_distances,
     sinusoid,
 )
-from txl.model.dropout import Dropout, ReLUDropout
 from txl.model.kv_cache import CACHEABLE_ATTN_TYPES, KVCache, weights_version
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
 
@@ -42,8 +43,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = Dropout(config.dropout)
-        self.relu_drop = ReLUDropout(config.dropout, inplace=True)  # dropout(relu(.)), fused; fc1's output is fresh
+        self.drop = kernels.dropout(config, config.dropout)
+        self.relu_drop = kernels.dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
@@ -58,9 +59,9 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(config)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
-                pos: torch.Tensor | None, u: torch.Tensor | None, v: torch.Tensor | None,
+                positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, pos, u, v, kv=kv))
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv))
 
 
 @dataclass
@@ -107,7 +108,7 @@ class TransformerXL(nn.Module):
         self.config = config
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = Dropout(c.dropout)
+        self.drop = kernels.dropout(c, c.dropout)
         if c.attn_type == "relative" and not c.untie_r:  # u, v shared by all layers (section 3.3)
             self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
             self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
@@ -160,18 +161,6 @@ class TransformerXL(nn.Module):
             if hasattr(self, name):
                 nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
-    def reconfigure(self, **changes) -> None:
-        """Change the evaluation context (mem_len, clamp_len, same_length, same_length_style, ext_len).
-
-        The paper evaluates with longer memory than in training; these fields own no parameters.
-        """
-        allowed = {"mem_len", "clamp_len", "same_length", "same_length_style", "ext_len"}
-        bad = sorted(set(changes) - allowed)
-        if bad:
-            raise ValueError(f"reconfigure cannot change {bad}: they shape the parameters; "
-                             f"only {sorted(allowed)} can change after construction")
-        self.config = self.config.replace(**changes)
-
     # -- memory ---------------------------------------------------------------------------------
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
         """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
@@ -187,12 +176,15 @@ class TransformerXL(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
-                kv_cache: KVCache | None = None) -> LMOutput:
+                kv_cache: KVCache | None = None, context: Context | None = None) -> LMOutput:
         """Run one segment.
 
         input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
         to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
         (B, T, V) are returned when no labels are given, or when return_log_probs is True.
+
+        context: the attention context (mem_len, clamp_len, same_length, ...); None is the config's
+        (``config.context()``). Evaluate with a longer one than in training by passing it, as the memory is.
 
         kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
         for incremental decoding: the memory rows' keys and values are read from it instead of being
@@ -200,66 +192,46 @@ class TransformerXL(nn.Module):
         ``txl.model.kv_cache``.
         """
         c = self.config
-        self._check_inputs(input_ids, labels)
+        ctx = c.context() if context is None else context
+        if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
+            self.check_inputs(input_ids, labels, memory, kv_cache, ctx)
         B, T = input_ids.shape
-        if memory is not None:
-            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
         M = memory_length(memory)
-        if kv_cache is not None:
-            self._check_kv_cache(kv_cache, M, B)
         # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer
-        mask = attention_mask(T, M, mem_len=c.mem_len, same_length=c.same_length,
-                              style=c.same_length_style, device=input_ids.device)  # (T, K)
+        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
+                              style=ctx.same_length_style, device=input_ids.device)  # (T, K)
 
         h = self.drop(self.embed(input_ids))  # (B, T, d)
-        pos = None
-        positions = None
+        table = ()
         if c.attn_type == "relative" and kv_cache is not None:
-            # W_kR R depends on the distance alone: index a table of projected encodings, grown as K grows.
-            dist = relative_distances(M + T, c.clamp_len, input_ids.device)  # (K,)
-            farthest = min(M + T - 1, c.clamp_len) if c.clamp_len > 0 else M + T - 1  # dist[0], without a sync
-            positions = self._position_table(kv_cache.positions, farthest + 1, h.dtype)
-        elif c.attn_type == "relative":
-            r = sinusoid(relative_distances(M + T, c.clamp_len, input_ids.device), c.d_model)  # (K, d)
-            pos = self.drop(r.to(h.dtype))
-        absolute = None
-        if c.attn_type == "absolute":  # Vaswani et al.: one sinusoid at the input, positions K-1 .. 0
-            absolute = self.drop(sinusoid(relative_distances(M + T, c.clamp_len, input_ids.device),
-                                          c.d_model).to(h.dtype))  # (K, d)
+            table = self._position_table(kv_cache.positions, M + T, ctx.clamp_len, h.dtype)
+        positions = self._relative_positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
+        absolute = self._absolute_positions(M + T, ctx.clamp_len, h.dtype, input_ids.device)
 
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
         hiddens, keys, values = [], [], []
         for l, layer in enumerate(self.layers):
             hiddens.append(h)  # memory caches each layer's input, before any absolute positions
             x, mem = h, mems[l]
-            pos_l = self._absolute_positions(l, M + T, absolute)
-            if pos_l is not None:  # (K, d): memory rows get the earlier positions
-                x = x + pos_l[M:]
-                mem = None if mem is None else mem + pos_l[:M]
+            if absolute[l] is not None:  # (K, d): memory rows get the earlier positions
+                x = x + absolute[l][M:]
+                mem = None if mem is None else mem + absolute[l][:M]
             kv = None
             if kv_cache is not None:
-                # Project the T new rows only; an empty cache projects the memory rows once, here.
-                rows = x if kv_cache.keys or mem is None else torch.cat([mem.to(x.dtype), x], dim=1)
-                k, val = layer.attn.keys_values(rows)  # (B, T or K, H, D)
-                if kv_cache.keys:
-                    k = torch.cat([kv_cache.keys[l].to(k.dtype), k], dim=1)  # (B, K, H, D)
-                    val = torch.cat([kv_cache.values[l].to(val.dtype), val], dim=1)  # (B, K, H, D)
-                kv, mem = (k, val), None
-                keys.append(k)
-                values.append(val)
-                if positions is not None:
-                    pos = positions[l][dist]  # (K, H, D): W_kR R(distance) of key index 0..K-1
-            h = layer(x, mem, mask, pos, u, v, kv=kv)
+                kv, mem = kernels.cached_keys_values(layer.attn, x, mem, kv_cache, l), None  # (B, K, H, D) each
+                keys.append(kv[0])
+                values.append(kv[1])
+            h = layer(x, mem, mask, positions[l], u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
-        new_memory = update_memory(memory if M else None, hiddens, mem_len=c.mem_len, ext_len=c.ext_len)
+        new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
 
         out = LMOutput(memory=new_memory, hidden=h)
         if kv_cache is not None:
             # keys/values cover all K rows, so truncating them as a whole keeps them aligned with new_memory.
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=c.mem_len, ext_len=c.ext_len),
-                                   values=update_memory(None, values, mem_len=c.mem_len, ext_len=c.ext_len),
-                                   positions=positions or (), weights_version=weights_version(self))
+            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   positions=table, weights_version=weights_version(self))
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -269,33 +241,67 @@ class TransformerXL(nn.Module):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
 
-    def _absolute_positions(self, layer: int, klen: int, absolute: torch.Tensor | None) -> torch.Tensor | None:
-        """(K, d) absolute encodings added to layer inputs, or None ('relative', 'shaw')."""
-        if absolute is not None:
-            return absolute if layer == 0 else None
-        if self.config.attn_type != "al_rfou":
-            return None
-        emb = self.pos_embed[layer]  # (P, d); row P-1 is the newest position
-        P = emb.size(0)
-        if klen > P:  # older than learned: repeat the oldest
-            emb = torch.cat([emb[:1].expand(klen - P, -1), emb])
-        return self.drop(emb[-klen:])
+    def _relative_positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
+                            table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
+        """Per layer, the relative encodings of key index 0..K-1: R (dropout applied, shared by the layers),
+        or each layer's projected W_kR R read from a KVCache table; None for the other attention types."""
+        if self.config.attn_type != "relative":
+            return [None] * self.config.n_layer
+        dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
+        if table:  # W_kR R depends on the distance alone: index the cache's table
+            return [Positions(projected=t[dist]) for t in table]  # (K, H, D) each
+        r = Positions(encodings=self.drop(sinusoid(dist, self.config.d_model).to(dtype)))  # (K, d)
+        return [r] * self.config.n_layer
 
-    def _position_table(self, table: tuple[torch.Tensor, ...], need: int,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Per layer (N, H, D), row n = W_kR R(n), with N >= need (the largest distance + 1).
+    def _absolute_positions(self, klen: int, clamp_len: int, dtype: torch.dtype,
+                            device: torch.device) -> list[torch.Tensor | None]:
+        """Per layer, the (K, d) absolute encodings added to its input, or None.
 
-        Grown by doubling, so a stream of (B, 1) steps projects each distance once; clamp_len caps it.
+        'absolute' (Vaswani et al.): one sinusoid at the first layer's input, positions K-1 .. 0.
+        'al_rfou': a learned embedding at every layer's input (row P-1 the newest position).
         """
-        have = table[0].size(0) if table else 0
-        if have >= need:
-            return table
-        cap = self.config.clamp_len + 1 if self.config.clamp_len > 0 else None
-        size = max(need, 2 * have) if cap is None else min(max(need, 2 * have), cap)
-        device = next(self.parameters()).device
-        r = sinusoid(torch.arange(have, size, device=device), self.config.d_model).to(dtype)  # (size-have, d)
-        new = [layer.attn.position_keys(r) for layer in self.layers]  # (size-have, H, D) each
-        return tuple(new) if not table else tuple(torch.cat([old, n]) for old, n in zip(table, new))
+        c = self.config
+        if c.attn_type == "absolute":
+            r = sinusoid(relative_distances(klen, clamp_len, device), c.d_model).to(dtype)  # (K, d)
+            return [self.drop(r)] + [None] * (c.n_layer - 1)
+        if c.attn_type != "al_rfou":
+            return [None] * c.n_layer
+        out = []
+        for emb in self.pos_embed:  # (P, d) per layer
+            P = emb.size(0)
+            if klen > P:  # older than learned: repeat the oldest
+                emb = torch.cat([emb[:1].expand(klen - P, -1), emb])  # (K, d)
+            out.append(self.drop(emb[-klen:]))  # (K, d)
+        return out
+
+    def _position_table(self, table: tuple[torch.Tensor, ...], klen: int, clamp_len: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The cache's per-layer W_kR R table, grown to the farthest distance of K keys."""
+        farthest = min(klen - 1, clamp_len) if clamp_len > 0 else klen - 1  # dist[0], without a sync
+        p = next(self.parameters())
+        return kernels.position_table([layer.attn for layer in self.layers], table, farthest + 1,
+                                      clamp_len=clamp_len, d_model=self.config.d_model, dtype=dtype,
+                                      device=p.device)
+
+    def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                     memory: Memory | None = None, kv_cache: KVCache | None = None,
+                     context: Context | None = None) -> None:
+        """Raise a ValueError naming what is wrong with the arguments of ``forward``.
+
+        ``forward`` calls it, except under torch.compile: the range checks read token values back from the
+        device (a host sync and a graph break), so compiled callers check at their boundary, once.
+        """
+        c = self.config
+        ctx = c.context() if context is None else context
+        if not isinstance(ctx, Context):
+            raise ValueError(f"context must be a txl.Context (model.config.context(mem_len=...)), "
+                             f"got {type(ctx).__name__}")
+        self._check_inputs(input_ids, labels, ctx)
+        B = input_ids.size(0)
+        if memory is not None:
+            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
+        if kv_cache is not None:
+            self._check_kv_cache(kv_cache, memory_length(memory), B)
 
     def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
@@ -323,7 +329,7 @@ class TransformerXL(nn.Module):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
 
-    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, ctx: Context) -> None:
         c = self.config
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
@@ -335,8 +341,8 @@ class TransformerXL(nn.Module):
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is out of range for vocab_size={c.vocab_size}; "
                              "encode with the vocabulary this model was trained with")
-        if c.ext_len and c.ext_len >= input_ids.size(1):
-            raise ValueError(f"ext_len={c.ext_len} must be shorter than the segment ({input_ids.size(1)} "
+        if ctx.ext_len and ctx.ext_len >= input_ids.size(1):
+            raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({input_ids.size(1)} "
                              "tokens); lower ext_len or feed longer segments")
         if labels is not None:
             if labels.shape != input_ids.shape:
