@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
-    if args.output != "-":
+    if args.output not in (None, "-"):  # a file: check it can be written before loading anything
         _check_output(args.output)
     model, codec = load_model_and_tokenizer(args)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
