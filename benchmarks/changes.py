@@ -1,7 +1,7 @@
 """What single speed changes buy, measured one at a time (A/B) at a benchmark shape.
 
-    python benchmarks/changes.py                 # base shape, two threads (~3 min here)
-    python benchmarks/changes.py --shape small
+    python -m benchmarks.changes                 # base shape, two threads (~3 min here)
+    python -m benchmarks.changes --shape small
 
 Each line times the library with one change turned off against it turned on, on the same machine minutes
 apart, with medians over repeated steps:
@@ -26,19 +26,17 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run as bench  # noqa: E402  (benchmarks/run.py: shapes, batches, train_step)
-import torch  # noqa: E402
+import torch
 
-import txl  # noqa: E402
-from txl.config import OptimConfig  # noqa: E402
-from txl.model.attention import rel_shift  # noqa: E402
-from txl.model.kernels import realign  # noqa: E402
-from txl.model.transformer import attention_mask  # noqa: E402
-from txl.optim import build_optimizer  # noqa: E402
-from txl.runtime import retain_freed_memory  # noqa: E402
+import txl
+from benchmarks import run as bench
+from txl.config import OptimConfig
+from txl.model.attention import rel_shift
+from txl.model.kernels import realign
+from txl.model.transformer import attention_mask
+from txl.optim import build_optimizer
+from txl.runtime import compile_model, retain_freed_memory
 
 
 def median_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -68,20 +66,23 @@ def train_step_ms(shape: bench.Shape, reuse: bool, compiled: bool = False) -> fl
     torch.manual_seed(0)
     model = txl.TransformerXL(bench.model_config(shape)).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))
-    step_model = torch.compile(model) if compiled else model
-    memory, times = None, []
+    step_model = compile_model(model, compiled)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    memories, times = [None], []
     for i, (x, y) in enumerate(bench.batches(shape, 6, torch.Generator().manual_seed(0))):
-        memory, t = bench.train_step(step_model, optimizer, x, y, memory, torch.float32)
+        t0 = time.perf_counter()
+        memories = bench.library_step(step_model, optimizer, scaler, x, y, memories, "fp32", bench.CPU, i)
         if i >= 2:
-            times.append(t["step"])
+            times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
 
 def pages(shape_name: str, threads: int) -> tuple[float, float]:
     def spawn(reuse: bool) -> float:
-        cmd = [sys.executable, __file__, "--shape", shape_name, "--threads", str(threads), "--worker",
-               "reuse" if reuse else "no-reuse"]
-        return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["ms"]
+        cmd = [sys.executable, "-m", "benchmarks.changes", "--shape", shape_name, "--threads", str(threads),
+               "--worker", "reuse" if reuse else "no-reuse"]
+        return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                         cwd=bench.ROOT).stdout)["ms"]
     return spawn(False), spawn(True)
 
 

@@ -1,6 +1,6 @@
-"""A markdown table comparing two runs of benchmarks/run.py (their results.jsonl), phase by phase.
+"""A markdown table comparing two runs of benchmarks.run (their results.jsonl), phase by phase.
 
-    python benchmarks/compare.py before/results.jsonl after/results.jsonl
+    python -m benchmarks.compare before/results.jsonl after/results.jsonl
 
 Rows pair the phases of the same shape, dtype and kind; a phase the first run lacks (e.g. 'train-keep',
 which older versions did not have) gets empty 'before' cells. The speed-up sweeps are set side by side

@@ -9,7 +9,7 @@ For each context length C, a random small model reads a C-token prompt, then dra
 
 Both attend to C tokens of context per new token. Prints a table and one JSON line per setting.
 
-    PYTHONPATH=src python benchmarks/generation.py [--contexts 128 512 1024] [--new-tokens 32] [--device cpu]
+    python -m benchmarks.generation [--contexts 128 512 1024] [--new-tokens 32] [--device cpu]
 """
 
 from __future__ import annotations

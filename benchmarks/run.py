@@ -1,37 +1,49 @@
 """Throughput, memory, FLOPs, MFU and the evaluation speed-up over a vanilla Transformer, in one command.
 
-    python benchmarks/run.py                       # small and base, fp32 and bf16, speed-up table, plot
-    python benchmarks/run.py --shapes small --dtypes fp32 --steps 5
+    python -m benchmarks.run                        # small and base, fp32 and bf16, speed-up table, plot (CPU)
+    python -m benchmarks.run --shapes small --dtypes fp32 --steps 5
+    python -m benchmarks.run --compile both         # every phase eager and through torch.compile
+    python -m benchmarks.run --device cuda          # base and NVIDIA's WikiText-103 base, bf16 and TF32,
+                                                    # the speed-up at the paper's L = 800 .. 3800
 
-Every measured phase (train or eval, per shape and dtype; the speed-up sweep) runs in a fresh
-subprocess, so its peak resident memory (ru_maxrss) is its own. Each subprocess also measures this
-machine's matmul peak (a 2048-cubed torch.mm in the phase's dtype and thread count) before the first
-timed step and after every one, and MFU is the median over steps of each step's achieved FLOP/s over
-the mean of the two peak samples around it: on a shared or frequency-scaling machine the step and its
-peak are measured under the same conditions.
+Run from the repository root (``benchmarks`` is a package beside ``src``; the library is the installed
+``txl``, ``pip install -e .`` of this checkout). Every measured phase (train or eval, per shape, dtype and
+compile setting; the speed-up sweep) runs in a fresh subprocess, so its peak memory is its own: the
+resident set (ru_maxrss) on a CPU, ``torch.cuda.max_memory_allocated`` less the peak matmul's operands on
+a GPU. Each subprocess also measures this machine's matmul peak (an n-cubed mm in the phase's dtype, n =
+2048 on a CPU, 8192 on a GPU) before the first timed step and after every one, and MFU is the median over
+steps of each step's achieved FLOP/s over the mean of the two peak samples around it: on a shared or
+frequency-scaling machine the step and its peak are measured under the same conditions. On a GPU the
+bf16 and TF32 peaks are both measured in every phase, and MFU against the bf16 peak is reported beside
+the phase's own.
+
+Training times the library's own step, ``txl.train.train_step`` (forward and backward under the run's
+autocast, gradient scaler, clipped global norm, optimiser step, memory carried), with the trainer's
+optimiser (``build_optimizer``). Evaluation carries the key/value cache as ``txl.evaluate`` does: the
+memory rows' keys and values are those projected in the previous segment, not projected again.
 
 Printed: a table per section, then one JSON line per measurement; results.jsonl and speedup.png are
 written to --out.
 
-Evaluation carries the key/value cache as ``txl.evaluate`` does: the memory rows' keys and values are
-those projected in the previous segment, not projected again.
-
 FLOPs per token are counted analytically (no profiler): with N the non-embedding matmul parameters
-(per layer q/k/v, output, and the two feed-forward matrices), L layers, H*D attention width and K = M + T
-keys per query,
+(per layer q/k/v, output, and the two feed-forward matrices), S the output layer's matmul parameters a
+token meets (the softmax; with an adaptive softmax the head for every token and each tail cluster for the
+share of tokens that fall in it), L layers, H*D attention width and K = M + T keys per query,
 
-    train = 6 N + 3 * 6 L (H D) K     eval = 2 N + 6 L (H D) K
+    train = 6 (N + S) + 3 * 6 L (H D) K     eval = 2 (N + S) + 6 L (H D) K
 
 where 6 L (H D) K is the forward cost of the three K-long attention products per query: the content
 score (q + u) k^T, the positional score (q + v) R^T, and the weighted sum of values. The causal mask
 is not subtracted (every score is computed). Work the implementation does on top of this -- in training
 the keys and values of the memory rows and the attention scores recomputed in backward; the W_kR
-projection of R, the softmax layer -- is not counted, as MFU conventionally leaves out recomputation.
+projection of R, the embedding -- is not counted, as MFU conventionally leaves out recomputation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -42,15 +54,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+import txl
+from txl.config import OptimConfig
+from txl.data import Batch
+from txl.distributed import DistInfo
+from txl.evaluate import autocast
+from txl.optim import build_optimizer
+from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, retain_freed_memory, to_device
+from txl.train import train_step as library_train_step
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))  # the library of this checkout, not an installed copy
-
-import torch  # noqa: E402
-
-import txl  # noqa: E402
-from txl.config import OptimConfig  # noqa: E402
-from txl.optim import build_optimizer  # noqa: E402
-from txl.runtime import cpu_has_native_bf16, retain_freed_memory  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -65,32 +80,100 @@ class Shape:
     batch: int
     vocab_size: int = 204  # byte-level: 256 bytes less the unused, as enwik8's 204 symbols
     dropout: float = 0.1
+    cutoffs: tuple[int, ...] = ()
+    """Adaptive softmax cluster boundaries (empty: one full softmax)."""
+    div_val: int = 1
+    zipf: bool = False
+    """Draw the tokens Zipf-distributed (p(rank r) ~ 1/r, as words in running text) instead of uniformly, so
+    an adaptive softmax sees the share of head and tail tokens a word-level corpus gives it."""
+    eval_tgt_len: int | None = None
+    """Evaluation segment length (None: tgt_len)."""
+    eval_mem_len: int | None = None
+    """Evaluation memory length (None: mem_len)."""
+    eval_batch: int | None = None
+    """Evaluation batch (None: batch)."""
+
+    def for_phase(self, phase: str) -> Shape:
+        """The shape a phase runs: evaluation may read shorter segments against a longer memory."""
+        if phase.startswith("train"):
+            return self
+        return dataclasses.replace(self, tgt_len=self.eval_tgt_len or self.tgt_len,
+                                   mem_len=self.eval_mem_len or self.mem_len, batch=self.eval_batch or self.batch)
+
+    def resized(self, *, batch: int | None = None, tgt_len: int | None = None, mem_len: int | None = None) -> Shape:
+        """The shape with batch, segment or memory length overridden for training and evaluation alike
+        (a reduced smoke run of a shape too large for the machine)."""
+        changes: dict[str, int] = {}
+        if batch:
+            changes.update(batch=batch, eval_batch=batch)
+        if tgt_len:
+            changes.update(tgt_len=tgt_len, eval_tgt_len=tgt_len)
+        if mem_len:
+            changes.update(mem_len=mem_len, eval_mem_len=mem_len)
+        return dataclasses.replace(self, **changes)
 
 
 SHAPES = {
     "tiny": Shape(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, tgt_len=16, mem_len=16, batch=2),
     "small": Shape(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128, batch=8),
     "base": Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=256, mem_len=256, batch=4),
+    # NVIDIA DeepLearningExamples, Transformer-XL PyTorch, WikiText-103 base (wt103_base.yaml), per GPU.
+    "nvidia": Shape(n_layer=16, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=192, mem_len=192, batch=32,
+                    vocab_size=267735, cutoffs=(20000, 40000, 200000), div_val=1, zipf=True,
+                    eval_tgt_len=64, eval_mem_len=640, eval_batch=32),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# NVIDIA's published figures for that shape, one A100 80GB, AMP (DeepLearningExamples Transformer-XL README).
+NVIDIA_A100 = {"train": 59961, "eval": 91654, "eval_torchscript": 107082}
+# Phase dtypes: fp32 is exact fp32 products; tf32 is fp32 with TF32 tensor-core matmuls (CUDA only); bf16
+# and fp16 are autocast, fp16 with the gradient scaler (CUDA only).
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the trainer's precision names
 PHASES = ("train", "train-keep", "eval")
 # Dai et al. 2019, Table 9: evaluation speed-up over Al-Rfou et al. (2018) on a GPU, by attention length.
 PAPER_SPEEDUP = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}
-PEAK_N = 2048
+PEAK_N = {"cpu": 2048, "cuda": 8192}
+CPU = torch.device("cpu")
 
 
 def model_config(shape: Shape, **changes) -> txl.ModelConfig:
     fields = dict(vocab_size=shape.vocab_size, n_layer=shape.n_layer, d_model=shape.d_model, n_head=shape.n_head,
-                  d_head=shape.d_head, d_inner=shape.d_inner, mem_len=shape.mem_len, dropout=shape.dropout)
+                  d_head=shape.d_head, d_inner=shape.d_inner, mem_len=shape.mem_len, dropout=shape.dropout,
+                  cutoffs=list(shape.cutoffs), div_val=shape.div_val)
     fields.update(changes)
     return txl.ModelConfig(**fields)
 
 
-# -- FLOP counts ---------------------------------------------------------------------------------------
+# -- token distribution and FLOP counts ---------------------------------------------------------------
+def token_probs(shape: Shape) -> torch.Tensor:
+    """(V,) float64 probabilities of the benchmark's tokens: uniform, or Zipf (1/rank) for word-level shapes."""
+    if not shape.zipf:
+        return torch.full((shape.vocab_size,), 1.0 / shape.vocab_size, dtype=torch.float64)
+    p = 1.0 / torch.arange(1, shape.vocab_size + 1, dtype=torch.float64)
+    return p / p.sum()
+
+
 def matmul_params(shape: Shape) -> int:
     """N: non-embedding matmul parameters (q/k/v, output projection, feed-forward) of all layers."""
     hd = shape.n_head * shape.d_head
     return shape.n_layer * (3 * shape.d_model * hd + hd * shape.d_model + 2 * shape.d_model * shape.d_inner)
+
+
+def softmax_params(shape: Shape) -> float:
+    """S: output-layer matmul parameters per token, in expectation over the benchmark's tokens.
+
+    Every token meets the head (the shortlist plus one logit per tail cluster); tail cluster i (its
+    projection d -> d_embed / div_val^i, if any, and its words) only the tokens whose label falls in it.
+    """
+    bounds = [0, *shape.cutoffs, shape.vocab_size]
+    probs = token_probs(shape)
+    total = 0.0
+    for i in range(len(bounds) - 1):
+        width = shape.d_model // shape.div_val ** i
+        rows = bounds[i + 1] - bounds[i] + (len(shape.cutoffs) if i == 0 else 0)
+        params = rows * width + (shape.d_model * width if width != shape.d_model else 0)
+        share = 1.0 if i == 0 else float(probs[bounds[i]:bounds[i + 1]].sum())
+        total += share * params
+    return total
 
 
 def attention_flops(shape: Shape, klen: int, positional: bool = True) -> int:
@@ -99,16 +182,18 @@ def attention_flops(shape: Shape, klen: int, positional: bool = True) -> int:
     return products * 2 * shape.n_layer * shape.n_head * shape.d_head * klen
 
 
-def flops_per_token(shape: Shape, phase: str) -> int:
+def flops_per_token(shape: Shape, phase: str) -> float:
+    shape = shape.for_phase(phase)
     klen = shape.mem_len + shape.tgt_len
-    n, attn = matmul_params(shape), attention_flops(shape, klen)
+    n, attn = matmul_params(shape) + softmax_params(shape), attention_flops(shape, klen)
     return 6 * n + 3 * attn if phase.startswith("train") else 2 * n + attn
 
 
 def speedup_flop_ratio(shape: Shape, length: int) -> float:
     """Executed forward FLOPs per predicted token: a vanilla model slid over L-token windows against
     Transformer-XL with T = M = L, counting here W_kR R as well (the memory rows' keys and values come from
-    the key/value cache of the previous segment, as in ``txl.evaluate``)."""
+    the key/value cache of the previous segment, as in ``txl.evaluate``). The softmax is left out of both
+    (the vanilla model scores one position per window, XL every position: a constant per predicted token)."""
     hd = shape.n_head * shape.d_head
     n = matmul_params(shape)
     vanilla = 2 * n * length + length * attention_flops(shape, length, positional=False)  # one window
@@ -119,25 +204,63 @@ def speedup_flop_ratio(shape: Shape, length: int) -> float:
 
 
 # -- measurement helpers -------------------------------------------------------------------------------
+class Profile:
+    """torch.profiler around one step; ``table`` is its top operators by self time (device time on a GPU)."""
+
+    def __init__(self, device: torch.device, rows: int = 18) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof, self.rows, self.device, self.table = profile(activities=activities), rows, device, ""
+
+    def __enter__(self) -> Profile:
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.__exit__(*exc)
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        self.table = self.prof.key_averages().table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
+
+
+def make_clock(device: torch.device):
+    """perf_counter, after waiting for the device's queued kernels on a GPU (they run asynchronously)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return clock
+
+
 class MatmulPeak:
-    """This machine's matmul FLOP/s: an n-cubed torch.mm (PEAK_N by default) in one dtype, timed on demand.
+    """This machine's matmul FLOP/s: an n-cubed mm in one dtype on one device, timed on demand.
 
     The phases sample it around every timed step (``Bracket``), so each step's FLOP/s is divided by a peak
-    measured on the same (shared, noisy) machine moments before and after; the operands (3 x 16 MB in fp32)
-    stay allocated.
+    measured on the same (shared, noisy) machine moments before and after; the operands stay allocated
+    (``nbytes``; a GPU phase subtracts them from its peak memory). On a GPU one sample is ``reps`` mms
+    (a single 8192-cubed one takes about a millisecond, close to the launch and sync overhead). TF32 is
+    whatever ``matmul_precision`` allows around the caller.
     """
 
-    def __init__(self, dtype: torch.dtype, clock=time.perf_counter, n: int = PEAK_N) -> None:
-        self.clock, self.n = clock, n
+    def __init__(self, dtype: torch.dtype, clock=time.perf_counter, n: int | None = None,
+                 device: torch.device = CPU) -> None:
+        self.clock, self.n = clock, n or PEAK_N[device.type]
+        self.reps = 1 if device.type == "cpu" else 10
         g = torch.Generator().manual_seed(0)
-        self.a = torch.randn(n, n, generator=g).to(dtype)
-        self.b = torch.randn(n, n, generator=g).to(dtype)
+        self.a = torch.randn(self.n, self.n, generator=g).to(device=device, dtype=dtype)
+        self.b = torch.randn(self.n, self.n, generator=g).to(device=device, dtype=dtype)
         self.c = torch.mm(self.a, self.b)  # also the warm-up
+        self.nbytes = 3 * self.a.numel() * self.a.element_size()
 
     def sample(self) -> float:
         t0 = self.clock()
-        torch.mm(self.a, self.b, out=self.c)
-        return 2 * self.n**3 / (self.clock() - t0)
+        for _ in range(self.reps):
+            torch.mm(self.a, self.b, out=self.c)
+        return 2 * self.n**3 * self.reps / (self.clock() - t0)
 
 
 class Bracket:
@@ -161,67 +284,86 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def batches(shape: Shape, n: int, generator: torch.Generator):
-    """n random byte-level (input, label) segments of one stream per batch row, in order."""
-    stream = torch.randint(0, shape.vocab_size, (shape.batch, n * shape.tgt_len + 1), generator=generator)
+def batches(shape: Shape, n: int, generator: torch.Generator, device: torch.device | None = None):
+    """n (input, label) segments of one token stream per batch row, in order, on ``device``.
+
+    Tokens are uniform over the vocabulary, or Zipf-distributed for word-level shapes (``Shape.zipf``);
+    they are drawn on the host and moved as the library's batch iterator moves them (``to_device``).
+    """
+    count = shape.batch * (n * shape.tgt_len + 1)
+    if shape.zipf:
+        flat = torch.multinomial(token_probs(shape).float(), count, replacement=True, generator=generator)
+    else:
+        flat = torch.randint(0, shape.vocab_size, (count,), generator=generator)
+    stream = flat.view(shape.batch, n * shape.tgt_len + 1)  # (B, n T + 1)
     for s in range(n):
         lo = s * shape.tgt_len
-        yield stream[:, lo:lo + shape.tgt_len], stream[:, lo + 1:lo + shape.tgt_len + 1]
+        x = stream[:, lo:lo + shape.tgt_len].contiguous()  # (B, T)
+        y = stream[:, lo + 1:lo + shape.tgt_len + 1].contiguous()  # (B, T)
+        yield to_device(x, device), to_device(y, device)
 
 
-def autocast(dtype: torch.dtype):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+def phase_context(device: torch.device, dtype_name: str) -> contextlib.AbstractContextManager:
+    """TF32 matmuls on CUDA for the 'tf32' phases only, as ``train.tf32`` does for a run."""
+    return matmul_precision(device, tf32=dtype_name == "tf32")
 
 
-def train_step(model, optimizer, x, y, memory, dtype, clip: float = 0.25, clock=time.perf_counter):
-    """One optimizer step with memory carried; returns the new memory and the seconds of each part."""
-    t0 = clock()
-    with autocast(dtype):
-        out = model(x, labels=y, memory=memory)
-    t1 = clock()
-    out.loss.backward()
-    t2 = clock()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    t3 = clock()
-    return out.memory, dict(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2, step=t3 - t0)
+def library_step(step_model, optimizer, scaler, x, y, memories, precision: str, device: torch.device, start: int):
+    """The trainer's own training step (``txl.train.train_step``) on one (B, T) batch; returns its memories."""
+    batch = Batch(input_ids=x, labels=y, context_len=0, start=start)
+    info = DistInfo(rank=0, world_size=1, device=device)
+    _, memories = library_train_step(step_model, optimizer, scaler, batch, memories, lr=2.5e-4, clip=0.25,
+                                     precision=precision, info=info)
+    return memories
 
 
-def same_batch_loss(model, x, y, memory, dtype, seed: int) -> float:
+def same_batch_loss(model, x, y, memory, precision: str, seed: int) -> float:
     """Training-mode loss of one batch with a fixed dropout seed (no update)."""
     torch.manual_seed(seed)
-    with torch.no_grad(), autocast(dtype):
+    with torch.no_grad(), autocast(x.device, precision):
         return model(x, labels=y, memory=memory).loss.item()
 
 
 def bf16_loss_check(model, x, y, memory) -> dict:
     """bf16 autocast against fp32 on the same batch, weights and dropout seed: both losses and their difference."""
-    fp32 = same_batch_loss(model, x, y, memory, torch.float32, seed=1)
-    bf16 = same_batch_loss(model, x, y, memory, torch.bfloat16, seed=1)
+    fp32 = same_batch_loss(model, x, y, memory, "fp32", seed=1)
+    bf16 = same_batch_loss(model, x, y, memory, "bf16", seed=1)
     return dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32))
 
 
-def worker_train(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak: MatmulPeak, *,
-                 recompute: bool = True) -> tuple[list[dict], dict]:
-    """Timed training steps (forward, backward, clipped Adam step, memory carried), peak samples around each."""
+def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
+                 recompute: bool = True, compile: bool = False, profile: bool = False,
+                 device: torch.device = CPU) -> tuple[list[dict], dict]:
+    """Timed training steps of the library's train_step (memory carried), peak samples around each; with
+    ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = txl.TransformerXL(model_config(shape, recompute_attention=recompute)).train()
+    model = txl.TransformerXL(model_config(shape, recompute_attention=recompute)).to(device).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))  # the trainer's optimiser (fused Adam)
-    memory, samples, extra, bracket = None, [], {}, Bracket(peak)
-    for i, (x, y) in enumerate(batches(shape, warmup + steps, gen)):
-        if i == warmup and dtype == torch.bfloat16:
-            extra = bf16_loss_check(model, x, y, memory)
+    precision = PRECISION[dtype_name]
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    step_model = compile_model(model, compile)
+    memories, samples, extra, bracket = [None], [], {}, Bracket(peak)
+    for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
+        if i == warmup and dtype_name == "bf16":
+            extra = bf16_loss_check(model, x, y, memories[0])
         if i == warmup:
             bracket.start()
-        memory, t = train_step(model, optimizer, x, y, memory, dtype, clock=peak.clock)
+        if i == warmup + steps:  # the extra, profiled step
+            with Profile(device) as prof:
+                library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
+            extra["profile"] = prof.table
+            break
+        t0 = peak.clock()
+        memories = library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
+        step = peak.clock() - t0
         if i >= warmup:
-            samples.append(dict(t, peak=bracket.around()))
+            samples.append(dict(step=step, peak=bracket.around()))
     return samples, extra
 
 
-def worker_eval(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak: MatmulPeak) -> tuple[list[dict], dict]:
+def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
+                compile: bool = False, profile: bool = False, device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed evaluation segments (per-token NLL, memory and key/value cache carried), peak samples around each.
 
     As ``txl.evaluate``: the memory rows' keys and values come from the previous segment's cache instead of
@@ -229,38 +371,51 @@ def worker_eval(shape: Shape, dtype: torch.dtype, warmup: int, steps: int, peak:
     """
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = txl.TransformerXL(model_config(shape)).eval()
-    memory, cache, samples, bracket = None, txl.KVCache(), [], Bracket(peak)
-    for i, (x, y) in enumerate(batches(shape, warmup + steps, gen)):
+    model = txl.TransformerXL(model_config(shape)).to(device).eval()
+    forward = compile_model(model, compile)
+    memory, cache, samples, bracket, extra = None, model.start_kv_cache(), [], Bracket(peak), {}
+
+    def segment(x, y):
+        with torch.inference_mode(), autocast(device, PRECISION[dtype_name]):
+            out = forward(x, labels=y, memory=memory, kv_cache=cache)
+        out.nll.sum().item()
+        return out
+
+    for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup:
             bracket.start()
+        if i == warmup + steps:  # the extra, profiled segment
+            with Profile(device) as prof:
+                segment(x, y)
+            extra["profile"] = prof.table
+            break
         t0 = peak.clock()
-        with torch.inference_mode(), autocast(dtype):
-            out = model(x, labels=y, memory=memory, kv_cache=cache)
-        out.nll.sum().item()
+        out = segment(x, y)
         step = peak.clock() - t0
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
         memory, cache = out.memory, out.kv_cache
-    return samples, {}
+    return samples, extra
 
 
 @torch.inference_mode()
-def worker_speedup(shape: Shape, lengths: list[int], reps: int) -> list[dict]:
+def worker_speedup(shape: Shape, lengths: list[int], reps: int,
+                   device: torch.device = CPU) -> list[dict]:
     """Per-token evaluation time: Transformer-XL (T = M = L) against a vanilla model slid over L-token windows.
 
     The vanilla model is Al-Rfou et al.'s: learned absolute positions added at every layer, no memory;
-    each window of L tokens predicts only its last token. Both sides run batch 1 and are timed in turn,
-    rep by rep, so both see the same machine.
+    each window of L tokens predicts only its last token. Both sides run batch 1, fp32, and are timed in
+    turn, rep by rep, so both see the same machine.
     """
     rows = []
     gen = torch.Generator().manual_seed(0)
+    clock = make_clock(device)
     for length in lengths:
         torch.manual_seed(0)
-        xl = txl.TransformerXL(model_config(shape, mem_len=length, dropout=0.0)).eval()
+        xl = txl.TransformerXL(model_config(shape, mem_len=length, dropout=0.0)).to(device).eval()
         vanilla = txl.TransformerXL(model_config(shape, mem_len=0, dropout=0.0, attn_type="al_rfou",
-                                                 learned_positions=length)).eval()
-        tokens = torch.randint(0, shape.vocab_size, (1, (reps + 3) * length + 1), generator=gen)
+                                                 learned_positions=length)).to(device).eval()
+        tokens = torch.randint(0, shape.vocab_size, (1, (reps + 3) * length + 1), generator=gen).to(device)
         first = xl(tokens[:, :length], kv_cache=txl.KVCache())  # a full memory (and its keys) from here on
         memory, cache = first.memory, first.kv_cache
         window = tokens[:, :length]
@@ -268,13 +423,13 @@ def worker_speedup(shape: Shape, lengths: list[int], reps: int) -> list[dict]:
         t_xl, t_vanilla = [], []
         for r in range(reps + 1):  # the first rep warms up the XL shape with memory
             seg = tokens[:, (r + 1) * length:(r + 2) * length]
-            t0 = time.perf_counter()
+            t0 = clock()
             out = xl(seg, memory=memory, kv_cache=cache, return_log_probs=True)  # as txl.evaluate
             memory, cache = out.memory, out.kv_cache
-            t1 = time.perf_counter()
+            t1 = clock()
             window = tokens[:, r + 1:r + 1 + length]  # slid by one token
             vanilla(window, return_log_probs=True).log_probs[:, -1]
-            t2 = time.perf_counter()
+            t2 = clock()
             if r:
                 t_xl.append((t1 - t0) / length)
                 t_vanilla.append(t2 - t1)
@@ -300,46 +455,94 @@ def worker_bf16_check(shape: Shape) -> dict:
     t0 = time.perf_counter()
     check = bf16_loss_check(model, x, y, memory)
     check_s = time.perf_counter() - t0
-    speeds = {f"mm_flops_{name}": MatmulPeak(dtype, n=512).sample() for name, dtype in DTYPES.items()}  # 2048: minutes
+    speeds = {f"mm_flops_{name}": MatmulPeak(DTYPES[name], n=512).sample() for name in ("fp32", "bf16")}
     return dict(check, check_s=check_s, **speeds)
 
 
+def device_peaks(device: torch.device, clock) -> dict:
+    """On a GPU: the bf16 and the TF32 matmul peaks of this device, measured now (FLOP/s)."""
+    if device.type != "cuda":
+        return {}
+    bf16 = MatmulPeak(torch.bfloat16, clock, device=device)
+    bf16_flops = max(bf16.sample() for _ in range(3))
+    del bf16
+    with matmul_precision(device, tf32=True):
+        tf32 = MatmulPeak(torch.float32, clock, device=device)
+        tf32_flops = max(tf32.sample() for _ in range(3))
+    del tf32
+    return dict(peak_bf16_flops=bf16_flops, peak_tf32_flops=tf32_flops)
+
+
 def run_worker(args) -> None:
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as the txl command does
-    shape = SHAPES[args.shape]
+    shape = SHAPES[args.shape].resized(batch=args.batch, tgt_len=args.tgt_len, mem_len=args.mem_len)
+    common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device))
     if args.worker == "bf16check":
-        print(json.dumps(dict(kind="bf16check", shape=args.shape, threads=args.threads, **worker_bf16_check(shape))))
+        print(json.dumps(dict(kind="bf16check", **common, **worker_bf16_check(shape))))
         return
     if args.worker == "speedup":
-        rows = worker_speedup(shape, args.lengths, args.reps)
-        print(json.dumps(dict(kind="speedup", shape=args.shape, threads=args.threads, rows=rows,
-                              peak_rss_mb=peak_rss_mb())))
+        rows = worker_speedup(shape, args.lengths, args.reps, device)
+        print(json.dumps(dict(kind="speedup", **common, rows=rows, peak_rss_mb=peak_rss_mb())))
         return
-    dtype = DTYPES[args.dtype]
-    peak = MatmulPeak(dtype, time.process_time if args.clock == "cpu" else time.perf_counter)
-    t0 = time.perf_counter()
-    if args.worker == "eval":
-        samples, extra = worker_eval(shape, dtype, args.warmup, args.steps, peak)
-    else:  # 'train' recomputes the attention scores in backward (the default), 'train-keep' keeps them
-        samples, extra = worker_train(shape, dtype, args.warmup, args.steps, peak, recompute=args.worker == "train")
-    wall = time.perf_counter() - t0
-    tokens = shape.batch * shape.tgt_len
+    clock = time.process_time if args.clock == "cpu" else make_clock(device)
+    peaks = device_peaks(device, clock)
+    with phase_context(device, args.dtype):
+        peak = MatmulPeak(DTYPES[args.dtype], clock, device=device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if args.worker == "eval":
+            samples, extra = worker_eval(shape.for_phase("eval"), args.dtype, args.warmup, args.steps, peak,
+                                         compile=args.compiled, profile=args.profile, device=device)
+        else:  # 'train' recomputes the attention scores in backward (the default), 'train-keep' keeps them
+            samples, extra = worker_train(shape, args.dtype, args.warmup, args.steps, peak,
+                                          recompute=args.worker == "train", compile=args.compiled,
+                                          profile=args.profile, device=device)
+        wall = time.perf_counter() - t0
+    run_shape = shape.for_phase(args.worker)
+    tokens = run_shape.batch * run_shape.tgt_len
     fpt = flops_per_token(shape, args.worker)
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     mfu = statistics.median(fpt * tokens / s["step"] / s["peak"] for s in samples)  # each step by the peaks around it
-    print(json.dumps(dict(kind=args.worker, shape=args.shape, dtype=args.dtype, threads=args.threads, clock=args.clock,
-                          steps=len(samples), tokens_per_step=tokens,
-                          tokens_per_s=tokens / med["step"], flops_per_token=fpt,
-                          achieved_flops=fpt * tokens / med["step"], peak_flops=med["peak"], mfu=mfu,
-                          peak_rss_mb=peak_rss_mb(), phase_wall_s=wall,
-                          **{f"{k}_s": v for k, v in med.items() if k != "peak"}, **extra)))
+    record = dict(kind=args.worker, **common, dtype=args.dtype, compile=args.compiled, clock=args.clock,
+                  steps=len(samples), batch=run_shape.batch, tgt_len=run_shape.tgt_len, mem_len=run_shape.mem_len,
+                  tokens_per_step=tokens, tokens_per_s=tokens / med["step"], flops_per_token=fpt,
+                  achieved_flops=fpt * tokens / med["step"], peak_flops=med["peak"], mfu=mfu,
+                  peak_rss_mb=peak_rss_mb(), phase_wall_s=wall, step_s=med["step"], **peaks, **extra)
+    if device.type == "cuda":
+        record["peak_mem_mb"] = (torch.cuda.max_memory_allocated(device) - peak.nbytes) / 2**20
+        record["mfu_vs_bf16_peak"] = record["achieved_flops"] / peaks["peak_bf16_flops"]
+    print(json.dumps(record))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
+
+
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AVX-512 and AMX (what bf16 and fp32 speed depend on)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    has = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(has) or 'no AVX2'}; {'no ' if 'avx512f' not in flags else ''}AVX-512, " \
+           f"{'no ' if 'amx_bf16' not in flags else ''}AMX)"
 
 
 # -- driver --------------------------------------------------------------------------------------------
 def spawn(args, *extra: str) -> list[dict]:
-    cmd = [sys.executable, __file__, "--threads", str(args.threads), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    resize = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("batch", "tgt_len", "mem_len")
+              if getattr(args, name)]
+    cmd = [sys.executable, "-m", "benchmarks.run", "--threads", str(args.threads), "--device", args.device, *resize,
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"benchmark worker failed: {' '.join(cmd)}")
@@ -357,19 +560,32 @@ def spawn_repeated(args, *extra: str) -> list[dict]:
     return [dict(median, repeats=len(runs), **spread)]
 
 
+def memory_mb(r: dict) -> float:
+    """A phase's peak memory: allocated on the GPU, resident on the CPU."""
+    return r.get("peak_mem_mb", r["peak_rss_mb"])
+
+
 def print_tables(results: list[dict]) -> None:
     runs = [r for r in results if r["kind"] in PHASES]
+    for name in sorted({r["device_name"] for r in results if "device_name" in r}):
+        print(f"device: {name}")
     if runs:
-        head = (f"{'shape':<6} {'dtype':<5} {'phase':<10} {'tok/s':>8} {'step ms':>8} {'fwd':>6} {'bwd':>6} "
-                f"{'opt':>5} {'MFLOP/tok':>9} {'GFLOP/s':>8} {'peak':>6} {'MFU':>5} {'RSS MB':>7}")
+        mem = "GPU MB" if any("peak_mem_mb" in r for r in runs) else "RSS MB"
+        head = (f"{'shape':<6} {'dtype':<5} {'comp':<4} {'phase':<10} {'B':>3} {'T':>4} {'M':>4} {'tok/s':>9} "
+                f"{'step ms':>8} {'MFLOP/tok':>9} {'GFLOP/s':>8} {'peak':>6} {'MFU':>5} {mem:>7}")
         print(head)
         print("-" * len(head))
         for r in runs:
-            ms = {k: f"{1e3 * r[k + '_s']:.0f}" if k + "_s" in r else "" for k in ("forward", "backward", "optimizer")}
-            print(f"{r['shape']:<6} {r['dtype']:<5} {r['kind']:<10} {r['tokens_per_s']:>8.0f} "
-                  f"{1e3 * r['step_s']:>8.0f} {ms['forward']:>6} {ms['backward']:>6} {ms['optimizer']:>5} "
-                  f"{r['flops_per_token'] / 1e6:>9.1f} {r['achieved_flops'] / 1e9:>8.1f} "
-                  f"{r['peak_flops'] / 1e9:>6.0f} {r['mfu']:>5.2f} {r['peak_rss_mb']:>7.0f}")
+            print(f"{r['shape']:<6} {r['dtype']:<5} {'yes' if r.get('compile') else 'no':<4} {r['kind']:<10} "
+                  f"{r.get('batch', ''):>3} {r.get('tgt_len', ''):>4} {r.get('mem_len', ''):>4} "
+                  f"{r['tokens_per_s']:>9.0f} {1e3 * r['step_s']:>8.1f} {r['flops_per_token'] / 1e6:>9.1f} "
+                  f"{r['achieved_flops'] / 1e9:>8.1f} {r['peak_flops'] / 1e9:>6.0f} {r['mfu']:>5.2f} "
+                  f"{memory_mb(r):>7.0f}")
+        for r in runs:
+            if "mfu_vs_bf16_peak" in r:
+                print(f"{r['shape']} {r['dtype']} {r['kind']}: MFU {r['mfu_vs_bf16_peak']:.3f} of the bf16 peak "
+                      f"({r['peak_bf16_flops'] / 1e12:.0f} TFLOP/s), {r['achieved_flops'] / r['peak_tf32_flops']:.3f}"
+                      f" of the TF32 peak ({r['peak_tf32_flops'] / 1e12:.0f} TFLOP/s) measured in the same run")
         for r in runs:
             if "mfu_runs" in r:
                 print(f"{r['shape']} {r['dtype']} {r['kind']}: {r['repeats']} runs, MFU "
@@ -380,11 +596,27 @@ def print_tables(results: list[dict]) -> None:
             if "loss_diff" in r:
                 print(f"{r['shape']} bf16 autocast loss {r['loss_bf16']:.5f} vs fp32 {r['loss_fp32']:.5f} on the "
                       f"same batch: |diff| = {r['loss_diff']:.2e}")
-        for shape in {r["shape"] for r in runs}:
-            by = {(r["dtype"], r["kind"]): r["tokens_per_s"] for r in runs if r["shape"] == shape}
-            for kind in PHASES:
-                if ("fp32", kind) in by and ("bf16", kind) in by:
-                    print(f"{shape} {kind}: bf16 autocast / fp32 tokens/s = {by['bf16', kind] / by['fp32', kind]:.2f}x")
+        by = {(r["shape"], r["dtype"], r["kind"], bool(r.get("compile"))): r for r in runs}
+        for (shape, dtype, kind, compiled), r in by.items():
+            if compiled and (shape, dtype, kind, False) in by:
+                eager = by[shape, dtype, kind, False]
+                print(f"{shape} {dtype} {kind}: compiled / eager tokens/s = "
+                      f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}x (MFU {eager['mfu']:.2f} -> {r['mfu']:.2f})")
+            if not compiled and dtype == "bf16" and (shape, "fp32", kind, False) in by:
+                print(f"{shape} {kind}: bf16 autocast / fp32 tokens/s = "
+                      f"{r['tokens_per_s'] / by[shape, 'fp32', kind, False]['tokens_per_s']:.2f}x")
+        for r in runs:
+            if r["shape"] == "nvidia":
+                paper = NVIDIA_A100["train"] if r["kind"].startswith("train") else NVIDIA_A100["eval"]
+                script = "" if r["kind"].startswith("train") else \
+                    f", {NVIDIA_A100['eval_torchscript']:,} TorchScript"
+                print(f"nvidia {r['dtype']} {r['kind']} (B {r['batch']}, T {r['tgt_len']}, M {r['mem_len']}): "
+                      f"{r['tokens_per_s']:,.0f} tok/s on {r['device_name']}; NVIDIA's A100 AMP figure at batch 32: "
+                      f"{paper:,} tok/s{script}")
+    for r in (r for r in runs if "profile" in r):
+        how = " (compiled)" if r.get("compile") else ""
+        print(f"\nprofile of one {r['shape']} {r['dtype']} {r['kind']} step{how}:")
+        print(r["profile"])
     for r in (r for r in results if r["kind"] == "bf16check"):
         print(f"{r['shape']} bf16: not timed, this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX): a "
               f"512-cubed mm runs at {r['mm_flops_bf16'] / 1e9:.1f} GFLOP/s in bf16 against "
@@ -392,7 +624,7 @@ def print_tables(results: list[dict]) -> None:
               f"loss {r['loss_bf16']:.5f} vs fp32 {r['loss_fp32']:.5f}, |diff| = {r['loss_diff']:.2e}")
     for r in (r for r in results if r["kind"] == "speedup"):
         print(f"\nevaluation speed-up over a vanilla Transformer slid one token at a time ({r['shape']} widths, "
-              f"batch 1, fp32, XL with T = M = L)")
+              f"batch 1, fp32, XL with T = M = L, {r.get('device', 'cpu')})")
         head = (f"{'L':>5} {'XL ms/tok':>10} {'vanilla ms/tok':>15} {'speed-up':>9} {'FLOP ratio':>11} "
                 f"{'paper (GPU)':>12}")
         print(head)
@@ -417,7 +649,8 @@ def plot(results: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in (r for r in results if r["kind"] == "speedup"):
         lengths = [row["length"] for row in r["rows"]]
-        ax1.plot(lengths, [row["speedup"] for row in r["rows"]], "o-", label=f"measured, CPU ({r['shape']})")
+        where = "GPU" if r.get("device", "cpu").startswith("cuda") else "CPU"
+        ax1.plot(lengths, [row["speedup"] for row in r["rows"]], "o-", label=f"measured, {where} ({r['shape']})")
         ax1.plot(lengths, [row["flop_ratio"] for row in r["rows"]], "s--", label="FLOP ratio")
     ax1.plot(list(PAPER_SPEEDUP), list(PAPER_SPEEDUP.values()), "^:", label="paper, Table 9 (GPU)")
     ax1.set(xscale="log", yscale="log", xlabel="attention length L", ylabel="speed-up over vanilla",
@@ -427,22 +660,42 @@ def plot(results: list[dict], path: Path) -> None:
     ax1.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
     ax1.legend()
     runs = [r for r in results if r["kind"] in PHASES]
-    labels = [f"{r['shape']}\n{r['dtype']} {r['kind']}" for r in runs]
+    labels = [f"{r['shape']}\n{r['dtype']} {r['kind']}{' comp' if r.get('compile') else ''}" for r in runs]
     ax2.bar(range(len(runs)), [r["mfu"] for r in runs])
     ax2.set_xticks(range(len(runs)), labels, fontsize=7)
-    ax2.set(ylabel="MFU (of the same-dtype 2048^3 mm)", title="Model FLOP utilisation", ylim=(0, 1))
+    ax2.set(ylabel="MFU (of the same-dtype matmul peak)", title="Model FLOP utilisation", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
 
 
+def check_device(name: str) -> torch.device:
+    """The --device argument as a torch device; one clear line when CUDA is asked for and missing."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: CUDA is not available on this machine; run with --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise SystemExit(f"--device {name}: choose cpu, cuda or cuda:N")
+    return torch.device(name)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["small", "base"], choices=list(SHAPES))
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                   help="default: small and base on a CPU; base and nvidia on a GPU")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                   help="default: fp32 and bf16 on a CPU; bf16 and tf32 on a GPU (fp16: autocast with the "
+                        "gradient scaler, GPU only)")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES),
                    help="train: the default (attention recomputed in backward); train-keep: "
                         "recompute_attention=False, probabilities kept; eval: evaluation")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="run the phases through torch.compile (on), eagerly (off) or both, side by side")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more under torch.profiler: its top operators are printed")
+    p.add_argument("--batch", type=int, help="override every shape's batch (train and eval)")
+    p.add_argument("--tgt-len", type=int, help="override every shape's segment length (train and eval)")
+    p.add_argument("--mem-len", type=int, help="override every shape's memory length (train and eval)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--steps", type=int, default=7, help="timed steps; medians are reported")
     p.add_argument("--repeats", type=int, default=1,
@@ -450,8 +703,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: time by process CPU time, steadier on a shared machine; use with --threads 1")
-    p.add_argument("--lengths", nargs="*", type=int, default=[128, 256, 512, 800, 1600],
-                   help="attention lengths of the speed-up sweep (none: skip it)")
+    p.add_argument("--lengths", nargs="*", type=int,
+                   help="attention lengths of the speed-up sweep (none: skip it); default 128 .. 1600 on a CPU, "
+                        "the paper's 800 1800 2800 3800 on a GPU")
     p.add_argument("--speedup-shape", default="small", choices=list(SHAPES))
     p.add_argument("--reps", type=int, default=3, help="timed segments / windows per length")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -460,27 +714,40 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", choices=[*PHASES, "speedup", "bf16check"], help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
+    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile setting
     args = p.parse_args(argv)
     if args.worker:
         return run_worker(args)
+    device = check_device(args.device)
+    gpu = device.type == "cuda"
+    shapes = args.shapes or (["base", "nvidia"] if gpu else ["small", "base"])
+    dtypes = list(args.dtypes or (["bf16", "tf32"] if gpu else ["fp32", "bf16"]))
+    lengths = args.lengths if args.lengths is not None else \
+        (list(PAPER_SPEEDUP) if gpu else [128, 256, 512, 800, 1600])
+    for name in ("tf32", "fp16"):
+        if name in dtypes and not gpu:
+            raise SystemExit(f"--dtypes {name}: {name} needs --device cuda; use fp32 or bf16 on a CPU")
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
 
     t0 = time.perf_counter()
     results = []
-    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock]
-    dtypes = list(args.dtypes)
-    if "bf16" in dtypes and not args.force_bf16 and cpu_has_native_bf16() is False:
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock,
+              *(["--profile"] if args.profile else [])]
+    if "bf16" in dtypes and not gpu and not args.force_bf16 and cpu_has_native_bf16() is False:
         # bf16 matmuls without AVX512_BF16/AMX run through scalar or conversion paths, ~100x slower than fp32:
         # timing them says nothing about this implementation. The loss check is still made.
         dtypes.remove("bf16")
-        for shape in args.shapes:
+        for shape in shapes:
             results += spawn(args, "--worker", "bf16check", "--shape", shape)
-    for shape in args.shapes:
+    for shape in shapes:
         for dtype in dtypes:
             for phase in args.phases:
-                results += spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common)
-    if args.lengths:
+                for compiled in compiles:
+                    results += spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common,
+                                              *(["--compiled"] if compiled else []))
+    if lengths:
         results += spawn(args, "--worker", "speedup", "--shape", args.speedup_shape, "--reps", str(args.reps),
-                         "--lengths", *map(str, args.lengths))
+                         "--lengths", *map(str, lengths))
     print_tables(results)
     print()
     for r in results:

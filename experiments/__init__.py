@@ -3,7 +3,7 @@
     python -m experiments.ablation      # Table 6: recurrence x positional encoding, PPL vs attention length
     python -m experiments.recl          # Appendix C: relative effective context length of the ablation models
     python -m experiments.char          # bits per character against evaluation attention length
-    python -m experiments.speedup       # evaluation speed-up (from benchmarks/, when it is on main)
+    python -m experiments.speedup       # evaluation speed-up (timed by benchmarks.run)
     python -m experiments.report        # docs/results.md from the JSON results
 
 Checkpoints and cached per-position losses go under ``runs/`` (git-ignored); tables (markdown and

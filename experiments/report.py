@@ -144,7 +144,7 @@ def speedup_section(s: dict[str, Any] | None) -> list[str]:
     return out + [f"Command: `{s['command']}` (wall time {_mins(s['wall_s'])}), benchmark shape `{s['shape']}`, "
                   "batch 1, fp32: Transformer-XL reads segments of L tokens with L cached states (keys and values "
                   "carried); the vanilla model (Al-Rfou et al.'s learned absolute positions, no memory) re-reads an "
-                  "L-token window for every predicted token (`benchmarks/run.py`, `worker_speedup`). 'FLOP ratio' "
+                  "L-token window for every predicted token (`benchmarks.run`, `worker_speedup`). 'FLOP ratio' "
                   "is the ratio of the two models' executed forward FLOPs per predicted token; the paper's column "
                   "is its Table 9 (GPU; it also lists 773x at 1,800, 1,409x at 2,800 and 1,874x at 3,800).", "",
                   Path(s["_md"]).read_text(encoding="utf-8")]

@@ -1,44 +1,116 @@
-"""The benchmark's analytic FLOP counts, checked by hand for the base shape."""
+"""The benchmark package: analytic FLOP counts checked by hand, the library's own training step, the NVIDIA
+shape at a reduced size, the command-line checks, and the helper scripts end to end on the tiny shape."""
 
-import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import txl.train
+from benchmarks import compare
+from benchmarks import run as bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def bench(monkeypatch):
-    """benchmarks/run.py as a module; its sys.path entry and module registration are undone afterwards."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-    spec = importlib.util.spec_from_file_location("txl_benchmark_run", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_flops_per_token_base(bench):
+def test_flops_per_token_base():
     shape = bench.SHAPES["base"]
     n = 12 * (4 * 512 * 512 + 2 * 512 * 2048)  # q, k, v, output; two feed-forward matrices
+    s = 204 * 512  # the softmax over the 204 byte symbols
     attn = 12 * 3 * 2 * 512 * 512  # content, position, values: 2 (H D) K each, K = 256 + 256
     assert bench.matmul_params(shape) == n
-    assert bench.flops_per_token(shape, "train") == 6 * n + 3 * attn
-    assert bench.flops_per_token(shape, "eval") == 2 * n + attn
+    assert bench.softmax_params(shape) == s
+    assert bench.flops_per_token(shape, "train") == 6 * (n + s) + 3 * attn
+    assert bench.flops_per_token(shape, "eval") == 2 * (n + s) + attn
 
 
-def test_speedup_flop_ratio_grows_with_length(bench):
+def test_nvidia_shape_counts_the_adaptive_softmax_by_zipf_shares_and_evaluates_longer():
+    shape = bench.SHAPES["nvidia"]
+    h = sum(1 / r for r in range(1, 267736))
+    share = [sum(1 / r for r in range(lo + 1, hi + 1)) / h for lo, hi in ((20000, 40000), (40000, 200000),
+                                                                            (200000, 267735))]
+    # div_val 1: every cluster is d_model wide (no projections); the head scores 20,000 words and 3 clusters.
+    expected = 20003 * 512 + share[0] * 20000 * 512 + share[1] * 160000 * 512 + share[2] * 67735 * 512
+    assert bench.softmax_params(shape) == pytest.approx(expected, rel=1e-9)
+    assert 0.78 < 1 - sum(share) < 0.82  # Zipf: ~80% of the tokens are in the 20,000-word shortlist
+    ev = shape.for_phase("eval")
+    assert (ev.tgt_len, ev.mem_len, ev.batch) == (64, 640, 32)
+    n = 16 * (4 * 512 * 512 + 2 * 512 * 2048)
+    assert bench.flops_per_token(shape, "eval") == pytest.approx(2 * (n + expected) + 16 * 3 * 2 * 512 * 704)
+
+
+def test_resized_overrides_train_and_eval_alike():
+    small = bench.SHAPES["nvidia"].resized(batch=2, tgt_len=8)
+    assert (small.batch, small.tgt_len, small.mem_len) == (2, 8, 192)
+    assert (small.for_phase("eval").batch, small.for_phase("eval").tgt_len, small.for_phase("eval").mem_len) == \
+        (2, 8, 640)
+
+
+def test_speedup_flop_ratio_grows_with_length():
     shape = bench.SHAPES["small"]
     ratios = [bench.speedup_flop_ratio(shape, length) for length in (128, 800, 3800)]
     assert ratios == sorted(ratios) and 300 < ratios[1] < 800  # the paper measured 363x at 800
 
 
+def test_training_is_timed_through_the_trainers_own_step():
+    assert bench.library_train_step is txl.train.train_step
+
+
+def test_library_step_trains_and_carries_memory(one_thread):
+    """Two benchmark steps on the tiny shape: the loss on a fixed batch goes down, memory is (B, M, d) per layer."""
+    shape = bench.SHAPES["tiny"]
+    torch.manual_seed(0)
+    model = txl.TransformerXL(bench.model_config(shape, dropout=0.0)).train()
+    optimizer = bench.build_optimizer(model, bench.OptimConfig(lr=1e-2))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    (x, y), = bench.batches(shape, 1, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(x, labels=y).loss.item()
+    memories = bench.library_step(model, optimizer, scaler, x, y, [None], "fp32", bench.CPU, 0)
+    with torch.no_grad():
+        after = model(x, labels=y).loss.item()
+    assert after < before
+    assert [tuple(m.shape) for m in memories[0]] == [(2, 16, 64)] * shape.n_layer
+
+
+def test_zipf_tokens_stay_in_the_vocabulary_and_favour_the_head():
+    shape = bench.SHAPES["nvidia"].resized(batch=2, tgt_len=64)
+    (x, y), = bench.batches(shape, 1, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (2, 64) and int(x.max()) < shape.vocab_size and int(x.min()) >= 0
+    assert (x < 20000).float().mean() > 0.6
+    assert torch.equal(x[:, 1:], y[:, :-1])  # labels are the next tokens
+
+
+def test_nvidia_shape_evaluates_at_a_reduced_batch(one_thread):
+    """The WikiText-103 base shape (16 layers, 267,735-word adaptive softmax) runs one evaluation segment."""
+    shape = bench.SHAPES["nvidia"].resized(batch=1, tgt_len=2, mem_len=2)
+    peak = bench.MatmulPeak(torch.float32, n=64)
+    samples, _ = bench.worker_eval(shape.for_phase("eval"), "fp32", 0, 1, peak)
+    assert len(samples) == 1 and samples[0]["step"] > 0 and samples[0]["peak"] > 0
+
+
+def test_cuda_device_is_refused_in_one_line_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"--device cuda: CUDA is not available on this machine; run with --device"):
+        bench.main(["--device", "cuda"])
+    with pytest.raises(SystemExit, match=r"--dtypes tf32: tf32 needs --device cuda"):
+        bench.main(["--dtypes", "tf32"])
+
+
+def test_run_as_a_module_times_the_tiny_shape(tmp_path):
+    """python -m benchmarks.run end to end (its workers are `-m benchmarks.run` subprocesses), one step each."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--shapes", "tiny", "--dtypes", "fp32", "--phases",
+                          "eval", "--warmup", "0", "--steps", "1", "--threads", "1", "--lengths", "--out",
+                          str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["shape"], r["compile"], r["batch"]) for r in records] == [("eval", "tiny", False, 2)]
+    assert records[0]["tokens_per_s"] > 0 and "tiny   fp32  no   eval" in out
+
+
 def test_compare_pairs_phases_and_shows_the_spread():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
-    spec = importlib.util.spec_from_file_location("txl_benchmark_compare", path)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
     row = dict(shape="base", dtype="fp32", tokens_per_s=300.0, mfu=0.6, peak_rss_mb=2000.0)
     before = [dict(row, kind="train"), dict(kind="speedup", rows=[dict(length=128, xl_ms_per_token=0.2,
                                                                      vanilla_ms_per_token=15.0, speedup=75.0)])]
@@ -53,13 +125,9 @@ def test_compare_pairs_phases_and_shows_the_spread():
 
 
 def test_changes_measures_every_change_on_the_tiny_shape():
-    """benchmarks/changes.py end to end (its page-reuse workers are subprocesses): every change timed off and on."""
-    import json
-    import subprocess
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "changes.py"
-    out = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--threads", "1"], check=True,
-                         capture_output=True, text=True).stdout
+    """python -m benchmarks.changes end to end (its page-reuse workers are subprocesses): every change off and on."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.changes", "--shape", "tiny", "--threads", "1"], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout
     record = json.loads(out.splitlines()[-1])
     assert record["kind"] == "changes" and len(record["ms"]) == 4  # --compile (minutes) adds a fifth
     assert all(v["off"] > 0 and v["on"] > 0 for v in record["ms"].values())

@@ -38,3 +38,37 @@ def test_fused_adam_where_torch_has_it_else_the_plain_one(monkeypatch):
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
     assert not optimizer.defaults["fused"]
     assert len(optimizer.param_groups[0]["params"]) == 2
+
+
+def test_auto_precision_is_bf16_only_on_a_gpu_that_supports_it(monkeypatch):
+    from txl.runtime import resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolve_precision("fp16", torch.device("cpu")) == "fp16"  # explicit choices pass through
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", torch.device("cuda")) == "fp32"
+
+
+def test_tf32_is_set_for_the_block_only_and_never_on_cpu():
+    from txl.runtime import matmul_precision
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with matmul_precision(torch.device("cuda"), tf32=True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    with pytest.raises(RuntimeError, match="boom"), matmul_precision(torch.device("cuda"), tf32=True):
+        raise RuntimeError("boom")
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    with matmul_precision(torch.device("cpu"), tf32=True):
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_compile_off_is_the_model_itself_and_host_tensors_stay_on_cpu():
+    from txl.runtime import compile_model, to_device
+
+    model = torch.nn.Linear(2, 2)
+    assert compile_model(model, False) is model
+    t = torch.arange(4)
+    assert to_device(t, None) is t and to_device(t, "cpu") is t

@@ -237,7 +237,7 @@ class Context:
 
 OptimizerName = Literal["adam", "adamw"]
 Schedule = Literal["cosine", "inv_sqrt", "constant"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
@@ -333,8 +333,15 @@ class TrainConfig:
     """Vary the segment length as the original training script does."""
     seed: int = 0
     """Seeds the weights, dropout and the segment lengths."""
-    precision: Precision = "fp32"
-    """'fp32'; 'bf16' autocast (CPU and GPU); 'fp16' autocast with a gradient scaler (CUDA only)."""
+    precision: Precision = "auto"
+    """'auto' (bf16 on a CUDA GPU that supports it, else fp32); 'fp32'; 'bf16' autocast (CPU and GPU);
+    'fp16' autocast with a gradient scaler (CUDA only). Evaluation during and after training uses it too."""
+    tf32: bool = True
+    """On CUDA, let fp32 matmuls use TF32 tensor cores for this run (fp32 range, 10-bit mantissa products;
+    several times faster on Ampere and later). False: exact fp32 products. No effect on a CPU."""
+    compile: bool = False
+    """Run the training forward and backward through torch.compile (the first steps pay the compilation;
+    the model and its checkpoints are unchanged)."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'."""
     eval_interval: int = 200
@@ -388,6 +395,8 @@ class EvalConfig:
     """Every query attends to the same number of keys."""
     ext_len: int | None = None
     """Extended context re-fed from the previous segment."""
+    compile: bool = False
+    """Evaluate through torch.compile (validation during training and the final test)."""
 
     def __post_init__(self) -> None:
         _check("EvalConfig", "batch_size", self.batch_size >= 1, "must be a positive integer", self.batch_size)

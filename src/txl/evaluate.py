@@ -19,6 +19,7 @@ import torch
 from txl.config import Context
 from txl.distributed import DistInfo, all_reduce_sum
 from txl.model import TransformerXL
+from txl.runtime import compile_model
 
 IGNORE_INDEX = -100
 
@@ -80,11 +81,11 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
              mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None,
              ext_len: int | None = None, max_batches: int = 0, precision: str = "fp32",
-             info: DistInfo | None = None) -> EvalResult:
+             info: DistInfo | None = None, compile: bool = False) -> EvalResult:
     """Mean NLL of ``tokens`` read as ``batch_size`` streams of ``tgt_len``-token segments carrying memory.
 
     In a process group each rank reads its share of the streams and the sums are all-reduced.
-    ``max_batches`` > 0 stops early (periodic validation).
+    ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile.
     """
     from txl.data import eval_iterator
 
@@ -95,6 +96,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     ext = model.config.ext_len if ext_len is None else ext_len
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
                        world_size=info.world_size, device=device)
+    forward = compile_model(model, compile)
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
     with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length,
@@ -107,7 +109,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
             if max_batches and i >= max_batches:
                 break
             with autocast(device, precision):
-                out = model(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache, context=context)
+                out = forward(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache, context=context)
             memory, cache = out.memory, out.kv_cache
             nll_sum += float(out.nll.double().sum())
             count += int((batch.labels != IGNORE_INDEX).sum())

@@ -31,6 +31,7 @@ import torch
 from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
 from txl.model.kv_cache import weights_version
+from txl.runtime import compile_model
 from txl.sampling import sample_next
 
 __all__ = ["IncrementalDecoder", "generate", "generate_stream", "inference_context"]
@@ -51,8 +52,9 @@ class IncrementalDecoder:
     its key/value cache) that the model hands back (the model itself never holds either).
     """
 
-    def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256) -> None:
+    def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256, compile: bool = False) -> None:
         self.model = model
+        self.forward = compile_model(model, compile)  # the model itself unless compile
         self.mem_len = _positive_int("mem_len", mem_len)
         self.segment_len = _positive_int("segment_len", segment_len)
         self.memory: Memory | None = None
@@ -70,8 +72,8 @@ class IncrementalDecoder:
                 self.kv_cache = KVCache()  # the weights changed between feeds: rebuild from the memory
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
-                out = self.model(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
-                                 context=context)
+                out = self.forward(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
+                                   context=context)
                 self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
             # Only the last position is needed: score it alone, not the (B, T, V) of the whole prompt.
             log_probs = self.model.softmax.log_prob(hidden[:, -1])  # (B, V)
@@ -123,14 +125,16 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p
 def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
                     max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, generator: torch.Generator | None = None,
-                    mem_len: int | None = None, segment_len: int = 256) -> Iterator[torch.Tensor]:
+                    mem_len: int | None = None, segment_len: int = 256,
+                    compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield each new token, (B,) int64, as soon as it is drawn.
 
     The prompt (B, T), or a list of ids, is read ``segment_len`` tokens at a time; then each new token
     is one (B, 1) step against the memory. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
     keep every token. Randomness comes only from ``generator``, or a fresh one seeded with ``seed``
     (neither: torch's global generator). ``mem_len`` None keeps the whole context (see the module
-    docstring). Arguments are checked when this is called, not at the first ``next()``.
+    docstring). ``compile`` runs the forward through torch.compile. Arguments are checked when this is
+    called, not at the first ``next()``.
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None and generator is not None:
@@ -141,7 +145,8 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     _positive_int("segment_len", segment_len)
     if seed is not None:
         generator = torch.Generator(prompt.device).manual_seed(int(seed))
-    decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len)
+    decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len,
+                                 compile=compile)
 
     def tokens() -> Iterator[torch.Tensor]:
         if max_new_tokens == 0:
@@ -160,7 +165,8 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
 def generate(model: TransformerXL, prompt_ids: PromptIds, *,
              max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, generator: torch.Generator | None = None, mem_len: int | None = None,
-             segment_len: int = 256, on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+             segment_len: int = 256, on_token: Callable[[torch.Tensor], None] | None = None,
+             compile: bool = False) -> torch.Tensor:
     """The (B, N) new token ids (the prompt not included); ``on_token`` sees each (B,) step as drawn.
 
     Same arguments as :func:`generate_stream`, which this collects.
@@ -168,7 +174,7 @@ def generate(model: TransformerXL, prompt_ids: PromptIds, *,
     out = []
     for token in generate_stream(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_k=top_k, top_p=top_p, seed=seed, generator=generator, mem_len=mem_len,
-                                 segment_len=segment_len):
+                                 segment_len=segment_len, compile=compile):
         out.append(token)
         if on_token is not None:
             on_token(token)

@@ -1,15 +1,20 @@
-"""Process-wide settings that make CPU training and evaluation faster, applied by the entry points.
+"""Device and speed settings, applied at the boundary by the entry points (train, evaluate, generate, benchmarks).
 
-Nothing here runs on import: the command-line tool, the benchmarks and the experiments call
-``retain_freed_memory()`` once at start-up, and a library user may call it too. ``cpu_has_native_bf16``
-tells whether bf16 autocast can be a speed-up on this CPU at all.
+Nothing here runs on import. ``retain_freed_memory()`` is a process setting the command-line tool and the
+benchmarks call once; ``cpu_has_native_bf16`` tells whether bf16 autocast can pay on this CPU;
+``resolve_precision`` turns ``precision="auto"`` into bf16 or fp32 for a device; ``matmul_precision`` allows
+TF32 matmuls on CUDA for the duration of a run and restores the previous setting (the parity tests run with
+it off, torch's default); ``compile_model`` is the one place ``torch.compile`` is applied; ``to_device`` moves
+a host batch to the device through pinned memory without blocking the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import platform
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,4 +64,67 @@ def cpu_has_native_bf16() -> bool | None:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-__all__ = ["cpu_has_native_bf16", "retain_freed_memory"]
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``precision`` as the run will use it: "auto" is bf16 on a CUDA device that supports it, else fp32.
+
+    bf16 autocast needs no gradient scaler (its exponent range is fp32's) and on Ampere and later GPUs runs
+    the matmuls on the bf16 tensor cores; on a CPU fp32 is the safe default (bf16 pays only with
+    AVX512_BF16 or AMX, see ``cpu_has_native_bf16``), so "auto" never picks it there.
+    """
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, *, tf32: bool) -> Iterator[None]:
+    """Allow (or forbid) TF32 matmuls and convolutions on CUDA inside the block; restore the settings on exit.
+
+    TF32 keeps fp32's range with a 10-bit mantissa in the products: on Ampere and later GPUs fp32 matmuls
+    then run on tensor cores, several times faster, which training tolerates (NVIDIA's Transformer-XL
+    recipe trains with it). It is set here, for one run, instead of at import, so nothing else in the
+    process (the parity tests, a caller's own code) is changed behind its back. No effect on a CPU.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def compile_model(model: torch.nn.Module, enabled: bool = True) -> Callable[..., object]:
+    """``torch.compile(model)`` when ``enabled``, else the model itself: what train, eval and generate call.
+
+    The compiled wrapper shares the model's parameters (nothing is copied; checkpoints are written from
+    the model, never from the wrapper). Shapes that change between calls (the first segment without
+    memory, a shorter last segment, a generation memory that grows) recompile a few times before torch
+    marks the dimension dynamic.
+    """
+    if not enabled:
+        return model
+    return torch.compile(model)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through page-locked memory and without blocking the host.
+
+    A copy from pinned memory is a DMA the GPU runs asynchronously, so the host goes on preparing the
+    next batch while it runs; a later kernel on the same stream waits for it, so no explicit sync is needed.
+    None or a CPU device returns the tensor unchanged.
+    """
+    if device is None:
+        return tensor
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+__all__ = ["compile_model", "cpu_has_native_bf16", "matmul_precision", "resolve_precision", "retain_freed_memory",
+           "to_device"]

@@ -42,7 +42,7 @@ from txl.model import Memory, TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
 from txl.rundir import RunDirError, RunLock, open_run_dir
-from txl.runtime import cpu_has_native_bf16
+from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
 from txl.signals import Stopped, StopRequest
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
         check_splits_fit(cfg, corpus)
-        with StopRequest() as stop:
+        with matmul_precision(info.device, tf32=cfg.train.tf32), StopRequest() as stop:  # for this run only
             result = _train(cfg, corpus, info, resume, stop)
         barrier(info)  # no process tears the group down while another still tests, plots or samples
         return result
@@ -265,14 +265,15 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
                          f"grad_accum={t.grad_accum}")
     if t.precision == "fp16" and info.device.type != "cuda":
         raise ValueError("train.precision='fp16' needs CUDA; use --train.precision bf16 on CPU")
-    if t.precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
+    precision = resolve_precision(t.precision, info.device)  # 'auto': bf16 on a GPU that has it, else fp32
+    if precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
         log.warning("train.precision=bf16: this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX), so "
                     "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
     torch.manual_seed(t.seed)
     model = TransformerXL(cfg.model).to(info.device)
     torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
     optimizer = build_optimizer(model, cfg.optim)
-    scaler = torch.amp.GradScaler(info.device.type, enabled=t.precision == "fp16")
+    scaler = torch.amp.GradScaler(info.device.type, enabled=precision == "fp16")
     it = OrderedIterator(corpus.train, batch_size=t.batch_size, tgt_len=t.tgt_len, ext_len=cfg.model.ext_len,
                          var_len=t.var_len, seed=t.seed, rank=info.rank, world_size=info.world_size,
                          device=info.device)
@@ -289,6 +290,7 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             find_unused_parameters=bool(cfg.model.cutoffs))  # an unseen cluster gets no gradient
+    step_model = compile_model(ddp, t.compile)  # DDP first, then compile: dynamo splits at DDP's buckets
     metrics = MetricsLog(out, enabled=info.is_main, tensorboard=t.tensorboard,
                          resume_step=state.step if resume is not None else None)
     n_params = sum(p.numel() for p in model.parameters())
@@ -298,7 +300,8 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
 
     def validate(max_batches: int) -> EvalResult:
         return evaluate(model, corpus.valid, metric=corpus.metric, batch_size=cfg.eval.batch_size,
-                        tgt_len=t.tgt_len, max_batches=max_batches, precision=t.precision, info=info)
+                        tgt_len=t.tgt_len, max_batches=max_batches, precision=precision, info=info,
+                        compile=cfg.eval.compile)
 
     saved_at: list[int | None] = [None]  # the step of the last checkpoint this run wrote
 
@@ -351,8 +354,8 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
         if batch.start == 0:  # a new epoch: streams restart, nothing to remember
             state.memories = [None] * t.grad_accum
         lr = lr_at(state.step, cfg.optim, state.horizon or t.max_steps)
-        stats, state.memories = train_step(ddp, optimizer, scaler, batch, state.memories, lr=lr, clip=cfg.optim.clip,
-                                           precision=t.precision, info=info)
+        stats, state.memories = train_step(step_model, optimizer, scaler, batch, state.memories, lr=lr,
+                                           clip=cfg.optim.clip, precision=precision, info=info)
         if not math.isfinite(stats.loss):
             latest = ckpt._pointer(out, "latest") if info.is_main else None
             raise TrainingError(
@@ -397,7 +400,7 @@ def _train(cfg: RunConfig, corpus: Corpus, info: DistInfo, resume: str | Path | 
     e = cfg.eval
     test = evaluate(model, corpus.test, metric=corpus.metric, batch_size=e.batch_size, tgt_len=e.tgt_len or t.tgt_len,
                     mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length, ext_len=e.ext_len,
-                    precision=t.precision, info=info)
+                    precision=precision, info=info, compile=e.compile)
     mem = e.mem_len if e.mem_len is not None else cfg.model.mem_len
     metrics.write("test", state.step, loss=test.loss, mem_len=mem, **{corpus.metric: test.value})
     log.info("test (mem_len %d, trained with %d): %s", mem, cfg.model.mem_len, test.describe())

@@ -25,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="every query attends to the same number of keys")
     p.add_argument("--ext-len", type=int, default=None, help="extended context")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many segments (0: all)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
+                   help="fp32 (default, exact); auto: bf16 on a GPU that supports it, else fp32")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--device", default="auto")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
                    help="evaluate once per memory length and print a table")
@@ -40,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate, plot_sweep
+    from txl.runtime import resolve_precision
 
     _check_args(args)
     device = resolve_device(args.device)
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                   clamp_len=args.clamp_len if args.clamp_len is not None else e.clamp_len,
                   same_length=args.same_length if args.same_length is not None else e.same_length,
                   ext_len=args.ext_len if args.ext_len is not None else e.ext_len,
-                  max_batches=args.max_batches, precision=args.precision)
+                  max_batches=args.max_batches, precision=resolve_precision(args.precision, device),
+                  compile=args.compile)
     tokens = corpus.split(args.split)
     print(f"{loaded.path} on {corpus.name} {args.split} (trained with tgt_len {run_cfg.train.tgt_len}, "
           f"mem_len {run_cfg.model.mem_len})")

@@ -20,7 +20,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-len", type=int, help="memory length (generate: whole context by default; "
                    "score: the checkpoint's)")
     p.add_argument("--segment-len", type=int, default=None, help="tokens read per forward pass")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
@@ -68,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set with this mass (1: all)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible samples")
+    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.set_defaults(func=run)
 
 
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     stream = tokenizer.stream()
     tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
-                             segment_len=256 if args.segment_len is None else args.segment_len)
+                             segment_len=256 if args.segment_len is None else args.segment_len, compile=args.compile)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
     if tokenizer.level == "word" and not text.endswith("\n"):

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from txl.runtime import to_device
+
 IGNORE_INDEX = -100
 
 
@@ -105,8 +107,9 @@ class OrderedIterator:
         inputs = np.array(rows[:, beg:i + seq_len], dtype=np.int64, copy=True)  # (B_local, C + T)
         labels = np.array(rows[:, beg + 1:i + seq_len + 1], dtype=np.int64, copy=True)  # (B_local, C + T)
         labels[:, :i - beg] = IGNORE_INDEX
-        return Batch(input_ids=torch.from_numpy(inputs).to(self.device),
-                     labels=torch.from_numpy(labels).to(self.device), context_len=i - beg, start=i)
+        # to_device: to CUDA through pinned memory, without blocking (the next batch is cut meanwhile).
+        return Batch(input_ids=to_device(torch.from_numpy(inputs), self.device),
+                     labels=to_device(torch.from_numpy(labels), self.device), context_len=i - beg, start=i)
 
     def __iter__(self) -> Iterator[Batch]:
         while self.pos < self.stream_len - 1:

@@ -1,0 +1,250 @@
+"""The CUDA paths: parity, mixed precision, the key/value cache, checkpoints across devices, torch.compile.
+
+Every test that needs a GPU is marked ``gpu`` and skipped without CUDA, so CI stays green on a CPU; on a
+GPU machine run ``python -m pytest -m gpu tests/test_gpu.py``. Where a test also means something on a
+CPU it is parametrized over the device and its CPU case runs everywhere (the CUDA case is then the same
+test, not a copy). Parity is checked with TF32 off (``matmul_precision(tf32=False)``, torch's default):
+with TF32 the products keep 10 mantissa bits and 1e-5 cannot hold.
+"""
+
+import pytest
+import torch
+from hf_oracle import hf_model, ours_from_hf
+
+import txl
+import txl.train
+from txl.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from txl.data import Batch, OrderedIterator
+from txl.distributed import DistInfo
+from txl.evaluate import autocast
+from txl.optim import build_optimizer
+from txl.runtime import compile_model, matmul_precision
+from txl.train import train_step
+
+HAS_CUDA = torch.cuda.is_available()
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+CUDA = pytest.param("cuda", marks=ON_GPU, id="cuda")
+BOTH = [pytest.param("cpu", id="cpu"), CUDA]
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def exact():
+    """fp32 products on every device for the test (TF32 off), restored afterwards."""
+    with matmul_precision(torch.device("cuda"), tf32=False):
+        yield
+
+
+def tiny(**changes) -> txl.ModelConfig:
+    fields = dict(vocab_size=61, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, dropout=0.0,
+                  cutoffs=[20, 40], div_val=2)
+    fields.update(changes)
+    return txl.ModelConfig(**fields)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("overrides", [dict(), dict(same_length=True, clamp_len=4), dict(div_val=2, d_embed=48,
+                                                                                        cutoffs=[30])],
+                         ids=["div1", "same_length_clamp", "div2"])
+def test_hf_parity_on_cuda(exact, overrides):
+    """Per-token NLL, log-probabilities and memories equal the Hugging Face reference on the GPU (fp32, TF32 off)."""
+    if "d_embed" in overrides:
+        overrides = dict(overrides, tie_projs=[True, True])
+    hf = hf_model(**overrides).cuda()
+    ours = ours_from_hf(hf.cpu()).cuda()
+    hf.cuda()
+    cfg = ours.config
+    tokens = torch.randint(0, cfg.vocab_size, (3, 3 * 7 + 1), device="cuda")
+    memory, hf_mems = ours.init_memory(3, cfg.mem_len), None
+    with torch.no_grad():
+        for s in range(3):
+            x, y = tokens[:, s * 7:(s + 1) * 7], tokens[:, s * 7 + 1:(s + 1) * 7 + 1]
+            ref = hf(input_ids=x, mems=hf_mems)
+            ref_nll = hf(input_ids=x, mems=hf_mems, labels=x).losses  # (B, T-1): shifted inside
+            out = ours(x, labels=y, memory=memory, return_log_probs=True)
+            torch.testing.assert_close(out.log_probs, ref.prediction_scores, **TOL)
+            torch.testing.assert_close(out.nll[:, :-1], ref_nll, **TOL)
+            for ours_m, hf_m in zip(out.memory, ref.mems, strict=True):
+                torch.testing.assert_close(ours_m, hf_m.transpose(0, 1), **TOL)
+            memory, hf_mems = out.memory, ref.mems
+
+
+ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou"]
+
+
+def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
+    """The default attention kernel and the reference attention (``attn_impl``) with the same perturbed weights."""
+    config = txl.ModelConfig(**{**dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64,
+                                       mem_len=6, dropout=0.0, attn_type=attn_type, learned_positions=16), **changes})
+    torch.manual_seed(0)
+    fast = txl.TransformerXL(config)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    reference = txl.TransformerXL(config.replace(attn_impl="reference"))
+    reference.load_state_dict(fast.state_dict())
+    return fast.to(device), reference.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the CPU case is tests/test_kernels.py)")
+@pytest.mark.parametrize("context", [dict(), dict(same_length=True, clamp_len=3)], ids=["plain", "same_length_clamp"])
+@pytest.mark.parametrize("attn_type", ATTN_TYPES)
+def test_cuda_kernels_equal_the_reference(attn_type, context, exact):
+    """On the GPU, fp32 with TF32 off: loss, memory and every gradient of the default kernel equal the reference
+    over three segments (the memory fills, then keys outnumber queries); under bf16 autocast the losses agree
+    within 1e-2."""
+    fast, reference = kernel_pair(attn_type, "cuda", **context)
+    tokens = torch.randint(0, 50, (2, 16), device="cuda")
+    memories = [None, None]
+    for s in range(3):
+        x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
+        outs = []
+        for i, model in enumerate((fast.train(), reference.train())):
+            model.zero_grad()
+            out = model(x, labels=y, memory=memories[i])
+            out.loss.backward()
+            memories[i] = out.memory
+            outs.append(out)
+        torch.testing.assert_close(outs[0].nll, outs[1].nll, **TOL)
+        for a, b in zip(*memories, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        for (name, p), q in zip(fast.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    with torch.no_grad():
+        fp32 = reference(tokens[:, :5], labels=tokens[:, 1:6]).loss.item()
+        with autocast(torch.device("cuda"), "bf16"):
+            bf16 = [model(tokens[:, :5], labels=tokens[:, 1:6]).loss.item() for model in (fast, reference)]
+    assert all(abs(loss - fp32) < 1e-2 for loss in bf16), (bf16, fp32)
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_kv_cache_generation_equals_uncached(device, exact):
+    """Greedy generation with memory and key/value cache equals recomputing the whole context per token."""
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny()).to(device).eval()
+    prompt = torch.randint(0, 61, (2, 11), device=device)
+    new = txl.generate(model, prompt, max_new_tokens=6, temperature=0, segment_len=4)  # (2, 6)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = model(ids, return_log_probs=True).log_probs[:, -1].argmax(-1)  # (2,) one pass over everything
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    assert new.device.type == device and torch.equal(new, ids[:, 11:])
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_kv_cache_segment_equals_uncached_segment(device, exact):
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny()).to(device).eval()
+    x = torch.randint(0, 61, (2, 16), device=device)
+    with torch.no_grad():
+        first = model(x[:, :8], kv_cache=txl.KVCache())
+        cached = model(x[:, 8:], memory=first.memory, kv_cache=first.kv_cache, return_log_probs=True)
+        plain = model(x[:, 8:], memory=first.memory, return_log_probs=True)
+    torch.testing.assert_close(cached.log_probs, plain.log_probs, **TOL)
+
+
+@pytest.mark.parametrize("device,precision", [pytest.param("cpu", "bf16", id="cpu-bf16"),
+                                              pytest.param("cuda", "bf16", marks=ON_GPU, id="cuda-bf16"),
+                                              pytest.param("cuda", "fp16", marks=ON_GPU, id="cuda-fp16")])
+def test_mixed_precision_training_decreases_the_loss(device, precision, one_thread):
+    """The trainer's step (autocast, and for fp16 the gradient scaler) learns a tiny repeating corpus."""
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = txl.TransformerXL(tiny(cutoffs=[], div_val=1)).to(dev).train()
+    optimizer = build_optimizer(model, OptimConfig(lr=3e-3))
+    scaler = torch.amp.GradScaler(dev.type, enabled=precision == "fp16")
+    info = DistInfo(rank=0, world_size=1, device=dev)
+    text = torch.arange(12).repeat(2, 8).to(dev)  # (2, 96): a period-12 pattern in both streams
+    memories, losses = [None], []
+    for step in range(40):
+        lo = (step * 8) % 88
+        batch = Batch(input_ids=text[:, lo:lo + 8], labels=text[:, lo + 1:lo + 9], context_len=0, start=lo)
+        stats, memories = train_step(model, optimizer, scaler, batch, memories, lr=3e-3, clip=0.25,
+                                     precision=precision, info=info)
+        losses.append(stats.loss)
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    if precision == "fp16":
+        assert scaler.get_scale() > 0  # the scaler ran (and did not collapse)
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_bf16_autocast_loss_is_close_to_fp32(device, exact):
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = txl.TransformerXL(tiny()).to(dev).eval()
+    x = torch.randint(0, 61, (2, 9), device=dev)
+    with torch.no_grad():
+        fp32 = model(x[:, :-1], labels=x[:, 1:]).loss
+        with autocast(dev, "bf16"):
+            bf16 = model(x[:, :-1], labels=x[:, 1:]).loss
+    assert abs(bf16.item() - fp32.item()) < 1e-2
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_checkpoint_written_on_the_device_loads_on_cpu(device, tmp_path, exact):
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny()).to(device).eval()
+    x = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        ref = model(x[:, :-1].to(device), labels=x[:, 1:].to(device), return_log_probs=True)
+    txl.save_pretrained(model, tmp_path / "m")
+    loaded = txl.from_pretrained(tmp_path / "m", device="cpu")
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    with torch.no_grad():
+        out = loaded(x[:, :-1], labels=x[:, 1:], return_log_probs=True)
+    torch.testing.assert_close(out.log_probs, ref.log_probs.cpu(), **TOL)
+    torch.testing.assert_close(out.nll, ref.nll.cpu(), **TOL)
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_batches_reach_the_device_with_the_same_tokens(device):
+    """The iterator's batches (pinned and copied without blocking on CUDA) hold the stream's tokens."""
+    import numpy as np
+
+    tokens = np.arange(100, dtype=np.int64)
+    it = OrderedIterator(tokens, batch_size=2, tgt_len=8, device=device)
+    first = next(iter(it))
+    assert first.input_ids.device.type == device
+    assert first.input_ids.cpu().tolist() == [list(range(0, 8)), list(range(50, 58))]
+    assert first.labels.cpu().tolist() == [list(range(1, 9)), list(range(51, 59))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_compiled_equals_eager_on_cuda(exact):
+    """torch.compile of the model gives the eager loss and gradients (fp32, TF32 off) on the GPU."""
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny()).cuda().train()
+    x = torch.randint(0, 61, (2, 17), device="cuda")
+    eager = model(x[:, :8], labels=x[:, 1:9])
+    eager.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    compiled = compile_model(model)(x[:, :8], labels=x[:, 1:9])
+    compiled.loss.backward()
+    torch.testing.assert_close(compiled.loss, eager.loss, **TOL)
+    for g, p in zip(grads, (p for p in model.parameters() if p.grad is not None), strict=True):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_training_run_on_cuda_with_auto_precision(tmp_path):
+    """txl.train end to end on the GPU: precision 'auto' is bf16 there, TF32 on for the run and off after."""
+    from txl.corpus import load_run_corpus
+
+    text = tmp_path / "code.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
+    cfg = RunConfig(data=DataConfig(corpus=str(text), level="byte"),
+                    model=tiny(cutoffs=[], div_val=1, vocab_size=256),
+                    train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=30, batch_size=4, tgt_len=16,
+                                      progress=False, tensorboard=False, plot=False, eval_batches=2,
+                                      eval_interval=0, device="cuda"))
+    result = txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
+    assert result.steps == 30 and result.test.loss < 5.0
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # restored after the run
