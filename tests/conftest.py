@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from txl.config import ModelConfig
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -18,3 +20,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """The one tiny model shape of the suite (2 layers, 4 heads of 8, memory 6, no dropout): each test
+    states only what it changes. A plain function, so module-level builders and parametrisations can
+    call it too (``from conftest import tiny_config``)."""
+    base = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6, dropout=0.0)
+    return ModelConfig(**{**base, **overrides})

@@ -135,15 +135,15 @@ CASES = [
     ("no-such-command", ["frobnicate"],
      "argument COMMAND: invalid choice: 'frobnicate' ...", 2),
     ("train-unknown-flag", ["train", "--bogus"],
-     "unrecognised argument '--bogus'; config fields are set as --SECTION.FIELD VALUE (e.g. --model.mem_len "
-     "300); see txl train --help", 2),
+     "unrecognised argument '--bogus'; config fields are set as --data.FIELD, --model.FIELD, --optim.FIELD, "
+     "--train.FIELD, --eval.FIELD VALUE (see txl train --help)", 2),
     ("train-unknown-field", ["train", "--model.mem_lenn", "3"],
      "unknown field model.mem_lenn; valid model fields are: ...", 2),
     ("train-unknown-section", ["train", "--modle.mem_len", "3"],
-     "unknown option --modle.mem_len; options are --SECTION.FIELD with SECTION one of data, model, optim, "
-     "train, eval (e.g. --model.mem_len 300, --optim.lr 1e-3)", 2),
+     "unrecognised argument '--modle.mem_len'; config fields are set as --data.FIELD, --model.FIELD, "
+     "--optim.FIELD, --train.FIELD, --eval.FIELD VALUE (see txl train --help)", 2),
     ("train-flag-without-value", ["train", "--model.mem_len"],
-     "--model.mem_len needs a value", 2),
+     "argument --model.mem_len: expected one argument", 2),
     ("train-lr-not-number", ["train", "--optim.lr", "fast"],
      "optim.lr='fast' must be a number", 2),
     ("train-int-not-int", ["train", "--model.n_layer", "2.5"],
@@ -157,8 +157,8 @@ CASES = [
     ("train-cutoffs-bad-list", ["train", "--model.cutoffs", "[1, 2"],
      "model.cutoffs='[1, 2' is not a list; write e.g. 1,2,3 or [1, 2, 3]", 2),
     ("train-batch-not-divisible", ["train", "--train.batch_size", "10", "--train.grad_accum", "3"],
-     "TrainConfig.batch_size=10 must be divisible by grad_accum=3 (each chunk takes batch_size / grad_accum "
-     "streams)", 2),
+     "train.batch_size=10 must be divisible by 1 process(es) x grad_accum=3 (each accumulation chunk of each "
+     "process takes an equal share of the streams); use a multiple of 3", 2),
     ("train-n-head-zero", ["train", *T, "--model.n_head", "0"],
      "ModelConfig.n_head=0 must be a positive integer", 2),
     ("train-negative-steps", ["train", "--max-steps", "-1"],
@@ -176,14 +176,15 @@ CASES = [
     ("train-broken-toml", ["train", "--preset", "{root}/preset.toml"],
      "{root}/preset.toml is not valid TOML: ...", 2),
     ("train-fp16-on-cpu", ["train", "--train.precision", "fp16", "--train.device", "cpu"],
-     "train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only); use --train.precision bf16 on CPU", 2),
+     "train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only) and the run is on cpu; use "
+     "--train.precision bf16 (or fp32) on CPU", 2),
     ("train-device-tpu9", ["train", *T, "--train.device", "tpu9"],
      "TrainConfig.device='tpu9' must be 'auto', 'cpu', 'cuda' or 'cuda:N'", 2),
     ("train-device-cuda", ["train", *T, "--train.device", "cuda"],
      "--train.device 'cuda': CUDA is not available on this machine; use --train.device cpu", 2, no_cuda),
     ("train-missing-corpus", ["train", *T, "--data.corpus", "{root}/nope.txt"],
-     "{root}/nope.txt does not exist; pass an existing text file, a directory with "
-     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+     "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
     ("train-empty-corpus", ["train", *T, "--data.corpus", "{root}/empty.txt"],
      "the train split of corpus 'empty' is empty ({root}/empty.txt[0:0]); give a non-empty file or larger split "
      "fractions", 2),
@@ -206,7 +207,7 @@ CASES = [
     ("train-resume-empty-dir", ["train", "--resume", "{root}/a_dir"],
      "{root}/a_dir holds no checkpoint (no latest.json, no config.json)", 2),
     ("train-resume-with-preset", ["train", "--resume", "{run}", "--preset", "tiny"],
-     "--resume takes the run's config from its checkpoint; drop --preset (override single fields with "
+     "--resume takes the run's config from its checkpoint; drop --config/--preset (override single fields with "
      "--SECTION.FIELD instead)", 2),
     ("train-resume-and-overwrite", ["train", "--resume", "{run}", "--overwrite"],
      "--resume continues a run and --overwrite deletes it; give one of them", 2),
@@ -229,16 +230,16 @@ CASES = [
      "config.json)", 2),
     ("eval-not-a-run", ["eval", "{root}/a_dir"],
      "{root}/a_dir holds no checkpoint (no latest.json, no config.json)", 2),
-    ("eval-batch-size-0", ["eval", "{run}", "--batch-size", "0"],
-     "--batch-size 0 must be >= 1; leave it out for the run's own", 2),
-    ("eval-batch-size-negative", ["eval", "{run}", "--batch-size", "-2"],
-     "--batch-size -2 must be >= 1; leave it out for the run's own", 2),
-    ("eval-tgt-len-0", ["eval", "{run}", "--tgt-len", "0"],
-     "--tgt-len 0 must be >= 1; leave it out for the run's own", 2),
-    ("eval-mem-len-negative", ["eval", "{run}", "--mem-len", "-3"],
-     "--mem-len -3 must be >= 0; leave it out for the run's own", 2),
+    ("eval-batch-size-0", ["eval", "{run}", "--eval.batch_size", "0"],
+     "EvalConfig.batch_size=0 must be a positive integer", 2),
+    ("eval-batch-size-negative", ["eval", "{run}", "--eval.batch_size", "-2"],
+     "EvalConfig.batch_size=-2 must be a positive integer", 2),
+    ("eval-tgt-len-0", ["eval", "{run}", "--eval.tgt_len", "0"],
+     "EvalConfig.tgt_len=0 must be a positive integer", 2),
+    ("eval-mem-len-negative", ["eval", "{run}", "--eval.mem_len", "-3"],
+     "EvalConfig.mem_len=-3 must be >= 0", 2),
     ("eval-max-batches-negative", ["eval", "{run}", "--max-batches", "-1"],
-     "--max-batches -1 must be >= 0", 2),
+     "--max-batches -1 must be >= 0 (0: the whole split)", 2),
     ("eval-sweep-not-ints", ["eval", "{run}", "--sweep-mem", "a,b"],
      "--sweep-mem 'a,b' must be integers like 0,64,128", 2),
     ("eval-split-train", ["eval", "{run}", "--split", "train"],
@@ -272,11 +273,11 @@ CASES = [
     ("eval-no-run-json", ["eval", "{no_run_json}"],
      "{root}/no_run_json/checkpoints/step_00000002/run.json not found: "
      "{root}/no_run_json/checkpoints/step_00000002 is not a training checkpoint", 2),
-    ("eval-other-corpus", ["eval", "{run}", "--corpus", "{root}/latin1.txt"],
+    ("eval-other-corpus", ["eval", "{run}", "--data.corpus", "{root}/latin1.txt"],
      "the valid split of corpus 'latin1' is empty ({root}/latin1.txt[10:10]); give a non-empty file or larger "
      "split fractions", 2),
-    ("eval-ext-len-negative", ["eval", "{run}", "--ext-len", "-1"],
-     "--ext-len -1 must be >= 0", 2),
+    ("eval-ext-len-negative", ["eval", "{run}", "--eval.ext_len", "-1"],
+     "EvalConfig.ext_len=-1 must be >= 0", 2),
     # -- txl generate
     ("generate-no-prompt", ["generate", *R],
      "one of the arguments --prompt --prompt-file is required", 2),
@@ -367,13 +368,13 @@ CASES = [
      "lm1b is made of 2 files (1-billion-word-language-modeling-benchmark-r13output.tar.gz, 1b_word_vocab.txt); "
      "put them under those names in --dir and run txl data download lm1b without --from-file", 2),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
-     "{root}/nope.txt does not exist; pass an existing text file, a directory with "
-     "train.txt/valid.txt/test.txt, or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
-    ("data-prepare-empty", ["data", "prepare", "{root}/blank.txt", "--level", "char"],
+     "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+    ("data-prepare-empty", ["data", "prepare", "{root}/blank.txt", "--data.level", "char"],
      "the test split of corpus 'blank' is empty ({root}/blank.txt[5:5]); give a non-empty file or larger split "
      "fractions", 2),
-    ("data-prepare-level", ["data", "prepare", "{text}", "--level", "klingon"],
-     "argument --level: invalid choice: 'klingon' ...", 2),
+    ("data-prepare-level", ["data", "prepare", "{text}", "--data.level", "klingon"],
+     "DataConfig.level='klingon' is unknown; choose one of byte, char, word, bpe", 2),
 ]
 
 

@@ -181,9 +181,9 @@ def test_cli_prepare_prints_counts(tmp_path, capsys):
     path = tmp_path / "t.txt"
     path.write_text("hello world\n" * 20)
     cache = str(tmp_path / "c")
-    assert cli_main(["data", "prepare", str(path), "--level", "char", "--cache-dir", cache]) == 0
+    assert cli_main(["data", "prepare", str(path), "--data.level", "char", "--data.cache_dir", cache]) == 0
     out = capsys.readouterr().out
     assert "vocab 10," in out and "encoded" in out  # 9 characters + <unk>
     assert "train            216 tokens" in out  # 90% of 240 characters
-    assert cli_main(["data", "prepare", "nonesuch", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert cli_main(["data", "prepare", "nonesuch", "--data.cache_dir", str(tmp_path / "c")]) == 2
     assert "known corpora" in capsys.readouterr().err

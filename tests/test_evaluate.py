@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
-from txl.data import eval_iterator
+from txl.data import IGNORE_INDEX, eval_iterator
 from txl.evaluate import evaluate
 
 
@@ -17,7 +18,7 @@ def uncached_mean_nll(model, tokens, *, batch_size, tgt_len, ext_len):
             out = model(batch.input_ids, labels=batch.labels, memory=memory)
             memory = out.memory
             total += float(out.nll.double().sum())
-            count += int((batch.labels != -100).sum())
+            count += int((batch.labels != IGNORE_INDEX).sum())
     return total / count, count
 
 
@@ -26,8 +27,7 @@ def uncached_mean_nll(model, tokens, *, batch_size, tgt_len, ext_len):
                                      dict(attn_type="shaw"), dict(attn_type="al_rfou")])
 def test_evaluate_with_cached_keys_equals_recomputing_them(changes):
     torch.manual_seed(0)
-    config = txl.ModelConfig(vocab_size=40, n_layer=2, d_model=32, n_head=4, d_inner=64, mem_len=9, dropout=0.0,
-                             learned_positions=64, **changes)
+    config = tiny_config(vocab_size=40, mem_len=9, learned_positions=64, **changes)
     model = txl.TransformerXL(config).eval()
     with torch.no_grad():
         for p in model.parameters():

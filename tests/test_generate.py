@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.generate import IncrementalDecoder, generate_stream, inference_context
@@ -22,9 +23,7 @@ CONFIGS = {
 
 
 def tiny_model(**overrides) -> txl.TransformerXL:
-    kwargs = dict(n_layer=3, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6, dropout=0.1)
-    kwargs.update(overrides)
-    model = txl.TransformerXL(txl.ModelConfig(**kwargs))
+    model = txl.TransformerXL(tiny_config(**{"n_layer": 3, "dropout": 0.1, **overrides}))
     with torch.no_grad():  # perturb every parameter so biases, norms and u, v all matter
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

@@ -105,6 +105,11 @@ def test_cli_score_jsonl_and_perplexity(hf_dir, tmp_path, capsys):
     b.write_text("a dog .\n")
     rc, out, err = run_cli(capsys, "score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, a, b)
     assert rc == 0, err
+    assert sorted(line.split(":")[0] for line in out.splitlines()) == [str(a), str(b)]  # no -o: a line per document
+    assert "tokens, ppl" in out and "(segment_len 4, mem_len" in out
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, a, b,
+                           "-o", "-")
+    assert rc == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     tokens = [r for r in lines if "token" in r and r["doc"] == str(a)]
     assert [r["token"] for r in tokens] == a.read_text().replace("\n", " <eos> ").split()  # every word scored
@@ -128,7 +133,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     txl.save_pretrained(model, ckpt)
     tok.save(ckpt / "tokenizer")
     (tmp_path / "run" / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
-    rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", text)
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", "-o", "-", text)
     assert rc == 0, err
     [total] = [json.loads(line) for line in out.splitlines()]
     assert total["tokens"] == len(text.read_bytes()) - 1 and total["bpc"] == pytest.approx(total["bits_per_token"])

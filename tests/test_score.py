@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.generate import inference_context
@@ -17,10 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def tiny_model(**overrides):
-    kwargs = dict(vocab_size=97, cutoffs=[20, 50], div_val=2, d_embed=32, n_layer=2, d_model=32, n_head=4,
-                  d_head=8, d_inner=64, mem_len=10, dropout=0.1)
-    kwargs.update(overrides)
-    model = txl.TransformerXL(txl.ModelConfig(**kwargs))
+    model = txl.TransformerXL(tiny_config(**{"vocab_size": 97, "cutoffs": [20, 50], "div_val": 2, "mem_len": 10,
+                                             "dropout": 0.1, **overrides}))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

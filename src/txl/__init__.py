@@ -1,19 +1,54 @@
-"""txl: Transformer-XL (Dai et al., 2019) language models in PyTorch."""
+"""txl: Transformer-XL (Dai et al., 2019) language models in PyTorch.
 
-from txl.config import Context, ModelConfig
-from txl.model import KVCache, LMOutput, Memory, TransformerXL
+The public names are imported on first use (PEP 562), so ``txl --help`` and ``import txl.config`` do
+not pay for importing torch.
+"""
 
-__all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL"]
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from txl.pretrained import from_pretrained, save_hf, save_pretrained  # noqa: E402
+_EXPORTS = {
+    "Context": "txl.config", "ModelConfig": "txl.config",
+    "KVCache": "txl.model", "LMOutput": "txl.model", "Memory": "txl.model", "TransformerXL": "txl.model",
+    "from_pretrained": "txl.pretrained", "save_hf": "txl.pretrained", "save_pretrained": "txl.pretrained",
+    "generate": "txl.generate", "generate_stream": "txl.generate",
+    "iter_scores": "txl.score", "score_documents": "txl.score",
+}
+__all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL", "from_pretrained", "generate",
+           "generate_stream", "iter_scores", "save_hf", "save_pretrained", "score_documents"]
 
-__all__ += ["from_pretrained", "save_hf", "save_pretrained"]
 
-from txl.generate import generate, generate_stream  # noqa: E402
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'txl' has no attribute {name!r}")
 
-__all__ += ["generate", "generate_stream"]
 
-from txl.score import iter_scores, score_documents  # noqa: E402
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
-__all__ += ["iter_scores", "score_documents"]
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Importing the submodule txl.generate binds it here as an attribute; the public name txl.generate
+        # is the function (as when this file imported it eagerly).
+        if name == "generate" and isinstance(value, types.ModuleType):
+            value = value.generate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:
+    from txl.config import Context, ModelConfig
+    from txl.generate import generate, generate_stream
+    from txl.model import KVCache, LMOutput, Memory, TransformerXL
+    from txl.pretrained import from_pretrained, save_hf, save_pretrained
+    from txl.score import iter_scores, score_documents

@@ -1,4 +1,4 @@
-"""Training checkpoints: atomic directories, `latest` and `best` pointers, the last K kept.
+"""Training checkpoints: composed from stateful parts, written atomically, found by `latest` and `best`.
 
 A run directory looks like::
 
@@ -9,11 +9,17 @@ A run directory looks like::
         config.json, model.safetensors   the model (txl.from_pretrained reads this directory)
         run.json                         the RunConfig of the run
         tokenizer/                       the corpus's tokenizer (checked on resume and eval)
-        train_state.pt                   optimiser, scaler, step, RNG states, iterator, memory
+        train_state.pt                   every other stateful part, under fixed keys (STATE_PARTS)
 
-Each checkpoint is written into a temporary directory and renamed into place; the pointers are
-rewritten atomically afterwards. A crash or a full disk mid-write leaves the previous checkpoint and
-pointers as they were.
+The checkpoint is the dict of the run's stateful parts (torchtitan's pattern): the model, and in
+``train_state.pt`` the optimiser, the gradient scaler and the ``TrainState`` (step, tokens, schedule,
+iterator, and each process's RNG states and memories), each the ``state_dict()`` of its owner. Each
+checkpoint is written into a temporary directory and renamed into place (``txl.fileio.atomic_write``);
+the pointers are rewritten atomically afterwards. A crash or a full disk mid-write leaves the previous
+checkpoint and pointers as they were.
+
+Public API: ``Checkpointer`` (writes a run's checkpoints), ``latest(run_dir)``, ``best(run_dir)``,
+``find_checkpoint(path, which)`` and ``load(path)``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ from typing import Any
 
 import torch
 
-from txl.atomic import fsync_dir, fsync_tree
 from txl.config import RunConfig
+from txl.fileio import atomic_write, remove_partial, write_json
 from txl.model import TransformerXL
-from txl.pretrained import _atomic_write, from_pretrained, save_pretrained, unsafe_load_message
+from txl.pretrained import from_pretrained, save_pretrained, unsafe_load_message
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,8 @@ STATE_FILE = "train_state.pt"
 RUN_FILE = "run.json"
 TOKENIZER_DIR = "tokenizer"
 CKPT_DIR = "checkpoints"
+STATE_PARTS = ("optimizer", "scaler", "train")
+"""The fixed keys of train_state.pt, one per stateful part besides the model."""
 
 
 class CheckpointError(RuntimeError):
@@ -54,14 +62,7 @@ class Checkpoint:
     model: TransformerXL
     run: RunConfig
     state: dict[str, Any] | None
-    """The training state (train_state.pt), or None when only the model was asked for."""
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Atomically write strict JSON: a NaN or infinity raises ValueError instead of writing a bare
-    ``NaN`` that JSON readers reject."""
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    """The stateful parts (train_state.pt, keys STATE_PARTS), or None when only the model was asked for."""
 
 
 class _KeepWriteError(io.RawIOBase):
@@ -106,75 +107,90 @@ def _write_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}"
 
 
-def save_checkpoint(out_dir: str | os.PathLike, *, step: int, model: TransformerXL, run: RunConfig,
-                    tokenizer: Any, state: dict[str, Any], best: bool, keep_last: int,
-                    info: dict[str, Any] | None = None) -> Path:
-    """Write checkpoint ``step``; point latest (and best) at it; prune old ones. Returns its path."""
-    out = Path(out_dir)
-    root = out / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
-    final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(model, tmp)
-        write_json(tmp / RUN_FILE, run.to_dict())
-        tokenizer.save(tmp / TOKENIZER_DIR)
-        _write_state(tmp / STATE_FILE, state)
-        fsync_tree(tmp)  # the data is on disk before the rename that publishes it
-        old = root / f".tmp-old-{name}-{os.getpid()}"
-        if final.exists():  # the same step again (a resumed run): move it aside, deleted once replaced
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(root)
-        pointer = {"step": step, "path": f"{CKPT_DIR}/{name}", **(info or {})}
-        write_json(out / "latest.json", pointer)
-        if best:
-            write_json(out / "best.json", pointer)
-    except Exception as err:  # torch's and safetensors' write errors are not OSError
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = _pointer(out, "latest")
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        fix = "Free disk space and resume" if previous else "Free disk space and run again"
-        how = f"txl train --resume {out}" if previous else "the same command with --overwrite"
-        raise CheckpointError(f"could not write checkpoint step {step} to {final} ({_write_error(err)}); "
-                              f"{kept}. {fix} with: {how}") from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune(out, keep_last)
-    return final
+class Checkpointer:
+    """Writes the checkpoints of one run directory: one per call to ``save``, the last ``keep_last`` kept
+    (and always the ones ``latest`` and ``best`` point at)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int) -> None:
+        self.run_dir, self.keep_last = Path(run_dir), keep_last
+
+    def start(self, run: RunConfig) -> None:
+        """Create the run directory with its run.json; remove what a killed writer left behind."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(self.run_dir / RUN_FILE, run.to_dict())
+        remove_partial(self.run_dir / CKPT_DIR)
+
+    def latest(self) -> Path | None:
+        return latest(self.run_dir)
+
+    def best(self) -> Path | None:
+        return best(self.run_dir)
+
+    def save(self, step: int, *, model: TransformerXL, run: RunConfig, tokenizer: Any, parts: dict[str, Any],
+             best: bool, info: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint ``step`` from the model and the other ``parts`` (keys STATE_PARTS); point
+        latest (and best) at it; prune old ones. Returns its path."""
+        if set(parts) != set(STATE_PARTS):
+            raise ValueError(f"a checkpoint holds the parts {STATE_PARTS}, got {sorted(parts)}")
+        name = f"step_{step:08d}"
+        final = self.run_dir / CKPT_DIR / name
+
+        def write(tmp: Path) -> None:
+            save_pretrained(model, tmp)
+            write_json(tmp / RUN_FILE, run.to_dict())
+            tokenizer.save(tmp / TOKENIZER_DIR)
+            _write_state(tmp / STATE_FILE, parts)
+
+        try:
+            atomic_write(final, write, directory=True)
+            pointer = {"step": step, "path": f"{CKPT_DIR}/{name}", **(info or {})}
+            write_json(self.run_dir / "latest.json", pointer)
+            if best:
+                write_json(self.run_dir / "best.json", pointer)
+        except Exception as err:  # torch's and safetensors' write errors are not OSError
+            previous = self.latest()
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+            fix = "Free disk space and resume" if previous else "Free disk space and run again"
+            how = f"txl train --resume {self.run_dir}" if previous else "the same command with --overwrite"
+            raise CheckpointError(f"could not write checkpoint step {step} to {final} ({_write_error(err)}); "
+                                  f"{kept}. {fix} with: {how}") from err
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        """Delete step checkpoints beyond the last ``keep_last``, never the best or latest one."""
+        keep = {p for p in (self.best(), self.latest()) if p}
+        steps = sorted(p for p in (self.run_dir / CKPT_DIR).glob("step_*") if p.is_dir())
+        for path in steps[:-self.keep_last]:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
 
 
-def prune(out_dir: Path, keep_last: int) -> None:
-    """Delete step checkpoints beyond the last ``keep_last``, never the best or latest one."""
-    root = out_dir / CKPT_DIR
-    keep = {p for p in (_pointer(out_dir, "best"), _pointer(out_dir, "latest")) if p}
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for path in steps[:-keep_last]:
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def clean_partial(out_dir: str | os.PathLike) -> None:
-    """Remove temporary directories and files a killed writer left behind."""
-    for tmp in (Path(out_dir) / CKPT_DIR).glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    for tmp in Path(out_dir).glob(".*.tmp"):  # atomic_write's temporary files (pointers, run.json)
-        tmp.unlink(missing_ok=True)
-
-
-def _pointer(out_dir: Path, which: str) -> Path | None:
-    file = out_dir / f"{which}.json"
+def _pointer(run_dir: Path, which: str) -> Path | None:
+    file = run_dir / f"{which}.json"
     if not file.is_file():
         return None
     try:
-        return out_dir / json.loads(file.read_text(encoding="utf-8"))["path"]
+        return run_dir / json.loads(file.read_text(encoding="utf-8"))["path"]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{file} is corrupt; point it at a directory under {out_dir / CKPT_DIR}, or "
+        raise ValueError(f"{file} is corrupt; point it at a directory under {run_dir / CKPT_DIR}, or "
                          "delete it") from None
+
+
+def latest(run_dir: str | os.PathLike) -> Path | None:
+    """The run's most recent checkpoint directory (latest.json), or None before the first one."""
+    return _pointer(Path(run_dir), "latest")
+
+
+def best(run_dir: str | os.PathLike) -> Path | None:
+    """The run's checkpoint with the lowest validation loss so far (best.json), or None."""
+    return _pointer(Path(run_dir), "best")
+
+
+def run_dir_of(path: str | os.PathLike) -> Path:
+    """The run directory of a run or checkpoint directory (a checkpoint outside a run is its own)."""
+    p = Path(path)
+    return p.parent.parent if (p / "config.json").is_file() and p.parent.name == CKPT_DIR else p
 
 
 def find_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
@@ -204,8 +220,8 @@ def read_run(path: Path) -> RunConfig:
         raise ValueError(f"{file} is not valid JSON ({err}); the checkpoint is corrupt") from None
 
 
-def load_checkpoint(path: str | os.PathLike, *, which: str = "latest", with_state: bool = True,
-                    device: torch.device | str = "cpu") -> Checkpoint:
+def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = True,
+         device: torch.device | str = "cpu") -> Checkpoint:
     """Load a checkpoint's model, run config and (optionally) training state; corrupt files raise
     a ValueError that names the file."""
     ckpt = find_checkpoint(path, which)
@@ -223,7 +239,27 @@ def load_checkpoint(path: str | os.PathLike, *, which: str = "latest", with_stat
         except Exception as err:
             raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}); resume from an earlier "
                              "checkpoint under checkpoints/") from None
+        state = _from_flat(state)
+        missing = [k for k in STATE_PARTS if k not in state]
+        if missing:
+            raise ValueError(f"{file} lacks the part(s) {missing} (written by an older txl?); its weights still "
+                             f"load with txl.from_pretrained, but training cannot resume from it")
     return Checkpoint(path=ckpt, model=model, run=run, state=state)
+
+
+load_checkpoint = load
+"""The former name of ``load``, kept while callers move over."""
+
+
+def _from_flat(state: dict[str, Any]) -> dict[str, Any]:
+    """A train_state.pt written before the parts had their own keys (one flat dict, per-rank lists of RNG
+    states and memories) in today's layout, so runs started earlier still resume."""
+    if "train" in state or "step" not in state:
+        return state
+    ranks = [{"rng": rng, "memories": mem} for rng, mem in zip(state["rng"], state["memories"])]
+    train = {"step": state["step"], "tokens": state["tokens"], "best_valid": state["best_valid"],
+             "horizon": state.get("horizon", 0), "iterator": state["iterator"], "ranks": ranks}
+    return {"optimizer": state["optimizer"], "scaler": state["scaler"], "train": train}
 
 
 def check_tokenizer(ckpt: Path, tokenizer: Any) -> None:

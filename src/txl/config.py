@@ -372,9 +372,6 @@ class TrainConfig:
             _check("TrainConfig", name, getattr(self, name) >= 0, "must be >= 0", getattr(self, name))
         _check("TrainConfig", "minutes", self.minutes >= 0, "must be >= 0", self.minutes)
         _check_literal("TrainConfig", self, "precision", Precision)
-        if self.batch_size % self.grad_accum:
-            raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
-                             f"grad_accum={self.grad_accum} (each chunk takes batch_size / grad_accum streams)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"TrainConfig.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
@@ -426,9 +423,8 @@ class RunConfig:
         m, t = self.model, self.train
         if m.ext_len and m.ext_len >= t.tgt_len:
             raise ValueError(f"model.ext_len={m.ext_len} must be shorter than train.tgt_len={t.tgt_len}")
-        if t.precision == "fp16" and t.device == "cpu":
-            raise ValueError("train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only); "
-                             "use --train.precision bf16 on CPU")
+        # Batch divisibility and fp16-needs-CUDA depend on the process count and the resolved device:
+        # txl.train.check_run checks them once, when the run starts.
 
     def to_dict(self) -> dict[str, Any]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -470,19 +466,42 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
+def preset_summary(name: str) -> str:
+    """The first comment line of a preset file: what it is."""
+    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def preset_expected_time(name: str) -> str:
+    """The preset file's ``# expected time:`` comment ('' when it has none)."""
+    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
+        if line.lower().startswith("# expected time:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The nested dict of a preset name (configs/<name>.toml) or of a TOML file."""
+    """The nested dict of a config: a preset name (configs/<name>.toml), a TOML file, a saved run.json,
+    or a run or checkpoint directory (its run.json)."""
     path = Path(name_or_path)
-    if not path.suffix:
+    if not path.suffix and not path.is_dir():
         path = PRESET_DIR / f"{name_or_path}.toml"
         if not path.is_file():
             raise ValueError(f"unknown preset {str(name_or_path)!r}; presets are: {', '.join(preset_names())} "
-                             "(or pass the path of a .toml file)")
+                             "(or pass the path of a .toml file or a run's run.json)")
+    if path.is_dir():
+        path = path / "run.json"
     try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text(encoding="utf-8"))
         with open(path, "rb") as f:
             return _toml().load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path} not found") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
     except _toml().TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from None
 
@@ -582,3 +601,99 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
 def run_config(preset: str | os.PathLike = "default", overrides: dict[str, str] | None = None) -> RunConfig:
     """Load a preset, apply overrides, validate."""
     return RunConfig.from_dict(apply_overrides(load_preset(preset), overrides or {}))
+
+
+# -- the command-line surface: one --SECTION.FIELD option per config field ----------------------------
+
+def field_docs(kind: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under its annotation), read from the class's source:
+    the help text and the config reference come from the same place as the code."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(kind)))
+    except (OSError, TypeError):  # no source (a frozen install): no help text, nothing else lost
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _metavar(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return "|".join(_metavar(a) for a in inner) + ("|none" if len(inner) < len(args) else "")
+    if origin is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if origin is list:
+        return f"{_metavar(args[0])},..."
+    return {int: "INT", float: "FLOAT", str: "STR", bool: "BOOL"}.get(hint, "VALUE")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "none" if value is None else str(value)
+
+
+def add_config_arguments(parser: Any, sections: list[str], *, preset: dict[str, Any] | None = None,
+                         preset_name: str = "") -> None:
+    """Register ``--SECTION.FIELD VALUE`` for every field of the given sections, each with its docstring,
+    its default and (when ``preset`` is given) the preset's value. Values stay strings here and are typed
+    and validated by ``apply_overrides``/``RunConfig``, so a command line and a TOML file give the same
+    errors; only the options given appear in the parsed namespace (see ``overrides_from``)."""
+    import argparse
+
+    parser.set_defaults(config_sections=list(sections))
+    for section in sections:
+        kind = SECTIONS[section]
+        group = parser.add_argument_group(f"{section} ({kind.__doc__.splitlines()[0].rstrip('.')})")
+        docs, hints = field_docs(kind), _field_types(kind)
+        for f in dataclasses.fields(kind):
+            if f.default is not dataclasses.MISSING:
+                default = _shown(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = _shown(f.default_factory())
+            else:
+                default = "the corpus's" if f.name == "vocab_size" else "required"
+            text = docs.get(f.name, "").replace("%", "%%")
+            text += f" (default: {default}"
+            if preset is not None and f.name in preset.get(section, {}) and \
+                    _shown(preset[section][f.name]) != default:
+                text += f"; preset {preset_name!r}: {_shown(preset[section][f.name])}"
+            bool_flag = hints[f.name] is bool or bool in typing.get_args(hints[f.name])
+            group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                               metavar=_metavar(hints[f.name]), help=text + ")",
+                               **({"nargs": "?", "const": "true"} if bool_flag else {}))
+
+
+def overrides_from(args: Any) -> dict[str, str]:
+    """The ``--SECTION.FIELD`` options a parsed namespace holds: {'model.mem_len': '300', ...}."""
+    return {k: v for k, v in vars(args).items() if "." in k and k.split(".", 1)[0] in SECTIONS}
+
+
+def unknown_option_error(extra: list[str], sections: list[str], command: str) -> ValueError:
+    """One line for an option argparse did not know: a misspelt config field names the valid ones, a field
+    of a section this command does not take says which sections it takes."""
+    arg = extra[0]
+    key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+    section = key.partition(".")[0]
+    if sections and section in SECTIONS and section not in sections:
+        return ValueError(f"txl {command} takes no --{section}.FIELD options; its config options are "
+                          f"{', '.join(f'--{s}.FIELD' for s in sections)} (see txl {command} --help)")
+    if section in sections:
+        try:
+            apply_overrides({}, {key: ""})
+        except ValueError as err:
+            if "unknown" in str(err):
+                return err
+    hint = (f"config fields are set as {', '.join(f'--{s}.FIELD' for s in sections)} VALUE" if sections
+            else f"txl {command} takes no config fields")
+    return ValueError(f"unrecognised argument {arg!r}; {hint} (see txl {command} --help)")

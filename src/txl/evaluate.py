@@ -19,9 +19,8 @@ import torch
 from txl.config import Context
 from txl.distributed import DistInfo, all_reduce_sum
 from txl.model import TransformerXL
+from txl.model.adaptive import IGNORE_INDEX
 from txl.runtime import compile_model
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,6 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
 
     device = next(model.parameters()).device
     info = info or DistInfo(rank=0, world_size=1, device=device)
-    if batch_size % info.world_size:
-        raise ValueError(f"eval.batch_size={batch_size} must be divisible by the {info.world_size} processes")
     ext = model.config.ext_len if ext_len is None else ext_len
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
                        world_size=info.world_size, device=device)
@@ -117,27 +114,3 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
     return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)
-
-
-def sweep_memory(model: TransformerXL, tokens: np.ndarray, mem_lens: list[int], **kwargs) -> list[EvalResult]:
-    """Evaluate once per memory length (the paper's 'effective context' study)."""
-    return [evaluate(model, tokens, mem_len=m, **kwargs) for m in mem_lens]
-
-
-def plot_sweep(mem_lens: list[int], results: list[EvalResult], tgt_len: int, path: str) -> bool:
-    """Metric against attention length (mem_len + tgt_len); False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([m + tgt_len for m in mem_lens], [r.value for r in results], marker="o")
-    ax.set_xlabel("attention length (mem_len + tgt_len)")
-    ax.set_ylabel(results[0].metric)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

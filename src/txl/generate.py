@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from txl import sampling
 from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
 from txl.model.kv_cache import weights_version
@@ -114,12 +115,7 @@ def _as_prompt(prompt_ids: PromptIds, model: TransformerXL) -> torch.Tensor:
 def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     """Raise a ValueError naming the bad sampling parameter, before any work is done."""
     _positive_int("max_new_tokens", max_new_tokens, minimum=0)
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):  # rejects NaN too
-        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 means greedy: the most likely token)")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
-    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
+    sampling.check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,

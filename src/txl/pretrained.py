@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from txl.atomic import atomic_write
 from txl.config import ModelConfig
 from txl.convert.hf import (
     ClusterOrder,
@@ -25,6 +24,7 @@ from txl.convert.hf import (
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from txl.fileio import atomic_write
 from txl.model import TransformerXL
 
 CONFIG_FILE = "config.json"
@@ -157,20 +157,15 @@ def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "h
     return model.to(device).eval()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in the same directory, fsync and rename: a crash leaves the old file."""
-    atomic_write(path, write)
-
-
 def save_pretrained(model: TransformerXL, path: str | os.PathLike) -> Path:
     """Write config.json and model.safetensors (tied weights once), each atomically."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     aliases = tied_keys(model)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
-    _atomic_write(directory / WEIGHTS_FILE, lambda tmp: _safetensors().save_file(state, tmp))
+    atomic_write(directory / WEIGHTS_FILE, lambda tmp: _safetensors().save_file(state, tmp))
     config = {"format": FORMAT, "version": 1, "model": model.config.to_dict()}
-    _atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
     return directory
 
 
@@ -181,7 +176,7 @@ def save_hf(model: TransformerXL, path: str | os.PathLike) -> Path:
     hf_config = config_to_hf(model.config)
     state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
     hf_state = state_dict_to_hf(state)
-    _atomic_write(directory / WEIGHTS_FILE,
+    atomic_write(directory / WEIGHTS_FILE,
                   lambda tmp: _safetensors().save_file(hf_state, tmp, metadata={"format": "pt"}))
-    _atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2)))
+    atomic_write(directory / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2)))
     return directory

@@ -14,7 +14,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_temperature", "top_k_filter", "top_p_filter", "sample_next"]
+__all__ = ["apply_temperature", "check_sampling", "top_k_filter", "top_p_filter", "sample_next"]
+
+
+def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None) -> None:
+    """The one check of the sampling arguments (None: not given), each with the message that names it.
+
+    Public entry points call it once (``sample_next``, the filters, ``txl.generate``'s ``check_sampling``
+    before a model is loaded); the work below them runs unchecked.
+    """
+    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0):  # NaN too
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 means greedy: the most likely token)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
 
 
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
@@ -51,8 +65,11 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     ``k`` tokens when there are ties at the boundary.
     """
     _check_logits(logits)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"top_k={k!r} must be an int >= 0 (0 disables top-k filtering)")
+    check_sampling(top_k=k)
+    return _top_k(logits, k)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0 or k >= logits.shape[-1]:
         return logits.clone()
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1): the k-th largest value per row
@@ -67,8 +84,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     token is always kept. ``p == 1`` disables the filter. ``p`` must lie in (0, 1].
     """
     _check_logits(logits)
-    if not (0.0 < p <= 1.0):
-        raise ValueError(f"top_p={p} must be in (0, 1]; 1.0 disables nucleus filtering")
+    check_sampling(top_p=p)
+    return _top_p(logits, p)
+
+
+def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p == 1.0:
         return logits.clone()
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V) each
@@ -102,15 +122,10 @@ def sample_next(
             f"logits must have shape (B, V), got shape {tuple(logits.shape)}; "
             "take the last position first, e.g. logits[:, -1, :]"
         )
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy argmax)")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 disables top-k filtering)")
-    if not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p={top_p} must be in (0, 1]; 1.0 disables nucleus filtering")
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
 
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    filtered = top_p_filter(top_k_filter(apply_temperature(logits, temperature), top_k), top_p)
+    filtered = _top_p(_top_k(logits / temperature, top_k), top_p)  # arguments checked above
     probs = torch.softmax(filtered.float(), dim=-1)  # (B, V); float32 even for half-precision logits
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from txl.config import add_config_arguments, overrides_from
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="download and prepare corpora")
@@ -17,15 +19,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "its checksum is verified")
     d.set_defaults(func=run_download)
 
-    q = data_sub.add_parser("prepare", help="tokenise a corpus into the cache; print token counts")
+    q = data_sub.add_parser("prepare", help="tokenise a corpus into the cache; print token counts",
+                            allow_abbrev=False)
     q.add_argument("name", metavar="NAME_OR_PATH",
-                   help="corpus name, a text file, or a directory with train.txt/valid.txt/test.txt")
-    q.add_argument("--data-dir", default=None,
-                   help="folder holding a named corpus's files (default: data/NAME)")
-    q.add_argument("--level", choices=["byte", "char", "word", "bpe"], default=None,
-                   help="tokenisation level (default: the corpus's own; char for a file, word for a "
-                   "directory)")
-    q.add_argument("--cache-dir", default=None, help="token cache (default: ~/.cache/txl/tokens)")
+                   help="corpus name, a text file, or a pre-split directory with one train, valid and test file "
+                   "(train.txt or train.tokens/.raw/.bin, or with a prefix: wiki.train.tokens; word level unless "
+                   "--data.level says otherwise)")
+    add_config_arguments(q, ["data"])
     q.set_defaults(func=run_prepare)
 
 
@@ -84,9 +84,11 @@ def _place_archive(name: str, directory: str | None, archive: str) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from txl.data.corpora import load_corpus
+    from txl.config import RunConfig, apply_overrides
+    from txl.data.corpora import load_run_corpus
 
-    corpus = load_corpus(args.name, args.data_dir, level=args.level, cache_dir=args.cache_dir)
+    data = RunConfig.from_dict(apply_overrides({"data": {"corpus": args.name}}, overrides_from(args))).data
+    corpus = load_run_corpus(data)
     state = "cached" if corpus.cached else "encoded"
     print(f"{corpus.name}: {corpus.spec.level} level, vocab {corpus.vocab_size:,}, metric {corpus.metric} "
           f"({state} in {corpus.path})")

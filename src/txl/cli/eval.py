@@ -1,97 +1,122 @@
 """`txl eval`: evaluate a checkpoint in any attention context; sweep the memory length.
 
-    txl eval runs/default                          # best checkpoint, test split, the run's eval context
-    txl eval runs/ptb --mem-len 512 --clamp-len 400 --same-length --tgt-len 64
-    txl eval runs/default --sweep-mem 0,32,64,128,256 --plot sweep.png
+    txl eval runs/default                          # best checkpoint, TEST split, the run's eval context
+    txl eval runs/ptb --eval.mem_len 512 --eval.clamp_len 400 --eval.same_length --eval.tgt_len 64
+    txl eval runs/default --sweep-mem 0,32,64,128,256   # table + plot in the run directory
 """
 
 from __future__ import annotations
 
 import argparse
 
+from txl.config import add_config_arguments, overrides_from
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate a checkpoint (loss, ppl or bpc, tokens/s)")
+    p = sub.add_parser(
+        "eval", help="evaluate a checkpoint on the test split (loss, ppl or bpc, tokens/s)", allow_abbrev=False,
+        usage="txl eval CHECKPOINT [--split {valid,test}] [--sweep-mem M1,M2,...] [--eval.FIELD VALUE ...]",
+        description="Evaluate a checkpoint on the TEST split by default (--split valid for validation), in the "
+        "run's evaluation context ([eval] of its config; unset fields: as in training). Any eval or data field "
+        "can be overridden as --SECTION.FIELD VALUE, e.g. --eval.mem_len 512 --eval.same_length.")
     p.add_argument("checkpoint", help="run directory (uses best.json, else latest.json) or checkpoint directory")
     p.add_argument("--which", choices=["best", "latest"], default="best", help="which checkpoint of a run")
-    p.add_argument("--split", choices=["valid", "test"], default="test")
-    p.add_argument("--corpus", default=None, help="corpus name or path (default: the run's)")
-    p.add_argument("--data-dir", default=None, help="folder of a named corpus (default: the run's)")
-    p.add_argument("--batch-size", type=int, default=None, help="parallel streams (default: the run's eval)")
-    p.add_argument("--tgt-len", type=int, default=None, help="segment length")
-    p.add_argument("--mem-len", type=int, default=None, help="memory length (longer than training is fine)")
-    p.add_argument("--clamp-len", type=int, default=None, help="clamp relative distances (<= 0: none)")
-    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
-                   help="every query attends to the same number of keys")
-    p.add_argument("--ext-len", type=int, default=None, help="extended context")
+    p.add_argument("--split", choices=["valid", "test"], default="test", help="split to evaluate (default: test)")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many segments (0: all)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="fp32 (default, exact); auto: bf16 on a GPU that supports it, else fp32")
     p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--device", default="auto")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
-                   help="evaluate once per memory length and print a table")
-    p.add_argument("--plot", default=None, help="sweep plot path (default: CHECKPOINT/mem_sweep.png)")
+                   help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "
+                   "the run directory")
+    p.add_argument("--plot", default=None, help="sweep plot path (default: RUN_DIR/mem_sweep.png)")
+    add_config_arguments(p, ["eval", "data"])
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def keys_per_query(mem_len: int, tgt_len: int, same_length: bool, style: str) -> str:
+    """What each query attends to: with same_length every query sees the same number of keys (mem_len in
+    the PyTorch/Hugging Face mask, mem_len + 1 in the TensorFlow one); without it, query t of a segment sees
+    the memory and the t + 1 positions up to itself."""
+    if same_length:
+        return str(mem_len + (style == "tensorflow"))
+    return f"{mem_len + 1}-{mem_len + tgt_len}"
 
-    from txl.checkpoint import check_tokenizer, find_checkpoint, load_checkpoint
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+    from dataclasses import replace
+
+    from txl.checkpoint import check_tokenizer, load, run_dir_of
+    from txl.config import RunConfig, apply_overrides
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
-    from txl.evaluate import evaluate, plot_sweep
+    from txl.evaluate import evaluate
+    from txl.fileio import write_text
+    from txl.metrics import ProgressBar, plot_memory_sweep
     from txl.runtime import resolve_precision
 
-    _check_args(args)
+    if args.max_batches < 0:
+        raise ValueError(f"--max-batches {args.max_batches} must be >= 0 (0: the whole split)")
     device = resolve_device(args.device)
-    loaded = load_checkpoint(args.checkpoint, which=args.which, with_state=False, device=device)
+    loaded = load(args.checkpoint, which=args.which, with_state=False, device=device)
     run_cfg, model = loaded.run, loaded.model
-    data = run_cfg.data
-    if args.corpus or args.data_dir:
-        from dataclasses import replace
-        data = replace(data, corpus=args.corpus or data.corpus, data_dir=args.data_dir or data.data_dir)
-    corpus = load_run_corpus(data)
-    check_tokenizer(find_checkpoint(args.checkpoint, args.which), corpus.tokenizer)
-    e = run_cfg.eval
-    kwargs = dict(metric=corpus.metric, batch_size=args.batch_size if args.batch_size is not None else e.batch_size,
-                  tgt_len=args.tgt_len if args.tgt_len is not None else e.tgt_len or run_cfg.train.tgt_len,
-                  clamp_len=args.clamp_len if args.clamp_len is not None else e.clamp_len,
-                  same_length=args.same_length if args.same_length is not None else e.same_length,
-                  ext_len=args.ext_len if args.ext_len is not None else e.ext_len,
-                  max_batches=args.max_batches, precision=resolve_precision(args.precision, device),
-                  compile=args.compile)
-    tokens = corpus.split(args.split)
-    print(f"{loaded.path} on {corpus.name} {args.split} (trained with tgt_len {run_cfg.train.tgt_len}, "
-          f"mem_len {run_cfg.model.mem_len})")
+    cfg = RunConfig.from_dict(apply_overrides(run_cfg.to_dict(), overrides_from(args)))
+    corpus = load_run_corpus(replace(cfg.data))
+    check_tokenizer(loaded.path, corpus.tokenizer)
+    e, m = cfg.eval, model.config
+    tgt = e.tgt_len or cfg.train.tgt_len
+    same = e.same_length if e.same_length is not None else m.same_length
+    clamp = e.clamp_len if e.clamp_len is not None else m.clamp_len
+    if clamp is not None and clamp > 0 and m.attn_type in ("shaw", "absolute", "al_rfou"):
+        logging.getLogger(__name__).warning(
+            "eval.clamp_len=%d does not apply to attn_type=%r: %s", clamp, m.attn_type,
+            "Shaw attention clamps distances at its own model.learned_positions" if m.attn_type == "shaw"
+            else "absolute positions have no relative distance to clamp")
+    mems = [e.mem_len if e.mem_len is not None else m.mem_len]
     if args.sweep_mem:
         try:
-            mems = [int(m) for m in args.sweep_mem.split(",") if m.strip()]
+            mems = [int(x) for x in args.sweep_mem.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--sweep-mem {args.sweep_mem!r} must be integers like 0,64,128") from None
-        print(f"{'mem_len':>8} {'attn_len':>8} {'loss':>8} {corpus.metric:>8} {'tokens/s':>10}")
-        results = []
-        for m in mems:
-            r = evaluate(model, tokens, mem_len=m, **kwargs)
-            results.append(r)
-            print(f"{m:>8} {m + kwargs['tgt_len']:>8} {r.loss:>8.4f} {r.value:>8.4f} {r.tokens_per_s:>10,.0f}")
-        plot = args.plot or str(Path(loaded.path) / "mem_sweep.png")
-        if plot_sweep(mems, results, kwargs["tgt_len"], plot):
-            print(f"plot: {plot}")
+    if same and 0 in mems:
+        raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
+                         "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
+    kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, clamp_len=clamp, same_length=same,
+                  ext_len=e.ext_len, max_batches=args.max_batches,
+                  precision=resolve_precision(args.precision, device), compile=args.compile or e.compile)
+    tokens = corpus.split(args.split)
+    extent = f"first {args.max_batches} segments" if args.max_batches else "whole split"
+    print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}"
+          f"{f', clamp_len {clamp}' if clamp and clamp > 0 else ''}{', same_length' if same else ''}; "
+          f"trained with tgt_len {run_cfg.train.tgt_len}, mem_len {run_cfg.model.mem_len})")
+    if not args.sweep_mem:
+        r = evaluate(model, tokens, mem_len=mems[0], **kwargs)
+        print(f"mem_len {mems[0]}, tgt_len {tgt}, keys/query {keys_per_query(mems[0], tgt, same, m.same_length_style)}"
+              f": {r.describe()}")
         return 0
-    mem = args.mem_len if args.mem_len is not None else e.mem_len
-    r = evaluate(model, tokens, mem_len=mem, **kwargs)
-    print(f"mem_len {mem if mem is not None else run_cfg.model.mem_len}, tgt_len {kwargs['tgt_len']}: "
-          f"{r.describe()}")
+    header = f"{'mem_len':>8} {'keys/query':>11} {'loss':>8} {corpus.metric:>8} {'tokens/s':>10}"
+    rows, results = [header], []
+    print(header, flush=True)
+    bar = ProgressBar(total=len(mems), initial=0, enabled=True, unit="mem_len", desc="sweep")
+    try:
+        for mem in mems:
+            r = evaluate(model, tokens, mem_len=mem, **kwargs)
+            results.append(r)
+            rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
+                        f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")
+            bar.write(rows[-1], sys.stdout)
+            bar.update(1)
+    finally:
+        bar.close()
+    out = run_dir_of(args.checkpoint)
+    write_text(out / "mem_sweep.tsv", "\n".join("\t".join(r.split()) for r in rows) + "\n")
+    print(f"table: {out / 'mem_sweep.tsv'}")
+    plot = args.plot or str(out / "mem_sweep.png")
+    keys = ("mem_len" + (" + 1" if m.same_length_style == "tensorflow" else "") if same
+            else f"mem_len + 1 .. mem_len + {tgt}")
+    if plot_memory_sweep(mems, [r.value for r in results], corpus.metric, keys, plot):
+        print(f"plot: {plot}")
     return 0
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    """Refuse out-of-range numbers before loading anything (0 must not silently mean "the default")."""
-    for flag, value, minimum in (("--batch-size", args.batch_size, 1), ("--tgt-len", args.tgt_len, 1),
-                                 ("--mem-len", args.mem_len, 0), ("--ext-len", args.ext_len, 0),
-                                 ("--max-batches", args.max_batches, 0)):
-        if value is not None and value < minimum:
-            default = "; leave it out for the run's own" if flag in ("--batch-size", "--tgt-len", "--mem-len") else ""
-            raise ValueError(f"{flag} {value} must be >= {minimum}{default}")

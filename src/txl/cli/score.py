@@ -13,8 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_args(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="documents to score, one per file")
     p.add_argument("--batch-size", type=int, default=8, help="documents read together (default 8)")
-    p.add_argument("--output", "-o", default="-", metavar="FILE",
-                   help="JSONL of token scores and document totals (default: standard output)")
+    p.add_argument("--output", "-o", default=None, metavar="FILE",
+                   help="write JSONL of token scores and document totals to FILE ('-': standard output); "
+                   "without it, one summary line per document is printed")
     p.add_argument("--totals-only", action="store_true", help="write only each document's totals")
     p.set_defaults(func=run)
 
@@ -56,29 +57,36 @@ def run(args: argparse.Namespace) -> int:
     model, codec = load_model_and_tokenizer(args)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    segment_len = 128 if args.segment_len is None else args.segment_len
+    mem = args.mem_len if args.mem_len is not None else model.config.mem_len
+    context = (f"segment_len {segment_len}, mem_len {mem}{', same_length' if model.config.same_length else ''}"
+               f"{f', clamp_len {model.config.clamp_len}' if model.config.clamp_len > 0 else ''}")
+    summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
+    out = None if args.output is None else sys.stdout if args.output == "-" else open(args.output, "w",  # noqa: SIM115
+                                                                                         encoding="utf-8")
     try:
-        segment_len = 128 if args.segment_len is None else args.segment_len
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=args.batch_size,
                                 mem_len=args.mem_len, context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
                 value = item.perplexity if unit == "ppl" else item.bits_per_token
-                total = {"doc": name, "tokens": item.n_tokens, "nll": item.nll, unit: value,
-                         "bits_per_token": item.bits_per_token}
-                out.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                      for k, v in total.items()}) + "\n")
-                print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f}", file=sys.stderr)
-            elif not args.totals_only:
+                print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f} ({context})", file=summary, flush=True)
+                if out is not None:
+                    total = {"doc": name, "tokens": item.n_tokens, "nll": item.nll, unit: value,
+                             "bits_per_token": item.bits_per_token}
+                    out.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                          for k, v in total.items()}) + "\n")
+            elif out is not None and not args.totals_only:
                 for pos, (tid, lp) in enumerate(zip(item.token_ids, item.logprobs), start=item.start):
                     out.write(json.dumps({"doc": name, "pos": pos, "token": codec.token_text(tid),
                                           "logprob": round(float(lp), 6)}, ensure_ascii=False) + "\n")
-            out.flush()
+            if out is not None:
+                out.flush()
     except BrokenPipeError:  # the reader stopped early (`| head`): not an error
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     finally:
-        if out is not sys.stdout:
+        if out is not None and out is not sys.stdout:
             out.close()
     return 0

@@ -1,8 +1,9 @@
 """`txl train`: train from a preset (default: a small byte-level model on this Python's stdlib source).
 
-    txl train                                      # the default job, about 5 minutes on 2 CPU cores
+    txl train                                      # the default job: 1500 seeded steps, ~5 minutes on 2 CPU cores
     txl train --preset ptb --data.data_dir ../shared/data/ptb
     txl train --preset enwik8_base --model.mem_len 300 --optim.lr 1e-3
+    txl train --config runs/ptb/run.json --train.out_dir runs/ptb2   # a saved run's config
     txl train --resume runs/ptb                    # continue exactly where the run stopped
     torchrun --nproc_per_node 2 -m txl train --preset tiny
 """
@@ -12,69 +13,92 @@ from __future__ import annotations
 import argparse
 import sys
 
+from txl.config import SECTIONS, add_config_arguments, load_preset, overrides_from
+
+DEFAULT_PRESET = "default"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a model (no arguments: the default 5-minute CPU job)",
-        description="Train a Transformer-XL. Any config field can be set as --SECTION.FIELD VALUE, with "
-        "SECTION one of data, model, optim, train, eval (e.g. --model.mem_len 300 --optim.lr 1e-3).")
-    p.add_argument("--preset", default=None,
-                   help="preset name (see --list-presets) or a .toml file (default: 'default')")
+        "train", help="train a model (no arguments: the default 5-minute CPU job)", allow_abbrev=False,
+        usage="txl train [--config NAME_OR_FILE | --resume DIR] [--list-presets] [--SECTION.FIELD VALUE ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a Transformer-XL. Every config field below can be set as --SECTION.FIELD VALUE; the "
+        "rest comes from --config (default: the preset 'default', whose values are shown where they differ "
+        "from the field's default).\n"
+        "An explicit --train.max_steps (or --max-steps) turns off a preset's time budget unless --train.minutes "
+        "is given too.")
+    p.add_argument("--config", "--preset", dest="config", default=None, metavar="NAME_OR_FILE",
+                   help="a preset name (see --list-presets), a .toml file, or a saved run.json (or its run "
+                   "directory); default: 'default'")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a run from its run directory (latest checkpoint) or a checkpoint directory")
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
-    p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no limit)")
+    p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
     p.add_argument("--overwrite", action="store_true",
                    help="train afresh into a run directory that holds an earlier run, deleting that run")
-    p.add_argument("--list-presets", action="store_true", help="list the presets and exit")
-    p.set_defaults(func=run, extra_args=True)
+    p.add_argument("--list-presets", action="store_true",
+                   help="one line per preset: what it is, parameters, expected time; then exit")
+    add_config_arguments(p, list(SECTIONS), preset=load_preset(DEFAULT_PRESET), preset_name=DEFAULT_PRESET)
+    p.set_defaults(func=run)
 
 
-def parse_overrides(extra: list[str]) -> dict[str, str]:
-    """['--model.mem_len', '300', '--optim.lr=1e-3'] -> {'model.mem_len': '300', 'optim.lr': '1e-3'}."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ValueError(f"unrecognised argument {arg!r}; config fields are set as --SECTION.FIELD VALUE "
-                             "(e.g. --model.mem_len 300); see txl train --help")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(extra):
-                raise ValueError(f"--{key} needs a value")
-            value, i = extra[i + 1], i + 1
-        out[key] = value
-        i += 1
-    return out
+def list_presets() -> list[str]:
+    """One line per preset: name, parameters (built on the meta device: no memory, no time), what it is."""
+    import torch
+
+    from txl.config import preset_expected_time, preset_names, preset_summary, run_config
+    from txl.model import TransformerXL
+
+    lines = []
+    for name in preset_names():
+        with torch.device("meta"):
+            n = sum(p.numel() for p in TransformerXL(run_config(name).model).parameters())
+        size = f"{n / 1e6:.1f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
+        lines.append(f"{name:<12} {size:>7} params  {preset_expected_time(name):<38} {preset_summary(name)}")
+    return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    from txl.checkpoint import find_checkpoint, read_run
-    from txl.cli import is_main_process
-    from txl.config import RunConfig, apply_overrides, load_preset, preset_names
-    from txl.distributed import OtherRankFailed
-    from txl.signals import Stopped
-    from txl.train import TrainingError, train
+def build_config(args: argparse.Namespace):
+    """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD."""
+    import logging
 
-    if args.list_presets:
-        print("\n".join(preset_names()))
-        return 0
-    overrides = parse_overrides(getattr(args, "extra", []))
+    from txl.checkpoint import find_checkpoint, read_run, run_dir_of
+    from txl.config import RunConfig, apply_overrides
+
+    overrides: dict[str, object] = overrides_from(args)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.minutes, "train.minutes"),
                       (args.out, "train.out_dir")):
         if flag is not None:
             overrides[key] = flag
     if args.resume:
-        if args.preset:
-            raise ValueError("--resume takes the run's config from its checkpoint; drop --preset "
+        if args.config:
+            raise ValueError("--resume takes the run's config from its checkpoint; drop --config/--preset "
                              "(override single fields with --SECTION.FIELD instead)")
         base = read_run(find_checkpoint(args.resume)).to_dict()
-        overrides.setdefault("train.out_dir", str(_run_dir(args.resume)))
+        overrides.setdefault("train.out_dir", str(run_dir_of(args.resume)))
     else:
-        base = load_preset(args.preset or "default")
-    cfg = RunConfig.from_dict(apply_overrides(base, overrides))
+        base = load_preset(args.config or DEFAULT_PRESET)
+        # The user's step count wins over a preset's time budget (a budget only if asked for with it).
+        if "train.max_steps" in overrides and "train.minutes" not in overrides and \
+                float(base.get("train", {}).get("minutes", 0) or 0):
+            logging.getLogger(__name__).info("train.max_steps given: the preset's %s-minute time budget is off "
+                                             "(add --train.minutes to keep one)", base["train"]["minutes"])
+            overrides["train.minutes"] = 0
+    return RunConfig.from_dict(apply_overrides(base, overrides))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        print("\n".join(list_presets()))
+        return 0
+    cfg = build_config(args)
+    from txl.cli import is_main_process
+    from txl.distributed import OtherRankFailed
+    from txl.signals import Stopped
+    from txl.train import TrainingError, train
+
     if args.resume and args.overwrite:
         raise ValueError("--resume continues a run and --overwrite deletes it; give one of them")
     try:
@@ -103,10 +127,10 @@ def run(args: argparse.Namespace) -> int:
     if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
     print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
-    print(f"valid: {result.valid.describe()}")
+    print(f"valid (best checkpoint, step {result.best_step}; {result.valid_context}): {result.valid.describe()}")
     if result.test is not None:
-        mem = cfg.eval.mem_len if cfg.eval.mem_len is not None else cfg.model.mem_len
-        print(f"test (mem_len {mem}, trained with {cfg.model.mem_len}): {result.test.describe()}")
+        print(f"test (best checkpoint, step {result.best_step}; {result.test_context}; trained with mem_len "
+              f"{cfg.model.mem_len}, tgt_len {cfg.train.tgt_len}): {result.test.describe()}")
     if result.sample is not None:
         print("sample (prompt >>> continuation):")
         print(result.sample)
@@ -124,21 +148,12 @@ def _peer_died(err: RuntimeError) -> bool:
 
 def _resume_hint(out_dir: str) -> str:
     """The exact resume command when a checkpoint exists, else what to do instead."""
-    from pathlib import Path
-
-    from txl.checkpoint import _pointer
+    from txl.checkpoint import latest
 
     try:
-        latest = _pointer(Path(out_dir), "latest")
+        found = latest(out_dir)
     except ValueError:
-        latest = None
-    if latest is not None and latest.is_dir():
-        return f"the last checkpoint is {latest}; resume with: txl train --resume {out_dir}"
+        found = None
+    if found is not None and found.is_dir():
+        return f"the last checkpoint is {found}; resume with: txl train --resume {out_dir}"
     return f"no checkpoint was written, nothing to resume; start again with --out {out_dir} --overwrite"
-
-
-def _run_dir(path: str):
-    from pathlib import Path
-
-    p = Path(path)
-    return p.parent.parent if (p / "config.json").is_file() and p.parent.name == "checkpoints" else p

@@ -13,13 +13,14 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from txl.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +51,14 @@ def write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> i
     The length is unknown until the last chunk, so chunks go to a raw temporary file first and are
     then copied block by block into the ``.npy`` (memory stays bounded by one chunk).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     info = np.iinfo(dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, raw_name = tempfile.mkstemp(dir=path.parent, suffix=".raw")
     raw = Path(raw_name)
-    tmp = path.with_name(path.name + ".tmp.npy")
-    try:
-        n = 0
+    n = 0
+
+    def fill(tmp: Path) -> None:
+        nonlocal n
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 if len(chunk) and (chunk.min() < 0 or chunk.max() > info.max):
@@ -72,11 +74,12 @@ def write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: np.dtype) -> i
             del src
         out.flush()
         del out
-        os.replace(tmp, path)
+
+    try:
+        atomic_write(path, fill)
         return n
     finally:
         raw.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
 
 
 def load_tokens(path: Path) -> np.ndarray:
@@ -91,29 +94,19 @@ def lookup(cache_dir: Path, key: str) -> Path | None:
     return entry if (entry / COMPLETE).is_file() else None
 
 
-def build(cache_dir: Path, key: str, fill: Callable[[Path], dict[str, Any]]) -> Path:
-    """Create the entry for ``key``: ``fill(tmpdir)`` writes the files and returns the metadata.
+def build(cache_dir: Path, key: str, fill_files: Callable[[Path], dict[str, Any]]) -> Path:
+    """Create the entry for ``key``: ``fill_files(tmpdir)`` writes the files and returns the metadata.
 
     The metadata is written last, then the directory is renamed into place. If another process
     finished the same entry first, its entry is kept and ours discarded (they are identical).
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key[:16]}-"))
-    try:
-        meta = fill(tmp)
+    entry = cache_dir / key
+    meta: dict[str, Any] = {}
+
+    def fill(tmp: Path) -> None:
+        meta.update(fill_files(tmp))
         (tmp / COMPLETE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        entry = cache_dir / key
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if lookup(cache_dir, key) is None:
-                raise
-            log.debug("cache entry %s was built concurrently; keeping the existing one", key)
-        return entry
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
-
-def read_meta(entry: Path) -> dict[str, Any]:
-    return json.loads((entry / COMPLETE).read_text(encoding="utf-8"))
+    if not atomic_write(entry, fill, directory=True, replace=False):
+        log.debug("cache entry %s was built concurrently; keeping the existing one", key)
+    return entry

@@ -236,8 +236,8 @@ def files_corpus(train: str | Path, valid: str | Path, test: str | Path, *, leve
 
 def _how_to_get(spec: CorpusSpec, data_dir: Path) -> str:
     if spec.name in REGISTRY:
-        return (f"download it with `txl data download {spec.name} --dir {data_dir}`, or pass --data-dir "
-                "(data_dir=) pointing at the folder that holds the files")
+        return (f"download it with `txl data download {spec.name} --dir {data_dir}`, or pass --data.data_dir "
+                "(DataConfig.data_dir) pointing at the folder that holds the files")
     return "pass the path of an existing file"
 
 
@@ -305,6 +305,29 @@ class Corpus:
         return getattr(self, name)
 
 
+SPLIT_SUFFIXES = (".txt", ".tokens", ".raw", ".bin")
+"""A pre-split directory's files: SPLIT + suffix (train.txt) or PREFIX.SPLIT + suffix (wiki.train.tokens)."""
+
+
+def split_files(directory: Path) -> list[Path]:
+    """The train, valid and test files of a pre-split directory, or one line that says what was found."""
+    found = []
+    for split in SPLITS:
+        names = [f"{split}{ext}" for ext in SPLIT_SUFFIXES]
+        hits = [directory / n for n in names if (directory / n).is_file()]
+        hits += sorted(f for ext in SPLIT_SUFFIXES for f in directory.glob(f"*.{split}{ext}") if f.is_file())
+        found.append(hits)
+    if all(len(h) == 1 for h in found):
+        return [h[0] for h in found]
+    present = sorted(f.name for f in directory.iterdir() if f.is_file())[:12]
+    problems = [f"{split}: {'none' if not h else ', '.join(f.name for f in h)}" for split, h in zip(SPLITS, found)
+                if len(h) != 1]
+    raise FileNotFoundError(
+        f"{directory} needs exactly one file per split, named train/valid/test with a suffix of "
+        f"{'/'.join(SPLIT_SUFFIXES)} (train.txt, or a prefix: wiki.train.tokens); found {'; '.join(problems)} "
+        f"among {', '.join(present) or 'no files'}")
+
+
 def get_spec(name_or_path: str | Path | CorpusSpec, *, level: Level | None = None) -> tuple[CorpusSpec, bool]:
     """The spec for a registry name, a file, a directory of train/valid/test.txt, or a spec.
 
@@ -319,15 +342,10 @@ def get_spec(name_or_path: str | Path | CorpusSpec, *, level: Level | None = Non
         if path.is_file():
             return text_corpus(path, level=level or "char"), False
         if path.is_dir():
-            files = [path / f"{s}.txt" for s in SPLITS]
-            missing = [str(f) for f in files if not f.is_file()]
-            if missing:
-                raise FileNotFoundError(f"{path} is a directory without {', '.join(missing)}; a corpus "
-                                        "directory needs train.txt, valid.txt and test.txt")
-            return files_corpus(*files, level=level or "word"), False
+            return files_corpus(*split_files(path), level=level or "word"), False
         if path.suffix or len(path.parts) > 1:
             raise FileNotFoundError(f"{path} does not exist; pass an existing text file, a directory with "
-                                    f"train.txt/valid.txt/test.txt, or one of: {', '.join(REGISTRY)}")
+                                    f"train/valid/test files (e.g. train.txt), or one of: {', '.join(REGISTRY)}")
         raise ValueError(f"unknown corpus {str(name_or_path)!r}; known corpora: {', '.join(REGISTRY)} "
                          "(or pass the path of a text file or of a directory with train/valid/test.txt)")
     if level is not None and level != spec.level:
@@ -425,7 +443,7 @@ def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None,
                          "the first time it is used; there is nothing to download")
     if not spec.downloads:
         raise ValueError(f"corpus {spec.name!r} has no downloads; put its files in a folder and pass it as "
-                         "data_dir / --data-dir")
+                         "--data.data_dir (DataConfig.data_dir)")
     directory = Path(directory) if directory is not None else Path("data") / spec.name
     for item in spec.downloads:
         if item.sha256 is None:

@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from txl.model.adaptive import IGNORE_INDEX  # the one definition: the loss skips these labels
 from txl.runtime import to_device
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -403,7 +403,7 @@ def _fit_word(spec: dict[str, Any], train: Sequence[Source]) -> WordTokenizer:
         # A given vocabulary (One Billion Word's): first field of each line, in file order.
         path = Path(spec["vocab_file"])
         if not path.is_file():
-            raise FileNotFoundError(f"vocabulary file {path} does not exist; pass vocab_file= or --data-dir "
+            raise FileNotFoundError(f"vocabulary file {path} does not exist; pass vocab_file= or --data.data_dir "
                                     "pointing at the folder that holds it")
         symbols = [fields[0] for line in path.read_text(encoding="utf-8").split("\n")
                    if (fields := line.split())]

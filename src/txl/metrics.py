@@ -1,0 +1,190 @@
+"""The metrics of a run: ``metrics.jsonl`` rows (+ TensorBoard events), the learning-curve plot, and the
+progress bar that log lines are written above.
+
+Only the main process writes; the others hold a disabled log, so the training loop calls the same
+methods everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "learning_curve.png"
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard when installed) on the main process; nothing elsewhere.
+
+    Rows are ``{"kind": "train" | "valid" | "test", "step": N, ...values}``. A resumed run drops the rows
+    after its checkpoint's step (the resumed steps write them again), so the file reads as one run.
+    """
+
+    def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: int | None) -> None:
+        self.path, self.enabled, self.tb = out_dir / METRICS_FILE, enabled, None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            rows = [r for r in self.path.read_text(encoding="utf-8").splitlines()
+                    if r.strip() and json.loads(r).get("step", 0) <= resume_step]
+            self.path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+        elif resume_step is None:
+            self.path.write_text("", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(out_dir / "tb"))
+            except ImportError:
+                log.info("tensorboard is not installed (pip install 'txl[tb]'): metrics go to %s only", self.path)
+
+    def write(self, kind: str, step: int, **values: Any) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(r) for r in path.read_text(encoding="utf-8").splitlines() if r.strip()]
+
+
+def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
+    """Train and valid loss against step; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'txl[cli]'): no learning-curve plot")
+        return False
+    rows = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in ("train", "valid"):
+        pts = [(r["step"], r["loss"]) for r in rows if r["kind"] == kind]
+        if pts:
+            ax.plot(*zip(*pts), label=kind, marker="o" if kind == "valid" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"learning curve ({metric})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, keys: str, png: str | Path) -> bool:
+    """The metric against the memory length (``txl eval --sweep-mem``); title and axis say what each query
+    sees (``keys``); False when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'txl[cli]'): no sweep plot")
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(mem_lens, values, marker="o")
+    ax.set_xlabel(f"memory length mem_len (keys per query: {keys})")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} against memory length")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+class _NullBar:
+    """What the loop talks to when no bar is shown (another process, --train.progress false, no tqdm)."""
+
+    total: int | None = None
+
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, values: dict) -> None: ...
+    def refresh(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _BarHandler(logging.Handler):
+    """Writes log records with ``tqdm.write``, so they print above the bar instead of onto its line."""
+
+    def __init__(self, tqdm: Any, stream: Any) -> None:
+        super().__init__()
+        self.tqdm, self.stream = tqdm, stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+class ProgressBar:
+    """A tqdm bar whose log lines go above it: while it is open, the root logger's stream handlers write
+    through ``tqdm.write``; ``close()`` puts them back."""
+
+    def __init__(self, *, total: int, initial: int, enabled: bool, unit: str = "step", desc: str | None = None) -> None:
+        self.bar: Any = _NullBar()
+        self._tqdm: Any = None
+        self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self._tqdm = tqdm
+        self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True)
+        root = logging.getLogger()
+        for h in list(root.handlers):
+            if type(h) is logging.StreamHandler:
+                new = _BarHandler(tqdm, h.stream)
+                new.setFormatter(h.formatter)
+                new.setLevel(h.level)
+                root.removeHandler(h)
+                root.addHandler(new)
+                self._swapped.append((h, new))
+
+    def write(self, text: str, stream: Any) -> None:
+        """A line of output above the bar (or just the line when no bar is shown)."""
+        if self._tqdm is not None:
+            self._tqdm.write(text, file=stream)
+        else:
+            stream.write(text + "\n")
+            stream.flush()
+
+    def set_total(self, total: int) -> None:
+        """The bar's total follows a time budget's horizon (so its ETA is the budget's)."""
+        if self.bar.total != total:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def set_postfix(self, values: dict) -> None:
+        self.bar.set_postfix(values)
+
+    def close(self) -> None:
+        self.bar.close()
+        root = logging.getLogger()
+        for old, new in self._swapped:
+            root.removeHandler(new)
+            root.addHandler(old)
+        self._swapped = []
