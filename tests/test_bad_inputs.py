@@ -226,8 +226,7 @@ CASES = [
      "trained with", 2),
     # -- txl eval
     ("eval-missing", ["eval", "{root}/nope"],
-     "{root}/nope does not exist; pass a run directory (with latest.json) or a checkpoint directory (with "
-     "config.json)", 2),
+     "{root}/nope does not exist (and is not a Hugging Face Hub repo id like transfo-xl/transfo-xl-wt103)", 2),
     ("eval-not-a-run", ["eval", "{root}/a_dir"],
      "{root}/a_dir holds no checkpoint (no latest.json, no config.json)", 2),
     ("eval-batch-size-0", ["eval", "{run}", "--eval.batch_size", "0"],
@@ -271,8 +270,8 @@ CASES = [
      "{root}/dangling_latest/latest.json points at {root}/dangling_latest/checkpoints/step_00000002, which is "
      "missing", 2),
     ("eval-no-run-json", ["eval", "{no_run_json}"],
-     "{root}/no_run_json/checkpoints/step_00000002/run.json not found: "
-     "{root}/no_run_json/checkpoints/step_00000002 is not a training checkpoint", 2),
+     "{root}/no_run_json/checkpoints/step_00000002 is a model without a training run: name the corpus to "
+     "evaluate on with --corpus NAME|PATH (e.g. --corpus wt103 --data-dir data/wt103)", 2),
     ("eval-other-corpus", ["eval", "{run}", "--data.corpus", "{root}/latin1.txt"],
      "the valid split of corpus 'latin1' is empty ({root}/latin1.txt[10:10]); give a non-empty file or larger "
      "split fractions", 2),
@@ -309,8 +308,7 @@ CASES = [
     ("generate-device-cuda", ["generate", *R, "--prompt", "x", "--device", "cuda"],
      "--device 'cuda': CUDA is not available on this machine; use --device cpu", 2, no_cuda),
     ("generate-checkpoint-missing", ["generate", "--checkpoint", "{root}/nope", "--prompt", "x"],
-     "{root}/nope does not exist; pass a run directory (with latest.json) or a checkpoint directory (with "
-     "config.json)", 2),
+     "{root}/nope does not exist (and is not a Hugging Face Hub repo id like transfo-xl/transfo-xl-wt103)", 2),
     ("generate-pickled-vocab", ["generate", "--checkpoint", "{hf_pickle}", "--prompt", "x"],
      "{root}/hf_pickle/vocab.pkl is a pickled vocabulary and pickles can run code, so it is not read by "
      "default; if you trust it pass --allow-pickle (allow_pickle=True), or convert it once to vocab.txt with "

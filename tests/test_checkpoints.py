@@ -130,7 +130,7 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         txl.from_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="is not a directory"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         txl.from_pretrained(tmp_path / "nope")
 
 

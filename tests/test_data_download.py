@@ -194,3 +194,54 @@ def test_download_corpus_end_to_end_from_local_archive(server, tmp_path):
     assert len(corpus.train) == 7 and corpus.vocab_size == 4  # <eos> b c a
     with pytest.raises(ValueError, match="known|downloaded"):
         download_corpus("ptb-xl", tmp_path)
+
+
+def test_mirrors_are_tried_in_order_until_one_serves_the_right_bytes(server, tmp_path, caplog):
+    server.files["/wrong.zip"] = PAYLOAD[::-1]  # a mirror serving other bytes
+    server.files["/good.zip"] = PAYLOAD
+    urls = [f"{server.url}/gone.zip", f"{server.url}/wrong.zip", f"{server.url}/good.zip"]
+    md5 = hashlib.md5(PAYLOAD).hexdigest()
+    with caplog.at_level("WARNING"):
+        dest = download(urls, tmp_path / "f.zip", sha256=_sha(PAYLOAD), md5=md5, retries=0)
+    assert dest.read_bytes() == PAYLOAD and not (tmp_path / "f.zip.part").exists()
+    assert [e["path"] for e in server.log] == ["/wrong.zip", "/good.zip"]  # /gone.zip: a 404, not logged
+    assert "HTTP Error 404" in caplog.text and "checksum mismatch" in caplog.text
+    assert "trying the next mirror" in caplog.text
+
+
+def test_md5_pin_alone_is_checked(server, tmp_path):
+    server.files["/f.bin"] = PAYLOAD
+    with pytest.raises(ValueError, match="expected md5 0{32}, got " + hashlib.md5(PAYLOAD).hexdigest()):
+        download(f"{server.url}/f.bin", tmp_path / "f.bin", sha256=None, md5="0" * 32, retries=0)
+
+
+def test_every_mirror_failing_names_each_failure(server, tmp_path):
+    urls = [f"{server.url}/a.zip", f"{server.url}/b.zip"]
+    with pytest.raises(ConnectionError, match=r"every mirror of f.zip failed \(.*/a.zip: HTTP Error 404.*"
+                       r"/b.zip: HTTP Error 404"):
+        download(urls, tmp_path / "f.zip", sha256=None, retries=0)
+
+
+def test_progress_bar_counts_every_byte(server, tmp_path, monkeypatch):
+    tqdm = pytest.importorskip("tqdm")
+    bars = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    server.files["/f.bin"] = PAYLOAD
+    download(f"{server.url}/f.bin", tmp_path / "f.bin", sha256=_sha(PAYLOAD))
+    assert len(bars) == 1 and bars[0].n == bars[0].total == len(PAYLOAD)
+
+
+def test_wikitext_downloads_try_a_live_mirror_first_and_pin_torchtexts_md5():
+    from txl.data.corpora import REGISTRY
+
+    for name, md5 in (("wt103", "9ddaacaf6af0710eda8c456decff7832"), ("wt2", "542ccefacc6c27f945fb54453812b3cd")):
+        (item,) = REGISTRY[name].downloads
+        assert item.url.startswith("https://wikitext.smerity.com/") and item.md5 == md5
+        assert item.mirrors[0].startswith("https://s3.amazonaws.com/research.metamind.io/wikitext/")
+        assert item.sha256 is not None

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_config
 
 import txl
-from txl.generate import IncrementalDecoder, generate_stream, inference_context
+from txl.generate import FINISHED, IncrementalDecoder, generate_stream, inference_context
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -136,7 +136,7 @@ def test_bad_sampling_parameters(kwargs, match):
     ([], "empty"),
     (torch.zeros(1, 0, dtype=torch.long), "empty"),
     ([1, 99], "out of range"),
-    ([[1, 2], [3]], "different lengths"),
+    ([[1, 2], []], "one of the prompts is empty"),
 ])
 def test_bad_prompts(prompt, match):
     model = tiny_model(**CONFIGS["plain_softmax"])
@@ -233,3 +233,79 @@ def test_kv_cache_rejected_where_it_would_be_wrong():
             other(ids, kv_cache=txl.KVCache())
         with torch.no_grad():  # generation falls back to the memory alone
             assert txl.generate(other, ids, max_new_tokens=3, seed=0).shape == (2, 3)
+
+
+# -- ragged batches, stopping, repetition penalty ----------------------------------------------------------
+
+@pytest.mark.parametrize("attn_type", ["relative", "shaw"])
+@pytest.mark.parametrize("segment_len", [2, 64])
+def test_left_padded_batch_equals_one_prompt_at_a_time(attn_type, segment_len):
+    """Prompts of lengths 7, 2 and 4 read as one left-padded batch: every step's log-probabilities equal
+    those of each prompt read alone (pad keys masked in memory and segment, keys cached)."""
+    model = tiny_model(**CONFIGS["adaptive_div2_tied"], attn_type=attn_type)
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (7, 2, 4)]
+    steps = torch.randint(0, 97, (3, 5))  # (B, 5) tokens fed one at a time after the prompts
+    batch, padding = torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        batch[b, 7 - len(p):] = torch.tensor(p)
+        padding[b, :7 - len(p)] = True
+    decoder = IncrementalDecoder(model, mem_len=12, segment_len=segment_len)
+    together = [decoder.feed(batch, padding)] + [decoder.feed(steps[:, t:t + 1]) for t in range(5)]
+    for b, p in enumerate(prompts):
+        alone = IncrementalDecoder(model, mem_len=12, segment_len=segment_len)
+        expected = [alone.feed(torch.tensor([p]))] + [alone.feed(steps[b:b + 1, t:t + 1]) for t in range(5)]
+        for got, want in zip(together, expected):
+            torch.testing.assert_close(got[b:b + 1], want, **TOL)
+    # The API pads lists of different lengths itself: greedy tokens equal one prompt at a time.
+    new = txl.generate(model, prompts, max_new_tokens=6, temperature=0)
+    for b, p in enumerate(prompts):
+        assert new[b].tolist() == txl.generate(model, p, max_new_tokens=6, temperature=0)[0].tolist()
+
+
+def test_padding_needs_relative_positions():
+    model = tiny_model(**CONFIGS["plain_softmax"], attn_type="absolute")
+    with pytest.raises(ValueError, match="prompts of different lengths need relative positions"):
+        txl.generate(model, [[1, 2, 3], [4]], max_new_tokens=2)
+
+
+def test_stop_tokens_end_each_row_and_the_stream():
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    free = txl.generate(model, prompts, max_new_tokens=8, temperature=0)  # (2, 8), no stop
+    stop = int(free[0, 2])  # row 0 stops at its third token
+    out = txl.generate(model, prompts, max_new_tokens=8, temperature=0, stop_tokens=[stop])
+    first = [i for i, t in enumerate(free[1].tolist()) if t == stop]
+    end1 = first[0] + 1 if first else 8
+    k0 = free[0].tolist().index(stop) + 1
+    assert out.shape == (2, max(k0, end1))  # the stream ends when both rows have stopped
+    assert out[0, :k0].tolist() == free[0, :k0].tolist() and set(out[0, k0:].tolist()) <= {FINISHED}
+    assert out[1, :end1].tolist() == free[1, :end1].tolist()
+
+
+def test_stop_strings_read_the_decoded_text():
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    free = txl.generate(model, [1, 2, 3], max_new_tokens=8, temperature=0)[0].tolist()
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    cut = decode(free[:3])[-4:]  # the text ends with the third token's last characters
+    out = txl.generate(model, [1, 2, 3], max_new_tokens=8, temperature=0, stop_strings=[cut], decode=decode)[0]
+    k = next(n for n in range(1, 9) if cut in decode(free[:n]))
+    assert out.tolist() == free[:k]
+    with pytest.raises(ValueError, match="stop_strings need decode="):
+        txl.generate(model, [1], max_new_tokens=2, stop_strings=["x"])
+
+
+def test_repetition_penalty_math_and_effect():
+    from txl.sampling import apply_repetition_penalty
+
+    lp = torch.tensor([[-0.5, -1.0, -2.0, 0.0]])
+    seen = torch.tensor([[True, False, True, True]])
+    out = apply_repetition_penalty(lp, seen, 2.0)
+    assert out.tolist() == [[-1.0, -1.0, -4.0, 0.0]]  # seen scores doubled (p -> p**2), unseen unchanged
+    assert torch.equal(apply_repetition_penalty(lp, seen, 1.0), lp)
+    with pytest.raises(ValueError, match="repetition_penalty=0 must be > 0"):
+        apply_repetition_penalty(lp, seen, 0)
+    # A huge penalty makes greedy decoding avoid every token it has read or written.
+    model = tiny_model(**CONFIGS["plain_softmax"])
+    prompt = [1, 2, 3, 4]
+    out = txl.generate(model, prompt, max_new_tokens=20, temperature=0, repetition_penalty=1e6)[0].tolist()
+    assert len(set(prompt + out)) == len(prompt) + len(out)

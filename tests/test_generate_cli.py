@@ -79,8 +79,20 @@ def test_cli_generate_is_reproducible(hf_dir, capsys):
     assert run_cli(capsys, *args)[1] == out
 
 
+def test_cli_stop_string_cuts_the_text_where_it_first_appears(hf_dir, capsys):
+    args = ["generate", "--checkpoint", hf_dir, "--prompt", "the cat sat", "--max-new-tokens", 30,
+            "--temperature", 0.9, "--seed", 5]
+    rc, full, _ = run_cli(capsys, *args)
+    words = full.split()
+    stop = words[len(words) // 2]  # a word in the middle of the free output
+    rc, cut, err = run_cli(capsys, *args, "--stop", stop)
+    assert rc == 0, err
+    assert cut.rstrip("\n") == full[:full.index(stop)]  # the same text, up to the first occurrence
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
     (["--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--prompt", "x", "--top-p", "0"], "top_p"),
     (["--prompt", "x", "--top-k", "-3"], "top_k"),
@@ -118,6 +130,27 @@ def test_cli_score_jsonl_and_perplexity(hf_dir, tmp_path, capsys):
     mean = -sum(r["logprob"] for r in tokens) / len(tokens)
     assert math.isclose(total["ppl"], math.exp(mean), rel_tol=1e-4)
     assert f"{a}: {len(tokens)} tokens, ppl" in err
+
+
+def test_cli_score_takes_the_evaluation_context(hf_dir, tmp_path, capsys):
+    """--clamp-len and --same-length reach the model: the totals equal the API's with the same context."""
+    from txl.data.tokenizer import load_model_tokenizer
+
+    a = tmp_path / "a.txt"
+    a.write_text("the cat sat on the mat .\nIt 's a big red dog .\n" * 3)
+    common = ["score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, "--mem-len", 6, "--totals-only",
+              "-o", "-"]
+    totals = {}
+    for extra in ([], ["--clamp-len", 2, "--no-same-length"]):
+        rc, out, err = run_cli(capsys, *common, *extra, a)
+        assert rc == 0, err
+        totals[len(extra)] = json.loads(out)["nll"]
+    model = txl.from_pretrained(hf_dir)
+    tok = load_model_tokenizer(hf_dir, pretokenized=True)
+    ids = list(tok.encode_lines(a.read_text().splitlines(keepends=True)))
+    [api] = txl.score_documents(model, [ids], segment_len=4, mem_len=6, clamp_len=2, same_length=False,
+                                context_id=tok.context_id)
+    assert math.isclose(totals[3], api.nll, rel_tol=1e-6) and not math.isclose(totals[3], totals[0], rel_tol=1e-6)
 
 
 def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsys):

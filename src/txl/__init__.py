@@ -12,6 +12,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+"""The one version source: pyproject.toml reads it (setuptools dynamic version)."""
 
 _EXPORTS = {
     "Context": "txl.config", "ModelConfig": "txl.config",

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_temperature", "check_sampling", "top_k_filter", "top_p_filter", "sample_next"]
+__all__ = [
+    "apply_repetition_penalty", "apply_temperature", "check_sampling", "top_k_filter", "top_p_filter", "sample_next",
+]
 
 
-def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None) -> None:
+def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   repetition_penalty: float | None = None) -> None:
     """The one check of the sampling arguments (None: not given), each with the message that names it.
 
     Public entry points call it once (``sample_next``, the filters, ``txl.generate``'s ``check_sampling``
@@ -29,6 +32,8 @@ def check_sampling(*, temperature: float | None = None, top_k: int | None = None
         raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
+    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty={repetition_penalty!r} must be > 0 (1 disables it; CTRL uses 1.2)")
 
 
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
@@ -98,6 +103,22 @@ def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     remove_sorted[..., 0] = False  # the top token survives even with rounding error
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)  # back to vocab order
     return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_repetition_penalty(log_probs: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Penalise tokens already in the context (Keskar et al. 2019, CTRL, section 4.1): a new (B, V) tensor.
+
+    ``seen``: (B, V) bool, True for the tokens each row has read or produced. CTRL divides a seen token's
+    logit by ``penalty``; as in Hugging Face's ``RepetitionPenaltyLogitsProcessor`` a negative score is
+    multiplied instead, so the penalty always lowers it. Our scores are log-probabilities (<= 0), so a seen
+    token's is multiplied by ``penalty``: its probability becomes p ** penalty before renormalising.
+    ``penalty`` 1 changes nothing; below 1 favours repetition.
+    """
+    check_sampling(repetition_penalty=penalty)
+    if seen.shape != log_probs.shape or seen.dtype != torch.bool:
+        raise ValueError(f"seen must be a {tuple(log_probs.shape)} bool tensor, got {seen.dtype} {tuple(seen.shape)}")
+    scaled = torch.where(log_probs < 0, log_probs * penalty, log_probs / penalty)
+    return torch.where(seen, scaled, log_probs)
 
 
 def sample_next(

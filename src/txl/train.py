@@ -184,12 +184,14 @@ def eval_settings(*, tgt_len: int, mem_len: int, clamp_len: int | None, same_len
 # -- wiring ---------------------------------------------------------------------------------------------
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, init: TransformerXL | None = None) -> TrainResult:
     """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample.
 
     A fresh run refuses a run directory that already holds files unless ``overwrite`` (which deletes
     them); one process at a time may train into a directory (``txl.rundir``). SIGTERM and SIGINT stop
     the run at the next step boundary with a checkpoint and raise ``txl.signals.Stopped``.
+    ``init``: a model whose weights the run starts from (fine-tuning, ``txl.finetune``); its parameters
+    must have the shapes ``cfg.model`` gives.
     """
     from txl.data.corpora import load_run_corpus
 
@@ -203,7 +205,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         check_splits_fit(cfg, corpus)
         with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
             with StopRequest() as stop:
-                result = Trainer(cfg, corpus, info, stop).run(resume)
+                result = Trainer(cfg, corpus, info, stop, init=init).run(resume)
             barrier(info)  # no process tears the group down while another still tests, plots or samples
             return result
     finally:
@@ -259,13 +261,16 @@ def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, l
 class Trainer:
     """The run's stateful parts and the loop that drives them; holds no state a checkpoint forgets."""
 
-    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo, stop: StopRequest | None = None) -> None:
+    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo, stop: StopRequest | None = None, *,
+                 init: TransformerXL | None = None) -> None:
         t = cfg.train
         self.stop = stop or StopRequest()  # SIGTERM/SIGINT seen: checkpoint and stop at the step boundary
         self.saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self.cfg, self.corpus, self.info, self.out = cfg, corpus, info, Path(t.out_dir)
         torch.manual_seed(t.seed)
         self.model = TransformerXL(cfg.model).to(info.device)
+        if init is not None:  # fine-tuning: the pretrained weights, every process the same
+            self.model.load_state_dict(init.state_dict())
         torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = resolve_precision(t.precision, info.device)

@@ -11,11 +11,13 @@ import argparse
 import logging
 import sys
 
+from txl import __version__
 from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
+from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 
-SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score]
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
 
 
 def is_main_process() -> bool:
@@ -29,6 +31,7 @@ def is_main_process() -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txl", description="Transformer-XL language models.", allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"txl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(sub)

@@ -35,7 +35,7 @@ def run_download(args: argparse.Namespace) -> int:
     spec = REGISTRY.get(args.name)
     if spec is not None:
         for item in spec.downloads:
-            if item.sha256 is None:
+            if item.sha256 is None and item.md5 is None:
                 print(f"note: no published sha256 is known for {item.url}; it will not be verified")
     if args.from_file:
         _place_archive(args.name, args.dir, args.from_file)

@@ -3,6 +3,13 @@
     txl eval runs/default                          # best checkpoint, TEST split, the run's eval context
     txl eval runs/ptb --eval.mem_len 512 --eval.clamp_len 400 --eval.same_length --eval.tgt_len 64
     txl eval runs/default --sweep-mem 0,32,64,128,256   # table + plot in the run directory
+    txl eval --checkpoint transfo-xl/transfo-xl-wt103 --corpus wt103 --split test   # the published 18.3
+
+A model directory without a run (a Hugging Face transfo-xl directory or Hub repo id, or a txl model saved
+by save_pretrained) is evaluated on ``--corpus`` with its own vocabulary (the corpus files are read as
+pretokenized words, ``<eos>`` per line) and its own context: a Hugging Face wt103 checkpoint carries the
+paper's (mem_len 1600, clamp_len 1000, same_length), with tgt_len 128 and 10 streams as the original
+evaluation script reads the split.
 """
 
 from __future__ import annotations
@@ -15,11 +22,21 @@ from txl.config import add_config_arguments, overrides_from
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval", help="evaluate a checkpoint on the test split (loss, ppl or bpc, tokens/s)", allow_abbrev=False,
-        usage="txl eval CHECKPOINT [--split {valid,test}] [--sweep-mem M1,M2,...] [--eval.FIELD VALUE ...]",
+        usage="txl eval CHECKPOINT|--checkpoint DIR|REPO_ID [--corpus NAME] [--split {valid,test}] "
+        "[--sweep-mem M1,M2,...] [--eval.FIELD VALUE ...]",
         description="Evaluate a checkpoint on the TEST split by default (--split valid for validation), in the "
         "run's evaluation context ([eval] of its config; unset fields: as in training). Any eval or data field "
         "can be overridden as --SECTION.FIELD VALUE, e.g. --eval.mem_len 512 --eval.same_length.")
-    p.add_argument("checkpoint", help="run directory (uses best.json, else latest.json) or checkpoint directory")
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="run directory (uses best.json, else latest.json), checkpoint or model directory, or "
+                   "Hugging Face Hub repo id")
+    p.add_argument("--checkpoint", dest="checkpoint_opt", metavar="DIR|REPO_ID", default=None,
+                   help="the same, as an option")
+    p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
+    p.add_argument("--corpus", dest="data.corpus", default=argparse.SUPPRESS, metavar="NAME|PATH",
+                   help="shortcut for --data.corpus (needed for a model directory without a run)")
+    p.add_argument("--data-dir", dest="data.data_dir", default=argparse.SUPPRESS, metavar="DIR",
+                   help="shortcut for --data.data_dir")
     p.add_argument("--which", choices=["best", "latest"], default="best", help="which checkpoint of a run")
     p.add_argument("--split", choices=["valid", "test"], default="test", help="split to evaluate (default: test)")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many segments (0: all)")
@@ -44,24 +61,99 @@ def keys_per_query(mem_len: int, tgt_len: int, same_length: bool, style: str) ->
     return f"{mem_len + 1}-{mem_len + tgt_len}"
 
 
+# The original evaluation script's defaults for a checkpoint without a run (kimiyoung/transformer-xl
+# pytorch/eval.py and run_wt103_*.sh: --tgt_len 128, --batch_size 10); the memory context is the model's.
+PRETRAINED_TGT_LEN = 128
+PRETRAINED_BATCH_SIZE = 10
+
+
+def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str):
+    """The split of a named corpus (or a train/valid/test folder) encoded with the checkpoint's vocabulary."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from txl.data.corpora import get_spec, resolve_sources
+    from txl.data.tokenizer import load_model_tokenizer
+
+    codec = load_model_tokenizer(directory, pretokenized=True)
+    spec, _ = get_spec(corpus)
+    folder = Path(data_dir) if data_dir else (Path(corpus) if Path(corpus).is_dir() else Path("data") / spec.name)
+    ids: list[int] = []
+    for source in resolve_sources(spec, folder)[split]:
+        with open(source.path, encoding="utf-8") as f:
+            ids.extend(codec.encode_lines(f))
+    tokens = np.asarray(ids, dtype=np.int64)
+    unk = getattr(getattr(codec, "vocab", None), "unk_id", None)
+    n_unk = int((tokens == unk).sum()) if unk is not None else 0
+    return tokens, spec, codec, n_unk
+
+
+def run_pretrained(args: argparse.Namespace, directory, device) -> int:
+    """Evaluate a model directory that has no run config: the checkpoint's vocabulary and context, with the
+    --eval.FIELD options given on the command line taking precedence."""
+    import json
+
+    import txl
+    from txl.config import apply_overrides
+    from txl.evaluate import evaluate
+    from txl.runtime import resolve_precision
+
+    given = apply_overrides({}, overrides_from(args))  # only the options given, typed
+    data, ev = given.get("data", {}), given.get("eval", {})
+    if not data.get("corpus"):
+        raise ValueError(f"{directory} is a model without a training run: name the corpus to evaluate on with "
+                         "--corpus NAME|PATH (e.g. --corpus wt103 --data-dir data/wt103)")
+    if args.sweep_mem:
+        raise ValueError("--sweep-mem needs a run directory; evaluate a model directory one --eval.mem_len at "
+                         "a time")
+    model = txl.from_pretrained(directory, device=device)
+    tokens, spec, codec, n_unk = _pretrained_tokens(directory, data["corpus"], data.get("data_dir"), args.split)
+    if codec.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the vocabulary in {directory} has {codec.vocab_size} symbols but the model has "
+                         f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    c = model.config
+    tgt_len = ev.get("tgt_len") or raw.get("tgt_len") or PRETRAINED_TGT_LEN
+    mem = ev["mem_len"] if ev.get("mem_len") is not None else c.mem_len
+    clamp = ev["clamp_len"] if ev.get("clamp_len") is not None else c.clamp_len
+    same = ev["same_length"] if ev.get("same_length") is not None else c.same_length
+    streams = ev.get("batch_size") or PRETRAINED_BATCH_SIZE
+    print(f"{args.checkpoint} on {spec.name} {args.split}: {len(tokens):,} tokens with the checkpoint's "
+          f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {streams} streams, tgt_len {tgt_len}, "
+          f"mem_len {mem}, clamp_len {clamp}, same_length {same}")
+    r = evaluate(model, tokens, metric=spec.metric, batch_size=streams, tgt_len=tgt_len, mem_len=mem,
+                 clamp_len=clamp, same_length=same, ext_len=ev.get("ext_len"), max_batches=args.max_batches,
+                 precision=resolve_precision(args.precision, device), compile=args.compile)
+    print(f"{args.split}: {r.describe()}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
     from dataclasses import replace
 
-    from txl.checkpoint import check_tokenizer, load, run_dir_of
+    from txl.checkpoint import RUN_FILE, check_tokenizer, load, run_dir_of
     from txl.config import RunConfig, apply_overrides
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate
     from txl.fileio import write_text
     from txl.metrics import ProgressBar, plot_memory_sweep
+    from txl.pretrained import resolve_model_dir
     from txl.runtime import resolve_precision
 
     if args.max_batches < 0:
         raise ValueError(f"--max-batches {args.max_batches} must be >= 0 (0: the whole split)")
+    if (args.checkpoint is None) == (args.checkpoint_opt is None):
+        raise ValueError("give the checkpoint once: txl eval DIR, or txl eval --checkpoint DIR|REPO_ID")
+    args.checkpoint = args.checkpoint or args.checkpoint_opt
     device = resolve_device(args.device)
-    loaded = load(args.checkpoint, which=args.which, with_state=False, device=device)
+    directory = resolve_model_dir(args.checkpoint, revision=args.revision, which=args.which)
+    if not (directory / RUN_FILE).is_file():
+        return run_pretrained(args, directory, device)
+    loaded = load(directory, which=args.which, with_state=False, device=device)
     run_cfg, model = loaded.run, loaded.model
     cfg = RunConfig.from_dict(apply_overrides(run_cfg.to_dict(), overrides_from(args)))
     corpus = load_run_corpus(replace(cfg.data))

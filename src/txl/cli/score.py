@@ -17,6 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="write JSONL of token scores and document totals to FILE ('-': standard output); "
                    "without it, one summary line per document is printed")
     p.add_argument("--totals-only", action="store_true", help="write only each document's totals")
+    p.add_argument("--clamp-len", type=int, default=None,
+                   help="clamp relative distances (<= 0: none; default: the checkpoint's)")
+    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
+                   help="every query attends to the same number of keys (default: the checkpoint's)")
     p.set_defaults(func=run)
 
 
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                                                                                          encoding="utf-8")
     try:
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=args.batch_size,
-                                mem_len=args.mem_len, context_id=codec.context_id):
+                                mem_len=args.mem_len, clamp_len=args.clamp_len, same_length=args.same_length,
+                                context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
                 value = item.perplexity if unit == "ppl" else item.bits_per_token

@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "directory); default: 'default'")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a run from its run directory (latest checkpoint) or a checkpoint directory")
+    p.add_argument("--init-from", default=None, metavar="DIR|REPO_ID",
+                   help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
+                   "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
+    p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
@@ -72,6 +76,9 @@ def build_config(args: argparse.Namespace):
                       (args.out, "train.out_dir")):
         if flag is not None:
             overrides[key] = flag
+    if args.init_from and args.resume:
+        raise ValueError("--init-from starts a new run from a checkpoint's weights, --resume continues a run: "
+                         "give one of them")
     if args.resume:
         if args.config:
             raise ValueError("--resume takes the run's config from its checkpoint; drop --config/--preset "
@@ -86,6 +93,10 @@ def build_config(args: argparse.Namespace):
             logging.getLogger(__name__).info("train.max_steps given: the preset's %s-minute time budget is off "
                                              "(add --train.minutes to keep one)", base["train"]["minutes"])
             overrides["train.minutes"] = 0
+        if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
+            from txl.finetune import run_config
+
+            return run_config(base, overrides, args.init)
     return RunConfig.from_dict(apply_overrides(base, overrides))
 
 
@@ -93,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         print("\n".join(list_presets()))
         return 0
+    args.init = corpus = None
+    if args.init_from:
+        from txl.finetune import load_init
+
+        args.init = load_init(args.init_from, revision=args.revision)
     cfg = build_config(args)
     from txl.cli import is_main_process
     from txl.distributed import OtherRankFailed
@@ -101,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues a run and --overwrite deletes it; give one of them")
+    if args.init is not None:
+        from txl.finetune import encode_corpus
+
+        corpus = encode_corpus(cfg, args.init.tokenizer)
     try:
-        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+        result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
+                       init=None if args.init is None else args.init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
     except OtherRankFailed:

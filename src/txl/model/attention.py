@@ -103,7 +103,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden;
+        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
+        (B, 1, T, K) when rows hide different keys: padding);
         positions: the relative encodings (relative attention), else None; u, v: the model's shared
         biases (None: this layer's own, untie_r).
 

@@ -104,7 +104,7 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool)
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(T, K) bool, True where hidden -> (T, K) additive mask: 0 where visible, -inf where hidden."""
+    """(T, K) (or (B, 1, T, K)) bool, True where hidden -> the additive mask: 0 where visible, -inf where hidden."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
@@ -117,7 +117,7 @@ def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor)
     (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added.
     """
     H, BT, _ = qv.shape
-    T, K = mask_bias.shape
+    T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
     position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
     return realign(position, mask_bias, heads_first=True)  # (B, H, T, K)
 
@@ -230,6 +230,8 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
     kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
     vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+    if bias.dim() == 4 and bias.size(1) != H:  # (B, 1, T, K) padding mask: one fresh bias per head
+        bias = bias.expand(B, H, T, K).contiguous()  # (B, H, T, K)
     if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
         prob = _probabilities(bias.view(B * H, T, K), qh, kh)  # (B*H, T, K)
     else:  # (T, K), broadcast

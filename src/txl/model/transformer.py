@@ -176,7 +176,8 @@ class TransformerXL(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
-                kv_cache: KVCache | None = None, context: Context | None = None) -> LMOutput:
+                kv_cache: KVCache | None = None, context: Context | None = None,
+                padding: torch.Tensor | None = None) -> LMOutput:
         """Run one segment.
 
         input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
@@ -190,6 +191,11 @@ class TransformerXL(nn.Module):
         for incremental decoding: the memory rows' keys and values are read from it instead of being
         projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
         ``txl.model.kv_cache``.
+
+        padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
+        prompts of different lengths read as one batch). No other position attends to a pad, so each row
+        computes what it would alone; relative attention makes the shift of its positions irrelevant.
+        Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
         """
         c = self.config
         ctx = c.context() if context is None else context
@@ -201,6 +207,13 @@ class TransformerXL(nn.Module):
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer
         mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
                               style=ctx.same_length_style, device=input_ids.device)  # (T, K)
+        if padding is not None:
+            if padding.shape != (B, M + T) or padding.dtype != torch.bool:
+                raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
+                                 f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
+            # A real query never sees a pad key; a pad query keeps its causal keys (pads, being on the left).
+            hide = padding[:, None, :] & ~padding[:, M:, None]  # (B, T, K)
+            mask = (mask | hide)[:, None]  # (B, 1, T, K)
 
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         table = ()

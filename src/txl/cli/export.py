@@ -1,0 +1,38 @@
+"""`txl export`: one segment step of a model, memory in and out, as a torch.export program or ONNX.
+
+    txl export --checkpoint runs/default --format torch-export -o step.pt2
+    txl export --checkpoint transfo-xl/transfo-xl-wt103 --format onnx -o wt103-step.onnx
+
+See txl.export for the program's inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export one segment step (memory in and out) for deployment")
+    p.add_argument("--checkpoint", required=True, metavar="DIR|REPO_ID",
+                   help="a model or run directory (its best checkpoint), or a Hugging Face Hub repo id")
+    p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
+    p.add_argument("--format", choices=["torch-export", "onnx"], default="torch-export")
+    p.add_argument("--output", "-o", default=None,
+                   help="file to write (default: step.pt2 or step.onnx in the current directory)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import txl
+    from txl.export import export
+    from txl.pretrained import resolve_model_dir
+
+    output = args.output or ("step.onnx" if args.format == "onnx" else "step.pt2")
+    model = txl.from_pretrained(resolve_model_dir(args.checkpoint, revision=args.revision))
+    c = model.config
+    path = export(model, output, format=args.format)
+    print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
+          f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
+          f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "
+          f"log_probs (B, T, {c.vocab_size}), new_memory, new_padding; B and T dynamic")
+    return 0

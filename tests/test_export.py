@@ -1,0 +1,84 @@
+"""Export of one segment step: the exported program's log-probabilities and memories equal the eager
+model's over three segments of different lengths, at another batch size than the one traced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import txl
+from txl.cli import main
+from txl.export import SegmentStep, initial_state, load
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+SEGMENTS = (4, 1, 7)  # longer than mem_len 5 at the end: the memory is cut to its last 5 rows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=5,
+                             cutoffs=[20], div_val=2, clamp_len=7, dropout=0.0)
+    model = txl.TransformerXL(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return txl.save_pretrained(model, tmp_path_factory.mktemp("model"))
+
+
+def check_against_eager(model, step) -> None:
+    """Three segments through ``step`` (numpy or torch in, out) from initial_state vs eager from memory=None."""
+    B = 3
+    memory, padding = initial_state(model, B)
+    eager_memory = None
+    torch.manual_seed(1)
+    for T in SEGMENTS:
+        ids = torch.randint(0, 50, (B, T))
+        log_probs, memory, padding = step(ids, memory, padding)
+        with torch.no_grad():
+            out = model(ids, memory=eager_memory, return_log_probs=True)
+        eager_memory = out.memory
+        torch.testing.assert_close(log_probs, out.log_probs, atol=2e-6, rtol=1e-5)
+        filled = out.memory[0].size(1)  # the eager memory grows to mem_len; the exported one is padded
+        assert padding.tolist() == [[True] * (5 - filled) + [False] * filled] * B
+        for layer in range(model.config.n_layer):
+            torch.testing.assert_close(memory[layer][:, 5 - filled:], out.memory[layer], atol=2e-6, rtol=1e-5)
+
+
+def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "torch-export",
+                 "-o", str(tmp_path / "step.pt2")]) == 0
+    assert "inputs input_ids (B, T) int64, memory (2, B, 5, 16) float32" in capsys.readouterr().out
+    step = load(tmp_path / "step.pt2")
+    model = txl.from_pretrained(model_dir)
+
+    def run(ids, memory, padding):
+        with torch.no_grad():
+            return step(ids, memory, padding)
+
+    check_against_eager(model, run)
+    # The module that was exported computes the same, eagerly.
+    check_against_eager(model, lambda *a: SegmentStep(model)(*a))
+
+
+def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "s.onnx")]) == 0
+    session = ort.InferenceSession(str(tmp_path / "s.onnx"))
+
+    def run(ids, memory, padding):
+        outs = session.run(None, {"input_ids": ids.numpy(), "memory": np.asarray(memory),
+                                  "memory_padding": np.asarray(padding)})
+        return tuple(torch.from_numpy(o) for o in outs)
+
+    check_against_eager(txl.from_pretrained(model_dir), run)
+
+
+def test_absolute_positions_cannot_be_exported():
+    model = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=8, n_head=2, d_inner=16,
+                                              mem_len=4, attn_type="absolute"))
+    with pytest.raises(ValueError, match="attn_type='absolute' cannot be exported as a segment step"):
+        SegmentStep(model)

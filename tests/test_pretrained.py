@@ -1,0 +1,226 @@
+"""From a published checkpoint: loading by Hugging Face Hub repo id, and evaluating it on a corpus.
+
+Loading by Hub repo id is tested offline: the test builds the Hub cache layout on disk
+(models--ORG--NAME/{refs/main, snapshots/<hash>/...}) holding a tiny model as the Hub repo
+transfo-xl/transfo-xl-wt103 holds it (config.json, pytorch_model.bin, vocab.json), and reads it with
+HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointed at it. Nothing touches the network."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+import pytest
+import torch
+
+import txl
+from txl.cli import main
+from txl.config import RunConfig, load_preset
+from txl.convert.hf import config_to_hf, state_dict_to_hf
+
+hub_constants = pytest.importorskip("huggingface_hub.constants")
+
+WORDS = "<eos> <unk> the cat sat on a mat . dog = Valkyria".split()
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def tiny_model(seed: int) -> txl.TransformerXL:
+    torch.manual_seed(seed)
+    # The published wt103 checkpoint's evaluation context: mem_len 1600, clamp_len 1000, same_length.
+    config = txl.ModelConfig(vocab_size=len(WORDS), n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32,
+                             mem_len=1600, clamp_len=1000, same_length=True, dropout=0.0)
+    return txl.TransformerXL(config).eval()
+
+
+def write_hf_snapshot(folder, model) -> None:
+    """The files of a Hugging Face transfo-xl repo: config.json, pytorch_model.bin, vocab.json."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config_to_hf(model.config)))
+    torch.save(state_dict_to_hf(dict(model.state_dict())), folder / "pytorch_model.bin")
+    (folder / "vocab.json").write_text(json.dumps(WORDS))
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    """A Hub cache with org/tiny at main (COMMIT) and at tag v0 (OTHER, other weights); offline mode."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    write_hf_snapshot(repo / "snapshots" / COMMIT, tiny_model(0))
+    write_hf_snapshot(repo / "snapshots" / OTHER, tiny_model(1))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "refs" / "v0").write_text(OTHER)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    # huggingface_hub reads these variables once, when it is imported: set what it read.
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # "org/tiny" must not exist as a local directory
+    return cache
+
+
+def test_repo_id_loads_from_the_cache_at_a_revision(offline_cache):
+    x = torch.tensor([[2, 3, 4, 5, 6, 7, 8]])
+    for revision, seed in ((None, 0), ("v0", 1), (OTHER, 1)):
+        model = txl.from_pretrained("org/tiny", revision=revision)
+        expected = tiny_model(seed)
+        torch.testing.assert_close(model(x).log_probs, expected(x).log_probs, rtol=0, atol=1e-6)
+
+
+def test_generate_cli_with_repo_id_reads_the_hub_vocabulary(offline_cache, capsys):
+    assert main(["generate", "--checkpoint", "org/tiny", "--prompt", "the cat sat", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(" ") and len(out.split()) >= 1  # a continuation in the vocabulary's words
+    assert set(out.replace(".", " . ").split()) <= set(WORDS)
+
+
+def test_missing_repo_offline_is_one_clear_line(offline_cache, capsys):
+    with pytest.raises(FileNotFoundError, match=r"org/absent is not a local directory, and the Hugging Face "
+                       r"Hub repo org/absent is not in the Hub cache while downloads are off \(HF_HUB_OFFLINE=1"):
+        txl.from_pretrained("org/absent")
+    with pytest.raises(FileNotFoundError, match="org/tiny at revision v9 is not in the Hub cache"):
+        txl.from_pretrained("org/tiny", revision="v9")
+    assert main(["score", "--checkpoint", "org/absent", __file__]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "org/absent is not in the Hub cache" in err
+
+
+def test_missing_huggingface_hub_names_the_extra(offline_cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import huggingface_hub raises ImportError
+    with pytest.raises(FileNotFoundError, match=r"org/tiny is not a local directory, and reading it as a Hugging "
+                       r"Face Hub repo id needs huggingface_hub: pip install 'txl\[hub\]'"):
+        txl.from_pretrained("org/tiny")
+
+
+def test_run_directory_loads_best_else_latest(tmp_path):
+    run = tmp_path / "run"
+    for name, seed in (("step_1", 0), ("step_2", 1)):
+        txl.save_pretrained(tiny_model(seed), run / "checkpoints" / name)
+    (run / "latest.json").write_text(json.dumps({"step": 2, "path": "checkpoints/step_2"}))
+    x = torch.tensor([[2, 3, 4]])
+    torch.testing.assert_close(txl.from_pretrained(run)(x).log_probs, tiny_model(1)(x).log_probs)  # latest
+    (run / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
+    torch.testing.assert_close(txl.from_pretrained(run)(x).log_probs, tiny_model(0)(x).log_probs)  # best
+
+
+def fake_wt103(root, seed: int = 0) -> None:
+    """The layout `txl data download wt103` leaves: wikitext-103/wiki.{train,valid,test}.tokens."""
+    folder = root / "wikitext-103"
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    words = WORDS[1:]  # every word but <eos>, which ends each line
+    for split, n_lines in (("train", 30), ("valid", 10), ("test", 40)):
+        lines = [" = Valkyria = ", ""]
+        for _ in range(n_lines):
+            ids = torch.randint(0, len(words), (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)
+            lines.append(" " + " ".join(words[i] for i in ids) + " ")
+        (folder / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+
+
+def test_eval_pretrained_repo_on_wt103_uses_its_vocabulary_and_context(offline_cache, tmp_path, capsys):
+    """`txl eval --checkpoint REPO --corpus wt103 --split test` equals one long causal pass over the test
+    file encoded with the checkpoint's vocabulary (mem_len 1600 >= the file: nothing is forgotten)."""
+    fake_wt103(tmp_path / "wt103")
+    assert main(["eval", "--checkpoint", "org/tiny", "--corpus", "wt103", "--data-dir", str(tmp_path / "wt103"),
+                 "--split", "test", "--eval.batch_size", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    text = (tmp_path / "wt103" / "wikitext-103" / "wiki.test.tokens").read_text()
+    ids = torch.tensor([[WORDS.index(w) for line in text.splitlines() for w in [*line.split(), "<eos>"]]])
+    n_unk = int((ids == WORDS.index("<unk>")).sum())  # WikiText's own <unk> tokens: every other word is known
+    assert f"wt103 test: {ids.shape[1]:,} tokens with the checkpoint's vocabulary (12 symbols, {n_unk} <unk>)" in out[0]
+    assert out[0].endswith("tgt_len 128, mem_len 1600, clamp_len 1000, same_length True")
+    model = tiny_model(0)
+    with torch.no_grad():
+        nll = model(ids[:, :-1], labels=ids[:, 1:]).nll.double().mean()
+    loss = float(nll)
+    assert out[1].startswith(f"test: loss {loss:.4f}, ppl {math.exp(loss):.4f}, {ids.shape[1] - 1:,} tokens")
+
+
+def test_eval_model_directory_needs_a_corpus(offline_cache, capsys):
+    assert main(["eval", "--checkpoint", "org/tiny"]) == 2
+    assert "is a model without a training run: name the corpus to evaluate on with --corpus" in \
+        capsys.readouterr().err
+
+
+# -- fine-tuning ------------------------------------------------------------------------------------------
+
+FINETUNE = ["--preset", "tiny", "--max-steps", "12", "--minutes", "0", "--model.dropout", "0",
+            "--model.mem_len", "8", "--model.same_length", "false", "--train.tgt_len", "8", "--train.batch_size", "4",
+            "--train.log_interval", "1", "--train.progress", "false", "--train.tensorboard", "false",
+            "--train.plot", "false", "--train.eval_interval", "0", "--train.ckpt_interval", "0",
+            "--train.sample_tokens", "0", "--eval.batch_size", "2", "--eval.mem_len", "8", "--optim.lr", "3e-2",
+            "--optim.warmup_steps", "0", "--optim.schedule", "constant"]
+
+
+def new_corpus(folder) -> str:
+    """A folder corpus in the checkpoint's words, with a pattern the model can learn quickly."""
+    folder.mkdir()
+    line = " the cat sat on a mat . \n"
+    for split, n in (("train", 60), ("valid", 8), ("test", 8)):
+        (folder / f"{split}.txt").write_text(line * n)
+    return str(folder)
+
+
+def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline_cache, tmp_path, monkeypatch):
+    import numpy as np
+
+    from txl.data import OrderedIterator
+    from txl.evaluate import evaluate
+    from txl.finetune import encode_corpus, load_init, run_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    corpus_dir = new_corpus(tmp_path / "mine")
+    out = tmp_path / "run"
+    args = [*FINETUNE, "--data.corpus", corpus_dir, "--out", str(out)]
+    assert main(["train", "--init-from", "org/tiny", *args]) == 0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    train_loss = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    # The same run's corpus and first batch, by the library: the checkpoint's vocabulary, not a new one.
+    init = load_init("org/tiny")
+    cfg = RunConfig.from_dict(json.loads((out / "run.json").read_text()))  # what the run used
+    assert cfg.model == run_config(load_preset("tiny"), {"model.mem_len": 8, "model.same_length": False,
+                                                         "model.dropout": 0}, init).model
+    corpus = encode_corpus(cfg, init.tokenizer)
+    line_ids = [WORDS.index(w) for w in "the cat sat on a mat . <eos>".split()]
+    assert corpus.train[:8].tolist() == line_ids and corpus.vocab_size == len(WORDS)
+    batch = next(iter(OrderedIterator(corpus.train, batch_size=4, tgt_len=8, ext_len=0, var_len=cfg.train.var_len,
+                                      seed=cfg.train.seed, rank=0, world_size=1)))
+    pretrained = tiny_model(0)
+    model = txl.TransformerXL(pretrained.config.replace(mem_len=8, same_length=False)).eval()  # the run's context
+    model.load_state_dict(pretrained.state_dict())
+    with torch.no_grad():
+        first = float(model(batch.input_ids, labels=batch.labels).loss)
+    assert train_loss[1] == pytest.approx(first, abs=1e-5)  # step 1 is the pretrained model's loss
+
+    before = evaluate(model, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    tuned = txl.from_pretrained(out)
+    after = evaluate(tuned, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    assert after.loss < before.loss - 0.5  # fine-tuning learnt the new corpus
+    assert np.isclose(train_loss[12], min(train_loss.values()), atol=0.5)
+    # The fine-tuned checkpoint keeps the pretrained architecture and vocabulary.
+    assert tuned.config.replace(mem_len=1600, same_length=True) == tiny_model(0).config
+    from txl.data.tokenizer import load_model_tokenizer
+
+    saved = load_model_tokenizer(out / "checkpoints" / "step_00000012")
+    assert saved.vocab.symbols == WORDS and saved.spec == init.tokenizer.spec
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--model.d_model", "32"], r"--model.d_model 32 changes the architecture of the checkpoint \(model.d_model = "
+                                r"16\)"),
+    (["--model.pre_ln", "true"], "--model.pre_ln True changes the architecture"),
+    (["--data.level", "char"], "--data.level char differs from the checkpoint's tokenizer"),
+    (["--data.corpus", "enwik8"], "corpus 'enwik8' is byte level but the checkpoint's tokenizer is word level"),
+    (["--resume", "x"], "give one of them"),
+])
+def test_finetune_refuses_what_would_break_the_checkpoint(offline_cache, tmp_path, capsys, extra, match):
+    corpus_dir = new_corpus(tmp_path / "mine")
+    assert main(["train", "--init-from", "org/tiny", *FINETUNE, "--data.corpus", corpus_dir, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err
