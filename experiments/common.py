@@ -90,7 +90,8 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         resume = out
         log.info("%s: resuming an interrupted run", out)
     start = time.perf_counter()
-    result = train(cfg, resume=resume, corpus=corpus)
+    # A directory with no checkpoint holds nothing to keep (a run killed before its first checkpoint).
+    result = train(cfg, resume=resume, corpus=corpus, overwrite=resume is None)
     record = {"run": cfg.to_dict(), "steps": result.steps, "stopped": result.stopped,
               "valid_loss": result.valid.loss if result.valid else None,
               "wall_s": time.perf_counter() - start, "resumed": resume is not None,

@@ -278,6 +278,8 @@ def test_ddp_two_processes_match_single(corpus, tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     torch.testing.assert_close(torch.tensor([b[s] for s in a]), torch.tensor(list(a.values())), rtol=1e-4, atol=1e-4)
     assert not (multi / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 logs
+    assert proc.stdout.count("trained 4 steps") == 1  # only rank 0 prints
+    assert proc.stderr.count("test of the best checkpoint") == 1, proc.stderr[-3000:]
 
 
 def test_best_checkpoint_compares_like_with_like(corpus, tmp_path, monkeypatch):

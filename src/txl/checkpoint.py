@@ -24,9 +24,12 @@ Public API: ``Checkpointer`` (writes a run's checkpoints), ``latest(run_dir)``, 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,7 @@ import torch
 from txl.config import RunConfig
 from txl.fileio import atomic_write, remove_partial, write_json
 from txl.model import TransformerXL
-from txl.pretrained import from_pretrained, save_pretrained
+from txl.pretrained import from_pretrained, save_pretrained, unsafe_load_message
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,46 @@ class Checkpoint:
     """The stateful parts (train_state.pt, keys STATE_PARTS), or None when only the model was asked for."""
 
 
+class _KeepWriteError(io.RawIOBase):
+    """A file that remembers the OSError of a failed write: torch.save turns it into a RuntimeError
+    whose text ("enforce fail at inline_container.cc ... unexpected pos") does not say the disk is full."""
+
+    def __init__(self, f: io.RawIOBase) -> None:
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int | None:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+
 def _write_state(path: Path, state: dict[str, Any]) -> None:
-    torch.save(state, path)
+    with open(path, "wb", buffering=0) as f:
+        out = _KeepWriteError(f)
+        try:
+            torch.save(state, out)
+        except RuntimeError as err:
+            if out.error is not None:
+                raise out.error from err
+            raise
+
+
+def _write_error(err: BaseException) -> str:
+    """A short reason for a failed write: the OS's words for its error. safetensors raises
+    SafetensorError (not an OSError) with the OS error number in its text ("os error 28")."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    text = str(err)
+    code = re.search(r"os error (\d+)|code: (\d+)", text)
+    if code:
+        return os.strerror(int(code.group(1) or code.group(2)))
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 class Checkpointer:
@@ -106,12 +147,13 @@ class Checkpointer:
             write_json(self.run_dir / "latest.json", pointer)
             if best:
                 write_json(self.run_dir / "best.json", pointer)
-        except OSError as err:
+        except Exception as err:  # torch's and safetensors' write errors are not OSError
             previous = self.latest()
             kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-            raise CheckpointError(f"could not write checkpoint step {step} to {final} ({err.strerror or err}); "
-                                  f"{kept}. Free disk space and resume with: txl train --resume {self.run_dir}"
-                                  ) from err
+            fix = "Free disk space and resume" if previous else "Free disk space and run again"
+            how = f"txl train --resume {self.run_dir}" if previous else "the same command with --overwrite"
+            raise CheckpointError(f"could not write checkpoint step {step} to {final} ({_write_error(err)}); "
+                                  f"{kept}. {fix} with: {how}") from err
         self.prune()
         return final
 
@@ -192,9 +234,11 @@ def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = T
             raise FileNotFoundError(f"{file} not found: the checkpoint has weights but no training state")
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(unsafe_load_message(file, err)) from None
         except Exception as err:
-            raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}: {err}); resume "
-                             "from an earlier checkpoint under checkpoints/") from None
+            raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}); resume from an earlier "
+                             "checkpoint under checkpoints/") from None
         state = _from_flat(state)
         missing = [k for k in STATE_PARTS if k not in state]
         if missing:

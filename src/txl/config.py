@@ -115,7 +115,11 @@ class ModelConfig:
                     f"ModelConfig.n_head={self.n_head} does not divide d_model={self.d_model}: choose n_head "
                     "that divides d_model, or set d_head explicitly (n_head * d_head need not equal d_model)")
             self.d_head = self.d_model // self.n_head
-        self.cutoffs = [int(c) for c in self.cutoffs]
+        if not isinstance(self.cutoffs, (list, tuple)) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in self.cutoffs):
+            raise ValueError(f"ModelConfig.cutoffs={self.cutoffs!r} must be a list of integers (token ids where "
+                             "the adaptive softmax's clusters start, e.g. [20000, 40000])")
+        self.cutoffs = list(self.cutoffs)
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed",
                      "div_val", "learned_positions"):
             value = getattr(self, name)

@@ -94,6 +94,18 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
 
 
+def unsafe_load_message(path: Path, err: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed, without torch's advice to retry with
+    ``weights_only=False`` (which would run whatever code the file names)."""
+    import pickle
+
+    if isinstance(err, pickle.UnpicklingError):
+        return (f"{path} holds Python objects other than tensors and numbers, and txl never unpickles those "
+                "(unpickling can run code); it was not written by txl: convert it to model.safetensors with a "
+                "tool you trust, or use a checkpoint txl wrote")
+    return f"{path} is corrupt or truncated ({type(err).__name__}); restore it or use an earlier checkpoint"
+
+
 def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The tensors of a checkpoint directory (safetensors preferred) and the file they came from."""
     st = directory / WEIGHTS_FILE
@@ -108,8 +120,7 @@ def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
         try:
             state = torch.load(legacy, map_location="cpu", weights_only=True)
         except Exception as err:
-            raise ValueError(f"{legacy} could not be read safely ({err}); it may be corrupt, or hold "
-                             "objects other than tensors") from None
+            raise ValueError(unsafe_load_message(legacy, err)) from None
         return state, str(legacy)
     raise FileNotFoundError(f"no {WEIGHTS_FILE} or {LEGACY_WEIGHTS_FILE} in {directory}")
 
@@ -204,13 +215,24 @@ def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "h
     converted from the original PyTorch code.
     """
     directory = resolve_model_dir(path, revision=revision, cache_dir=cache_dir)
-    data = _read_json(directory / CONFIG_FILE)
+    file = directory / CONFIG_FILE
+    data = _read_json(file)
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object; the checkpoint's config is "
+                         "corrupt: restore it from a copy or save the model again")
     state, source = read_state(directory)
     if is_hf_config(data):
         config = config_from_hf(data)
         state = state_dict_from_hf(state, cluster_order=cluster_order)
     elif data.get("format") == FORMAT:
-        config = ModelConfig.from_dict(data["model"])
+        if not isinstance(data.get("model"), dict):
+            raise ValueError(f"{file}: \"model\" is {json.dumps(data.get('model'))}, not an object of "
+                             "ModelConfig fields; the checkpoint's config is corrupt: restore it from a copy or save "
+                             "the model again")
+        try:
+            config = ModelConfig.from_dict(data["model"])
+        except (TypeError, ValueError) as err:  # the config's own validation names the field
+            raise ValueError(f"{file}: {err}") from None
     else:
         raise ValueError(f"{directory / CONFIG_FILE} is neither a txl config (format: 'txl') nor a Hugging "
                          "Face transfo-xl config (model_type: 'transfo-xl')")

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,14 +29,26 @@ import torch
 from txl import checkpoint as ckpt
 from txl.config import LossPositions, RunConfig
 from txl.data import Batch, Corpus, OrderedIterator
-from txl.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from txl.distributed import (
+    DistInfo,
+    OtherRankFailed,
+    all_reduce_min,
+    all_reduce_sum,
+    any_true,
+    barrier,
+    init_distributed,
+    shutdown,
+)
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
+from txl.fileio import remove_partial
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve
 from txl.model import Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
+from txl.rundir import RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
+from txl.signals import Stopped, StopRequest
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -202,30 +215,88 @@ def eval_settings(*, tgt_len: int, mem_len: int, clamp_len: int | None, same_len
 # -- wiring ---------------------------------------------------------------------------------------------
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | None = None,
-          init: TransformerXL | None = None) -> TrainResult:
+          overwrite: bool = False, init: TransformerXL | None = None) -> TrainResult:
     """Train as ``cfg`` says (or continue the run in ``resume``); validate, checkpoint, test, sample.
 
+    A fresh run refuses a run directory that already holds files unless ``overwrite`` (which deletes
+    them); one process at a time may train into a directory (``txl.rundir``). SIGTERM and SIGINT stop
+    the run at the next step boundary with a checkpoint and raise ``txl.signals.Stopped``.
     ``init``: a model whose weights the run starts from (fine-tuning, ``txl.finetune``); its parameters
     must have the shapes ``cfg.model`` gives.
     """
     from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
+    lock = None
     try:
         check_run(cfg, info)
+        lock = _open_run_dir(Path(cfg.train.out_dir), resume is not None, overwrite, info)
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
+        check_splits_fit(cfg, corpus)
         with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
-            return Trainer(cfg, corpus, info, init=init).run(resume)
+            with StopRequest() as stop:
+                result = Trainer(cfg, corpus, info, stop, init=init).run(resume)
+            barrier(info)  # no process tears the group down while another still tests, plots or samples
+            return result
     finally:
         shutdown(info)
+        if lock is not None:
+            lock.release()
+
+
+def check_splits_fit(cfg: RunConfig, corpus: Corpus) -> None:
+    """Refuse a segment length the validation or test split cannot fill once per evaluation stream:
+    the evaluation would otherwise silently measure a handful of tokens."""
+    e = cfg.eval
+    for split, tokens, tgt_len, flag in (("validation", corpus.valid, cfg.train.tgt_len, "--train.tgt_len"),
+                                         ("test", corpus.test, e.tgt_len or cfg.train.tgt_len,
+                                          "--eval.tgt_len" if e.tgt_len else "--train.tgt_len")):
+        need = e.batch_size * tgt_len + 1
+        if len(tokens) < need:
+            raise ValueError(f"the {split} split has {len(tokens):,} tokens, fewer than eval.batch_size x tgt_len + 1 "
+                             f"= {e.batch_size} x {tgt_len} + 1 = {need:,}: use a smaller {flag} or "
+                             "--eval.batch_size, or a corpus with a larger split")
+
+
+def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
+    """The main process locks and checks the run directory; every process learns whether it may go on."""
+    lock, refusal = None, None
+    if info.is_main:
+        try:
+            lock = open_run_dir(out, resume=resume, overwrite=overwrite)
+        except RunDirError as err:
+            refusal = err
+    if any_true(refusal is not None, info) and refusal is None:
+        raise OtherRankFailed("the main process refused the run directory")
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
+def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, latest: Path | None) -> None:
+    """Raise rather than checkpoint diverged weights or a non-finite validation loss: ``latest`` must
+    always name weights a run can resume from (and latest.json stays valid JSON, which has no NaN)."""
+    bad = None
+    if valid_loss is not None and not math.isfinite(valid_loss):
+        bad = f"the validation loss is {valid_loss}"
+    elif not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        bad = "the weights hold non-finite values"
+    if bad is not None:
+        raise TrainingError(
+            f"{bad} at step {step}: training diverged and this step was not saved. The last good checkpoint is "
+            f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or use "
+            "--train.precision fp32, then resume from it or restart")
 
 
 class Trainer:
     """The run's stateful parts and the loop that drives them; holds no state a checkpoint forgets."""
 
-    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo, *, init: TransformerXL | None = None) -> None:
+    def __init__(self, cfg: RunConfig, corpus: Corpus, info: DistInfo, stop: StopRequest | None = None, *,
+                 init: TransformerXL | None = None) -> None:
         t = cfg.train
+        self.stop = stop or StopRequest()  # SIGTERM/SIGINT seen: checkpoint and stop at the step boundary
+        self.saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self.cfg, self.corpus, self.info, self.out = cfg, corpus, info, Path(t.out_dir)
         torch.manual_seed(t.seed)
         self.model = TransformerXL(cfg.model).to(info.device)
@@ -255,6 +326,8 @@ class Trainer:
                 "train": self.state.state_dict()}
 
     def save(self, *, best: bool, info: dict[str, Any] | None = None) -> None:
+        _check_finite(self.model, (info or {}).get("valid_loss"), self.state.step,
+                      self.checkpointer.latest() if self.info.is_main else None)
         parts = self.parts()
         local = parts["train"].pop("local")
         if self.info.enabled:  # every process's RNG states and memories, in rank order
@@ -271,6 +344,17 @@ class Trainer:
             except ckpt.CheckpointError as err:
                 raise TrainingError(str(err)) from err
         barrier(self.info)
+        self.saved_at = self.state.step
+
+    def stop_here(self, metrics: MetricsLog) -> None:
+        """At a step boundary: on SIGTERM/SIGINT (seen by any process) checkpoint this step and stop."""
+        if not any_true(self.stop.requested, self.info):
+            return
+        sig = self.stop.signal or signal.SIGTERM  # a process that saw none follows the one that did
+        if self.saved_at != self.state.step:  # the same on every process: save() is collective
+            self.save(best=False)
+        metrics.close()
+        raise Stopped(sig, self.state.step, self.checkpointer.latest() if self.info.is_main else None, self.out)
 
     def restore(self, resume: str | Path) -> None:
         loaded = ckpt.load(resume, device=self.info.device)
@@ -331,6 +415,9 @@ class Trainer:
     def run(self, resume: str | Path | None = None) -> TrainResult:
         cfg, t, info, state = self.cfg, self.cfg.train, self.info, self.state
         if resume is not None:
+            if info.is_main:
+                remove_partial(self.out / ckpt.CKPT_DIR)  # what a killed writer left (start() does it afresh)
+                remove_partial(self.out)
             self.restore(resume)
         elif info.is_main:
             self.checkpointer.start(cfg)
@@ -395,6 +482,7 @@ class Trainer:
                 self.save(best=best, info={"valid_loss": valid.loss})
             elif t.ckpt_interval and state.step % t.ckpt_interval == 0 and not last:
                 self.save(best=False)
+            self.stop_here(metrics)
         if state.horizon and state.horizon < t.max_steps:
             return "time"
         return "max_steps"
@@ -404,6 +492,7 @@ class Trainer:
         t, info, state = self.cfg.train, self.info, self.state
         best, decided = self.decide_best(metrics)
         self.save(best=best, info={"valid_loss": decided.loss})
+        self.stop_here(metrics)  # a signal during the final validation: its checkpoint is written, skip the test
         best_dir = self.checkpointer.best() if info.is_main else None
         if not best:
             self.load_best()

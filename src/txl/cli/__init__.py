@@ -20,6 +20,14 @@ from txl.cli import train as train_cmd
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
 
 
+def is_main_process() -> bool:
+    """Whether this is rank 0 of a torchrun job (or no torchrun job): the one process that prints and
+    logs (torch-free, so the entry point can ask before anything heavy is imported)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txl", description="Transformer-XL language models.", allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -42,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         err = unknown_option_error(extra, getattr(args, "config_sections", []), args.command)
         print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    main_process = is_main_process()  # under torchrun only rank 0 prints and logs
+    logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
                         format="%(message)s", stream=sys.stderr)
     from txl.runtime import retain_freed_memory
 
@@ -50,5 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
-        print(f"txl {args.command}: error: {err}", file=sys.stderr)
+        if main_process:
+            print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from txl.pretrained import resolve_model_dir
     from txl.runtime import resolve_precision
 
+    if args.max_batches < 0:
+        raise ValueError(f"--max-batches {args.max_batches} must be >= 0 (0: the whole split)")
     if (args.checkpoint is None) == (args.checkpoint_opt is None):
         raise ValueError("give the checkpoint once: txl eval DIR, or txl eval --checkpoint DIR|REPO_ID")
     args.checkpoint = args.checkpoint or args.checkpoint_opt

@@ -25,17 +25,38 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
+    from pathlib import Path
+
     import txl
     from txl.data.tokenizer import load_model_tokenizer
     from txl.distributed import resolve_device
     from txl.pretrained import resolve_model_dir
 
+    device = resolve_device(args.device)
+    if args.vocab is not None and not Path(args.vocab).is_file():
+        raise FileNotFoundError(f"--vocab {args.vocab} is not a file: pass the vocabulary (vocab.txt, one word a "
+                                "line, or JSON)")
     # A run directory: its best, else latest, checkpoint; a Hub repo id: its snapshot in the Hub cache.
     directory = resolve_model_dir(args.checkpoint, revision=args.revision)
-    model = txl.from_pretrained(directory, device=resolve_device(args.device))
+    model = txl.from_pretrained(directory, device=device)
     tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                                      allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
     return model, tokenizer
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A UTF-8 text file's content, or a ValueError/FileNotFoundError naming the file and the fix."""
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{what} {path} is {'a directory' if file.is_dir() else 'missing'}: "
+                                "pass a text file")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, "
+                         "e.g. iconv -f latin1 -t utf-8") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +79,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from txl.generate import check_sampling, generate_stream
 
@@ -67,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                    top_p=args.top_p, repetition_penalty=args.repetition_penalty)
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty text")
-    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
     model, tokenizer = load_model_and_tokenizer(args)

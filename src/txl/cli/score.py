@@ -25,8 +25,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _lines(path: str):
+    """The file's lines, read lazily; a non-UTF-8 file is named in the error."""
     with open(path, encoding="utf-8") as f:
-        yield from f
+        try:
+            yield from f
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} is not UTF-8 text ({err.reason}); convert it, e.g. iconv -f latin1 "
+                             "-t utf-8, and score it again") from None
+
+
+def _check_output(path: str) -> None:
+    """Refuse an output path that cannot be written before any model is loaded."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"-o {path} is a directory; give a file name, e.g. -o {out / 'scores.jsonl'}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"-o {path}: the directory {out.parent} does not exist; create it first")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
+    if args.output not in (None, "-"):  # a file: check it can be written before loading anything
+        _check_output(args.output)
     model, codec = load_model_and_tokenizer(args)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]

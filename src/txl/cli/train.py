@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train afresh into a run directory that holds an earlier run, deleting that run")
     p.add_argument("--list-presets", action="store_true",
                    help="one line per preset: what it is, parameters, expected time; then exit")
     add_config_arguments(p, list(SECTIONS), preset=load_preset(DEFAULT_PRESET), preset_name=DEFAULT_PRESET)
@@ -108,24 +110,42 @@ def run(args: argparse.Namespace) -> int:
 
         args.init = load_init(args.init_from, revision=args.revision)
     cfg = build_config(args)
+    from txl.cli import is_main_process
+    from txl.distributed import OtherRankFailed
+    from txl.signals import Stopped
     from txl.train import TrainingError, train
 
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite deletes it; give one of them")
     if args.init is not None:
         from txl.finetune import encode_corpus
 
         corpus = encode_corpus(cfg, args.init.tokenizer)
     try:
-        result = train(cfg, resume=args.resume, corpus=corpus,
+        result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
                        init=None if args.init is None else args.init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
+    except OtherRankFailed:
+        return 1  # the main process says why
+    except Stopped as stop:
+        if is_main_process():
+            print(f"txl train: {stop}", file=sys.stderr)
+        return stop.exit_code
     except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
-        print(f"txl train: error: {err}", file=sys.stderr)
+        if is_main_process() or not isinstance(err, TrainingError):  # every process sees the same loss
+            print(f"txl train: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"txl train: interrupted; resume with: txl train --resume {cfg.train.out_dir}", file=sys.stderr)
+    except RuntimeError as err:
+        if not _peer_died(err):
+            raise
+        print(f"txl train: error: another process of this distributed run died (see its output above); "
+              f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
+        print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 130
-    if result.valid is None:  # another process of a distributed run
+    if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
     print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
     print(f"valid (best checkpoint, step {result.best_step}; {result.valid_context}): {result.valid.describe()}")
@@ -136,3 +156,25 @@ def run(args: argparse.Namespace) -> int:
         print("sample (prompt >>> continuation):")
         print(result.sample)
     return 0
+
+
+def _peer_died(err: RuntimeError) -> bool:
+    """Whether a collective failed because another torchrun process is gone (gloo and NCCL's words)."""
+    import os
+
+    text = str(err)
+    return os.environ.get("WORLD_SIZE", "1") != "1" and (
+        type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
+
+
+def _resume_hint(out_dir: str) -> str:
+    """The exact resume command when a checkpoint exists, else what to do instead."""
+    from txl.checkpoint import latest
+
+    try:
+        found = latest(out_dir)
+    except ValueError:
+        found = None
+    if found is not None and found.is_dir():
+        return f"the last checkpoint is {found}; resume with: txl train --resume {out_dir}"
+    return f"no checkpoint was written, nothing to resume; start again with --out {out_dir} --overwrite"

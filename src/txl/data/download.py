@@ -127,10 +127,16 @@ def _download_one(url: str, dest: Path, part: Path, *, sha256: str | None, md5: 
             break
         except _Interrupted as err:
             size = part.stat().st_size if part.exists() else 0
+            if attempt == retries and size == 0:  # never connected (offline, DNS, firewall): nothing kept
+                raise ConnectionError(f"could not download {url}: {err} (tried {retries + 1} times, nothing "
+                                      "was received)") from None
             if attempt == retries:
                 raise ConnectionError(f"download of {url} was interrupted ({err}); {size} bytes are kept in "
                                       f"{part}: run the same command again to resume") from None
-            log.warning("download of %s interrupted (%s); resuming from byte %d", url, err, size)
+            if size:
+                log.warning("download of %s interrupted (%s); resuming from byte %d", url, err, size)
+            else:
+                log.warning("could not reach %s (%s); trying again", url, err)
     _verify(part, url, sha256, md5)
     os.replace(part, dest)
     return dest
@@ -198,6 +204,10 @@ def extract(archive: str | Path, into: str | Path) -> list[str]:
             names = t.getnames()
             for name in names:
                 _inside(root, name)
-            t.extractall(into, filter="data")
+            try:
+                t.extractall(into, filter="data")
+            except tarfile.FilterError as err:  # a link or device pointing outside, an absolute path
+                raise ValueError(f"archive member {err.tarinfo.name!r} of {archive} is unsafe ({err}); "
+                                 "refusing to extract it: the archive is not the expected one") from None
         return names
     raise ValueError(f"{archive} is neither a zip nor a tar archive; cannot extract it")
