@@ -45,7 +45,13 @@ def parse_worker(text: str) -> tuple[int, int]:
     return i, n
 
 
-LOCK_FILE = "worker.lock"
+LOCK_SUFFIX = ".worker.lock"
+
+
+def lock_path(run_dir: Path) -> Path:
+    """The worker's claim on a run: beside the run directory, not in it, since a run directory holds only
+    what txl writes (``txl.rundir`` refuses to overwrite anything else)."""
+    return run_dir.with_name(run_dir.name + LOCK_SUFFIX)
 
 
 def _boot_id() -> str:
@@ -69,10 +75,10 @@ def _held(lock: Path) -> bool:
 
 @contextlib.contextmanager
 def claim(run_dir: Path) -> Iterator[bool]:
-    """Hold ``run_dir/worker.lock`` while training that run: True if this process got it, False if another
+    """Hold ``lock_path(run_dir)`` while training that run: True if this process got it, False if another
     live worker holds it (then this one moves on, so overlapping worker sets never train one run twice)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / LOCK_FILE
+    lock = lock_path(run_dir)
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)

@@ -291,9 +291,9 @@ def test_grid_claim_skips_a_run_held_by_a_live_worker_and_takes_a_stale_one(tmp_
 
     run = tmp_path / "relative-rec"
     with grid.claim(run) as first, grid.claim(run) as second:
-        assert first and not second and (run / grid.LOCK_FILE).is_file()
-    assert not (run / grid.LOCK_FILE).exists()  # released
+        assert first and not second and grid.lock_path(run).is_file()
+    assert not grid.lock_path(run).exists()  # released
     for owner in ({"pid": os.getpid(), "boot": "another boot"}, "not json"):  # a previous boot's, or corrupt
-        (run / grid.LOCK_FILE).write_text(json.dumps(owner) if isinstance(owner, dict) else owner)
+        grid.lock_path(run).write_text(json.dumps(owner) if isinstance(owner, dict) else owner)
         with grid.claim(run) as mine:
             assert mine
