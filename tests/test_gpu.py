@@ -236,7 +236,7 @@ def test_compiled_equals_eager_on_cuda(exact):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_training_run_on_cuda_with_auto_precision(tmp_path):
     """txl.train end to end on the GPU: precision 'auto' is bf16 there, TF32 on for the run and off after."""
-    from txl.corpus import load_run_corpus
+    from txl.data.corpora import load_run_corpus
 
     text = tmp_path / "code.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
