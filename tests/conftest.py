@@ -28,3 +28,13 @@ def tiny_config(**overrides) -> ModelConfig:
     call it too (``from conftest import tiny_config``)."""
     base = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6, dropout=0.0)
     return ModelConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """A small code corpus file (a path) for training runs, its token cache kept inside tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
+    path = tmp_path / "code.txt"
+    path.write_text(text)
+    return str(path)

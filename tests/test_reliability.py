@@ -38,15 +38,6 @@ def _one_thread(one_thread):
     """Tiny models: threads only contend on a shared CPU."""
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
-    path = tmp_path / "code.txt"
-    path.write_text(text)
-    return str(path)
-
-
 def args(corpus, out, *more):
     return [*TINY, "--data.corpus", corpus, "--data.level", "byte", "--out", str(out), *more]
 

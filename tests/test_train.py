@@ -25,15 +25,6 @@ TINY = ["--preset", "tiny", "--model.n_layer", "1", "--model.d_model", "32", "--
         "--train.ckpt_interval", "3"]
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300))
-    path = tmp_path / "code.txt"
-    path.write_text(text)
-    return str(path)
-
-
 def args(corpus, out, *more):
     return [*TINY, "--data.corpus", corpus, "--data.level", "byte", "--out", str(out), *more]
 
