@@ -243,6 +243,19 @@ def _detokenize_line(tokens: list[str]) -> str:
     return re.sub(" {2,}", " ", out).strip()
 
 
+def _lines(tokens: str | Sequence[str], eos: str) -> list[list[str]]:
+    """Tokens (a list, or one whitespace-separated string) cut into lines at each ``eos``."""
+    if isinstance(tokens, str):
+        tokens = tokens.split()
+    lines: list[list[str]] = [[]]
+    for token in tokens:
+        if token == eos:
+            lines.append([])
+        else:
+            lines[-1].append(token)
+    return lines
+
+
 def detokenize(tokens: str | Sequence[str], *, eos: str = "<eos>") -> str:
     """Turn WikiText-103 tokens (a list, or one space-separated string) back into readable text.
 
@@ -252,15 +265,7 @@ def detokenize(tokens: str | Sequence[str], *, eos: str = "<eos>") -> str:
     >>> detokenize("It 's 5 @,@ 000 state @-@ of @-@ the @-@ art ( new ) models .")
     "It's 5,000 state-of-the-art (new) models."
     """
-    if isinstance(tokens, str):
-        tokens = tokens.split()
-    lines: list[list[str]] = [[]]
-    for token in tokens:
-        if token == eos:
-            lines.append([])
-        else:
-            lines[-1].append(token)
-    return "\n".join(_detokenize_line(line) for line in lines)
+    return "\n".join(_detokenize_line(line) for line in _lines(tokens, eos))
 
 
 class Moses:
@@ -290,12 +295,5 @@ class Moses:
         return tokenize_numbers(tokens)
 
     def detokenize(self, tokens: str | Sequence[str], *, eos: str = "<eos>") -> str:
-        if isinstance(tokens, str):
-            tokens = tokens.split()
-        lines: list[list[str]] = [[]]
-        for token in tokens:
-            if token == eos:
-                lines.append([])
-            else:
-                lines[-1].append(token)
-        return "\n".join(detokenize_numbers(self._detokenizer.detokenize(line)).strip() for line in lines)
+        return "\n".join(detokenize_numbers(self._detokenizer.detokenize(line)).strip()
+                         for line in _lines(tokens, eos))
