@@ -37,3 +37,27 @@ def test_evaluate_with_cached_keys_equals_recomputing_them(changes):
     want, count = uncached_mean_nll(model, tokens, batch_size=3, tgt_len=7, ext_len=config.ext_len)
     assert result.tokens == count > 250
     assert result.loss == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("max_batches", [0, 4])
+def test_on_segment_reports_each_segment_of_the_total(max_batches):
+    """The progress hook sees every segment once, counting up to a total it knows from the start."""
+    model = txl.TransformerXL(tiny_config(vocab_size=40, mem_len=5)).eval()
+    tokens = np.random.default_rng(0).integers(0, 40, 301)
+    calls = []
+    evaluate(model, tokens, metric="ppl", batch_size=3, tgt_len=7, max_batches=max_batches,
+             on_segment=lambda done, total: calls.append((done, total)))
+    n = len(eval_iterator(tokens, batch_size=3, tgt_len=7)) if not max_batches else max_batches
+    assert calls == [(i, n) for i in range(1, n + 1)] and n > 3
+
+
+def test_segment_progress_draws_a_bar_that_goes_away(capsys):
+    from txl.metrics import segment_progress
+
+    with segment_progress(False, "valid") as hook:
+        assert hook is None
+    with segment_progress(True, "valid") as hook:
+        for i in range(1, 4):
+            hook(i, 3)
+    err = capsys.readouterr().err
+    assert "valid:" in err and "/3 " in err and "segment" in err

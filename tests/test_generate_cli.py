@@ -189,3 +189,70 @@ def test_readme_generation_example_runs(tmp_path):
                             timeout=120,
                             env={"PYTHONPATH": str(readme.parent / "src"), "PATH": "", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
+
+
+def _byte_checkpoint(tmp_path, run: dict | None = None):
+    """A byte-level txl checkpoint directory; with ``run``, a run.json whose sections are ``run``'s."""
+    from txl.checkpoint import RUN_FILE
+    from txl.config import RunConfig
+    from txl.data import fit_tokenizer, make_spec
+    from txl.data.sources import Source
+
+    text = tmp_path / "train.txt"
+    text.write_text("hello world\nhello there\n" * 3)
+    tok = fit_tokenizer(make_spec("byte"), [Source(text)])
+    config = txl.ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2, d_inner=32, mem_len=4)
+    model = txl.TransformerXL(config)
+    ckpt = tmp_path / "ckpt"
+    txl.save_pretrained(model, ckpt)
+    tok.save(ckpt / "tokenizer")
+    if run is not None:
+        cfg = RunConfig.from_dict({"model": vars(config), **run}).to_dict()
+        (ckpt / RUN_FILE).write_text(json.dumps(cfg))
+    return ckpt, text
+
+
+def test_generate_shortcuts_are_the_sample_fields(hf_dir, capsys):
+    """--temperature is --sample.temperature: the same sample; a misspelt field names the valid ones."""
+    short = ["--max-new-tokens", 10, "--temperature", 0.7, "--top-k", 5, "--seed", 4]
+    long = ["--sample.max_new_tokens", 10, "--sample.temperature", 0.7, "--sample.top_k", 5, "--sample.seed", 4]
+    base = ["generate", "--checkpoint", hf_dir, "--prompt", "the cat sat"]
+    rc, a, err = run_cli(capsys, *base, *short)
+    assert rc == 0, err
+    assert run_cli(capsys, *base, *long)[1] == a
+    rc, _, err = run_cli(capsys, *base, "--sample.temprature", 0.7)
+    assert rc == 2 and "unknown field sample.temprature" in err and "temperature" in err
+    rc, _, err = run_cli(capsys, *base, "--sample.top_p", "lots")
+    assert rc == 2 and "sample.top_p='lots' must be a number" in err
+
+
+def test_generate_defaults_come_from_the_runs_sample_section(tmp_path, capsys):
+    """A run's [sample] (greedy, 6 tokens) is what `txl generate` does unless told otherwise."""
+    ckpt, _ = _byte_checkpoint(tmp_path, {"sample": {"temperature": 0.0, "max_new_tokens": 6}})
+    base = ["generate", "--checkpoint", ckpt, "--prompt", "hel"]
+    rc, greedy, err = run_cli(capsys, *base)
+    assert rc == 0, err
+    assert run_cli(capsys, *base)[1] == greedy  # greedy: no seed needed to repeat it
+    assert run_cli(capsys, *base, "--temperature", 0, "--max-new-tokens", 6)[1] == greedy
+    sampled = {run_cli(capsys, *base, "--temperature", 1.0, "--seed", s)[1] for s in range(4)}
+    assert len(sampled) > 1  # the option wins over the run's setting
+
+
+def test_score_shortcuts_are_the_eval_fields_and_the_run_sets_the_defaults(tmp_path, capsys):
+    ckpt, text = _byte_checkpoint(tmp_path, {"eval": {"tgt_len": 5, "mem_len": 3}})
+    base = ["score", "--checkpoint", ckpt, text]
+    rc, out, err = run_cli(capsys, *base)
+    assert rc == 0, err
+    assert "(segment_len 5, mem_len 3)" in out  # the run's [eval] context
+    totals = {}
+    for name, extra in (("short", ["--segment-len", 7, "--mem-len", 2]),
+                        ("long", ["--eval.tgt_len", 7, "--eval.mem_len", 2])):
+        rc, out, err = run_cli(capsys, *base, *extra, "--totals-only", "-o", "-")
+        assert rc == 0, err
+        totals[name] = json.loads(out)["nll"]
+    assert totals["short"] == totals["long"]
+    assert "(segment_len 7, mem_len 2)" in err
+    rc, _, err = run_cli(capsys, *base, "--eval.ext_len", 2)
+    assert rc == 2 and "eval.ext_len=2" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run_cli(capsys, *base, "--model.d_model", 8)
+    assert rc == 2 and "takes no --model.FIELD options" in err

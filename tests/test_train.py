@@ -99,11 +99,13 @@ def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(out), "--eval.mem_len", "24", "--eval.clamp_len", "16", "--eval.same_length",
                  "--eval.tgt_len", "4", "--max-batches", "3"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert "test:" in err and "/3 " in err and "segment" in err  # the evaluation's own bar, on stderr
     assert "test (first 3 segments, 2 streams, tgt_len 4, clamp_len 16, same_length;" in printed
     assert "mem_len 24, tgt_len 4, keys/query 24: loss" in printed
-    assert main(["eval", str(out), "--sweep-mem", "0,8,16", "--max-batches", "2"]) == 0
-    table = capsys.readouterr().out
+    assert main(["eval", str(out), "--sweep-mem", "0,8,16", "--max-batches", "2", "--no-progress"]) == 0
+    table, err = capsys.readouterr()
+    assert "segment" not in err and "sweep" not in err
     assert "keys/query" in table and len([r for r in table.splitlines() if r.strip().startswith("16 ")]) == 1
     assert (out / "mem_sweep.png").is_file()  # the run directory: pruning never deletes it
     rows = (out / "mem_sweep.tsv").read_text().splitlines()

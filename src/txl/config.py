@@ -8,6 +8,7 @@ Each option of the paper is a named field; combinations that cannot work are rej
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -413,8 +414,64 @@ class EvalConfig:
                 _check("EvalConfig", name, value >= 0, "must be >= 0", value)
 
 
+def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   repetition_penalty: float | None = None) -> None:
+    """The one check of the sampling arguments (None: not given), each with the message that names it.
+
+    ``SampleConfig`` (the command line and presets) and the public entry points of ``txl.sampling`` and
+    ``txl.generate`` call it once; the work below them runs unchecked. Torch-free, so a typo is refused
+    before a model is loaded.
+    """
+    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0):  # NaN too
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 means greedy: the most likely token)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
+    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty={repetition_penalty!r} must be > 0 (1 disables it; CTRL uses 1.2)")
+
+
+@dataclass(kw_only=True)
+class SampleConfig:
+    """Sampling: `txl generate`'s settings (a run's own are its defaults) and the end-of-training sample."""
+
+    max_new_tokens: int = 100
+    """Tokens to generate (`txl generate`; the end-of-training sample has train.sample_tokens)."""
+    temperature: float = 1.0
+    """Divides the logits: below 1 sharpens the distribution, above 1 flattens it; 0 is greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens holding this probability mass (1: all)."""
+    repetition_penalty: float = 1.0
+    """Above 1 lowers the scores of tokens already read or written (CTRL, Keskar et al. 2019, uses 1.2; 1: off)."""
+    seed: int | None = None
+    """Random seed, for reproducible samples (none: a fresh draw each time; the end-of-training sample
+    uses train.seed)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop when the output contains one of these texts, cutting before it."""
+    mem_len: int | None = None
+    """Memory while generating (none: keep the whole context, prompt included, up to the model's positions)."""
+    segment_len: int = 256
+    """Prompt tokens read per forward pass."""
+    compile: bool = False
+    """Run the forward through torch.compile."""
+
+    def __post_init__(self) -> None:
+        check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       repetition_penalty=self.repetition_penalty)
+        _check("SampleConfig", "max_new_tokens", self.max_new_tokens >= 0, "must be >= 0", self.max_new_tokens)
+        _check("SampleConfig", "segment_len", self.segment_len >= 1, "must be a positive integer", self.segment_len)
+        if self.mem_len is not None:
+            _check("SampleConfig", "mem_len", self.mem_len >= 1, "must be >= 1 (none: the whole context)",
+                   self.mem_len)
+        if any(not s for s in self.stop):
+            raise ValueError("SampleConfig.stop holds an empty text; every stop text needs at least one character")
+
+
 SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
-                             "train": TrainConfig, "eval": EvalConfig}
+                             "train": TrainConfig, "eval": EvalConfig, "sample": SampleConfig}
 
 
 @dataclass(kw_only=True)
@@ -426,6 +483,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
     def __post_init__(self) -> None:
         m, t = self.model, self.train
@@ -616,21 +674,32 @@ def run_config(preset: str | os.PathLike = "default", overrides: dict[str, str] 
 def field_docs(kind: type) -> dict[str, str]:
     """Each field's docstring (the string literal under its annotation), read from the class's source:
     the help text and the config reference come from the same place as the code."""
+    return _module_field_docs(kind.__module__).get(kind.__qualname__, {})
+
+
+@functools.cache
+def _module_field_docs(module: str) -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} for every top-level class of ``module``, from one parse of its file
+    (``inspect.getsource`` of each class would parse the whole file again, ~50 ms a class)."""
     import ast
     import inspect
-    import textwrap
+    import sys
 
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(kind)))
-    except (OSError, TypeError):  # no source (a frozen install): no help text, nothing else lost
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (OSError, TypeError, KeyError):  # no source (a frozen install): no help text, nothing else lost
         return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    out = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        docs = out.setdefault(cls.name, {})
+        for node, after in zip(cls.body, cls.body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                    isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
+                    isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return out
 
 
 def _metavar(hint: Any) -> str:
@@ -687,15 +756,15 @@ def overrides_from(args: Any) -> dict[str, str]:
     return {k: v for k, v in vars(args).items() if "." in k and k.split(".", 1)[0] in SECTIONS}
 
 
-def unknown_option_error(extra: list[str], sections: list[str], command: str) -> ValueError:
+def unknown_option_error(extra: list[str], sections: list[str], program: str) -> ValueError:
     """One line for an option argparse did not know: a misspelt config field names the valid ones, a field
-    of a section this command does not take says which sections it takes."""
+    of a section this command does not take says which sections it takes. ``program``: e.g. "txl train"."""
     arg = extra[0]
     key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
     section = key.partition(".")[0]
     if sections and section in SECTIONS and section not in sections:
-        return ValueError(f"txl {command} takes no --{section}.FIELD options; its config options are "
-                          f"{', '.join(f'--{s}.FIELD' for s in sections)} (see txl {command} --help)")
+        return ValueError(f"{program} takes no --{section}.FIELD options; its config options are "
+                          f"{', '.join(f'--{s}.FIELD' for s in sections)} (see {program} --help)")
     if section in sections:
         try:
             apply_overrides({}, {key: ""})
@@ -703,5 +772,5 @@ def unknown_option_error(extra: list[str], sections: list[str], command: str) ->
             if "unknown" in str(err):
                 return err
     hint = (f"config fields are set as {', '.join(f'--{s}.FIELD' for s in sections)} VALUE" if sections
-            else f"txl {command} takes no config fields")
-    return ValueError(f"unrecognised argument {arg!r}; {hint} (see txl {command} --help)")
+            else f"{program} takes no config fields")
+    return ValueError(f"unrecognised argument {arg!r}; {hint} (see {program} --help)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,11 +80,13 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
              mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None,
              ext_len: int | None = None, max_batches: int = 0, precision: str = "fp32",
-             info: DistInfo | None = None, compile: bool = False) -> EvalResult:
+             info: DistInfo | None = None, compile: bool = False,
+             on_segment: Callable[[int, int], None] | None = None) -> EvalResult:
     """Mean NLL of ``tokens`` read as ``batch_size`` streams of ``tgt_len``-token segments carrying memory.
 
     In a process group each rank reads its share of the streams and the sums are all-reduced.
     ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile.
+    ``on_segment(done, total)`` is called after each segment (a progress bar: ``txl.metrics.segment_progress``).
     """
     from txl.data import eval_iterator
 
@@ -94,6 +96,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
                        world_size=info.world_size, device=device)
     forward = compile_model(model, compile)
+    total = min(len(it), max_batches) if max_batches else len(it)
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
     with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length,
@@ -110,6 +113,8 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
             memory, cache = out.memory, out.kv_cache
             nll_sum += float(out.nll.double().sum())
             count += int((batch.labels != IGNORE_INDEX).sum())
+            if on_segment is not None:
+                on_segment(i + 1, total)
     nll_sum, count = all_reduce_sum([nll_sum, float(count)], info)
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")

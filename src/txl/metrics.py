@@ -7,8 +7,10 @@ methods everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +141,8 @@ class ProgressBar:
     """A tqdm bar whose log lines go above it: while it is open, the root logger's stream handlers write
     through ``tqdm.write``; ``close()`` puts them back."""
 
-    def __init__(self, *, total: int, initial: int, enabled: bool, unit: str = "step", desc: str | None = None) -> None:
+    def __init__(self, *, total: int, initial: int, enabled: bool, unit: str = "step", desc: str | None = None,
+                 leave: bool = True) -> None:
         self.bar: Any = _NullBar()
         self._tqdm: Any = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
@@ -150,7 +153,7 @@ class ProgressBar:
         except ImportError:
             return
         self._tqdm = tqdm
-        self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True)
+        self.bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True, leave=leave)
         root = logging.getLogger()
         for h in list(root.handlers):
             if type(h) is logging.StreamHandler:
@@ -188,3 +191,25 @@ class ProgressBar:
             root.removeHandler(new)
             root.addHandler(old)
         self._swapped = []
+
+
+@contextlib.contextmanager
+def segment_progress(enabled: bool, desc: str) -> Iterator[Callable[[int, int], None] | None]:
+    """An ``on_segment(done, total)`` hook for ``txl.evaluate.evaluate`` that draws a bar of evaluated
+    segments, removed when the evaluation ends (None when ``enabled`` is false: nothing drawn)."""
+    if not enabled:
+        yield None
+        return
+    bar = ProgressBar(total=0, initial=0, enabled=True, unit="segment", desc=desc, leave=False)
+    shown = 0
+
+    def on_segment(done: int, total: int) -> None:
+        nonlocal shown
+        bar.set_total(total)
+        bar.update(done - shown)
+        shown = done
+
+    try:
+        yield on_segment
+    finally:
+        bar.close()

@@ -14,26 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from txl.config import check_sampling
+
 __all__ = [
     "apply_repetition_penalty", "apply_temperature", "check_sampling", "top_k_filter", "top_p_filter", "sample_next",
 ]
-
-
-def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   repetition_penalty: float | None = None) -> None:
-    """The one check of the sampling arguments (None: not given), each with the message that names it.
-
-    Public entry points call it once (``sample_next``, the filters, ``txl.generate``'s ``check_sampling``
-    before a model is loaded); the work below them runs unchecked.
-    """
-    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0):  # NaN too
-        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 means greedy: the most likely token)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token)")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 keeps every token)")
-    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0):
-        raise ValueError(f"repetition_penalty={repetition_penalty!r} must be > 0 (1 disables it; CTRL uses 1.2)")
 
 
 def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:

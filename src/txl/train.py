@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from txl import checkpoint as ckpt
-from txl.config import LossPositions, RunConfig
+from txl.config import LossPositions, RunConfig, SampleConfig
 from txl.data import Batch, Corpus, OrderedIterator
 from txl.distributed import (
     DistInfo,
@@ -41,7 +41,7 @@ from txl.distributed import (
 )
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.fileio import remove_partial
-from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve
+from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
 from txl.model import Memory, TransformerXL
 from txl.model.adaptive import IGNORE_INDEX
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -370,13 +370,19 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------------------
 
+    @property
+    def show_progress(self) -> bool:
+        """Whether this process draws progress bars (train.progress, and only the main process)."""
+        return self.cfg.train.progress and self.info.is_main
+
     def validate(self, max_batches: int) -> tuple[EvalResult, str]:
         """The validation loss in the training context; periodic checks read the first ``max_batches``
         segments, the same ones every time, so their losses compare like with like."""
         t, e = self.cfg.train, self.cfg.eval
-        result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
-                          tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
-                          compile=e.compile)
+        with segment_progress(self.show_progress, "valid") as on_segment:
+            result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
+                              tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
+                              compile=e.compile, on_segment=on_segment)
         return result, eval_settings(tgt_len=t.tgt_len, mem_len=self.cfg.model.mem_len,
                                      clamp_len=self.cfg.model.clamp_len, same_length=self.cfg.model.same_length,
                                      batch_size=e.batch_size, batches=max_batches)
@@ -385,9 +391,11 @@ class Trainer:
         """The test loss in the evaluation context (cfg.eval; None fields: as in training)."""
         t, e, m = self.cfg.train, self.cfg.eval, self.cfg.model
         tgt = e.tgt_len or t.tgt_len
-        result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
-                          tgt_len=tgt, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length,
-                          ext_len=e.ext_len, precision=self.precision, info=self.info, compile=e.compile)
+        with segment_progress(self.show_progress, "test") as on_segment:
+            result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
+                              tgt_len=tgt, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length,
+                              ext_len=e.ext_len, precision=self.precision, info=self.info, compile=e.compile,
+                              on_segment=on_segment)
         pick = lambda x, y: y if x is None else x  # noqa: E731
         return result, eval_settings(tgt_len=tgt, mem_len=pick(e.mem_len, m.mem_len),
                                      clamp_len=pick(e.clamp_len, m.clamp_len),
@@ -511,7 +519,7 @@ class Trainer:
             if t.sample_tokens:
                 e = self.cfg.eval
                 mem = e.mem_len if e.mem_len is not None else self.cfg.model.mem_len
-                sample = _sample(self.model, self.corpus, t.sample_tokens, mem_len=mem, seed=t.seed)
+                sample = _sample(self.model, self.corpus, t.sample_tokens, self.cfg.sample, mem_len=mem, seed=t.seed)
         return TrainResult(out_dir=self.out, steps=state.step, valid=valid, test=test, sample=sample, stopped=stopped,
                            valid_context=valid_ctx, test_context=test_ctx, best_step=best_step)
 
@@ -527,14 +535,18 @@ class Trainer:
 
 
 @torch.no_grad()
-def _sample(model: TransformerXL, corpus: Corpus, n: int, *, mem_len: int, seed: int,
-            temperature: float = 0.8, prompt_len: int = 64) -> str:
-    """A temperature-sampled continuation of the test split's first tokens, prompt and continuation
-    marked (``txl generate`` exposes every sampling option)."""
+def _sample(model: TransformerXL, corpus: Corpus, n: int, settings: SampleConfig, *, mem_len: int, seed: int,
+            prompt_len: int = 64) -> str:
+    """A continuation of the test split's first tokens drawn with the run's ``[sample]`` settings (its seed,
+    else ``seed``; its memory, else ``mem_len``), prompt and continuation marked."""
     from txl.generate import generate
 
     device = next(model.parameters()).device
     prompt = torch.as_tensor(np.asarray(corpus.test[:prompt_len], dtype=np.int64), device=device)[None]  # (1, P)
-    new = generate(model, prompt, max_new_tokens=n, temperature=temperature, seed=seed, mem_len=mem_len)  # (1, n)
+    s = settings
+    new = generate(model, prompt, max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                   repetition_penalty=s.repetition_penalty, seed=seed if s.seed is None else s.seed,
+                   mem_len=mem_len if s.mem_len is None else s.mem_len, stop_strings=s.stop,
+                   decode=corpus.tokenizer.decode if s.stop else None)  # (1, <= n)
     decode = corpus.tokenizer.decode
-    return decode(prompt[0].tolist()) + " >>> " + decode(new[0].tolist())
+    return decode(prompt[0].tolist()) + " >>> " + decode([t for t in new[0].tolist() if t >= 0])

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # a misspelt --SECTION.FIELD names the valid fields; anything else says what is accepted
         from txl.config import unknown_option_error
 
-        err = unknown_option_error(extra, getattr(args, "config_sections", []), args.command)
+        err = unknown_option_error(extra, getattr(args, "config_sections", []), f"txl {args.command}")
         print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
     main_process = is_main_process()  # under torchrun only rank 0 prints and logs

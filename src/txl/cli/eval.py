@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "
                    "the run directory")
     p.add_argument("--plot", default=None, help="sweep plot path (default: RUN_DIR/mem_sweep.png)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bars of the evaluated segments (and of the sweep)")
     add_config_arguments(p, ["eval", "data"])
     p.set_defaults(func=run)
 
@@ -122,9 +124,13 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     print(f"{args.checkpoint} on {spec.name} {args.split}: {len(tokens):,} tokens with the checkpoint's "
           f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {streams} streams, tgt_len {tgt_len}, "
           f"mem_len {mem}, clamp_len {clamp}, same_length {same}")
-    r = evaluate(model, tokens, metric=spec.metric, batch_size=streams, tgt_len=tgt_len, mem_len=mem,
-                 clamp_len=clamp, same_length=same, ext_len=ev.get("ext_len"), max_batches=args.max_batches,
-                 precision=resolve_precision(args.precision, device), compile=args.compile)
+    from txl.metrics import segment_progress
+
+    with segment_progress(args.progress, args.split) as on_segment:
+        r = evaluate(model, tokens, metric=spec.metric, batch_size=streams, tgt_len=tgt_len, mem_len=mem,
+                     clamp_len=clamp, same_length=same, ext_len=ev.get("ext_len"), max_batches=args.max_batches,
+                     precision=resolve_precision(args.precision, device), compile=args.compile,
+                     on_segment=on_segment)
     print(f"{args.split}: {r.describe()}")
     return 0
 
@@ -140,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate
     from txl.fileio import write_text
-    from txl.metrics import ProgressBar, plot_memory_sweep
+    from txl.metrics import ProgressBar, plot_memory_sweep, segment_progress
     from txl.pretrained import resolve_model_dir
     from txl.runtime import resolve_precision
 
@@ -185,17 +191,19 @@ def run(args: argparse.Namespace) -> int:
           f"{f', clamp_len {clamp}' if clamp and clamp > 0 else ''}{', same_length' if same else ''}; "
           f"trained with tgt_len {run_cfg.train.tgt_len}, mem_len {run_cfg.model.mem_len})")
     if not args.sweep_mem:
-        r = evaluate(model, tokens, mem_len=mems[0], **kwargs)
+        with segment_progress(args.progress, args.split) as on_segment:
+            r = evaluate(model, tokens, mem_len=mems[0], on_segment=on_segment, **kwargs)
         print(f"mem_len {mems[0]}, tgt_len {tgt}, keys/query {keys_per_query(mems[0], tgt, same, m.same_length_style)}"
               f": {r.describe()}")
         return 0
     header = f"{'mem_len':>8} {'keys/query':>11} {'loss':>8} {corpus.metric:>8} {'tokens/s':>10}"
     rows, results = [header], []
     print(header, flush=True)
-    bar = ProgressBar(total=len(mems), initial=0, enabled=True, unit="mem_len", desc="sweep")
+    bar = ProgressBar(total=len(mems), initial=0, enabled=args.progress, unit="mem_len", desc="sweep")
     try:
         for mem in mems:
-            r = evaluate(model, tokens, mem_len=mem, **kwargs)
+            with segment_progress(args.progress, f"mem_len {mem}") as on_segment:
+                r = evaluate(model, tokens, mem_len=mem, on_segment=on_segment, **kwargs)
             results.append(r)
             rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
                         f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")

@@ -7,7 +7,7 @@ import sys
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """Arguments shared by `txl generate` and `txl score`: the model, its vocabulary, the context."""
+    """Arguments shared by `txl generate` and `txl score`: the model and its vocabulary."""
     p.add_argument("--checkpoint", required=True, metavar="DIR|REPO_ID",
                    help="a txl checkpoint or training run directory (its best checkpoint), a Hugging "
                    "Face transfo-xl directory, or a Hub repo id (e.g. transfo-xl/transfo-xl-wt103)")
@@ -18,13 +18,29 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
     p.add_argument("--pretokenized", action="store_true",
                    help="word-level text is already split into tokens (e.g. WikiText files): split on spaces only")
-    p.add_argument("--mem-len", type=int, help="memory length (generate: whole context by default; "
-                   "score: the checkpoint's)")
-    p.add_argument("--segment-len", type=int, default=None, help="tokens read per forward pass")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
 
 
+def add_shortcut(p: argparse.ArgumentParser, flag: str, field: str, **kwargs) -> None:
+    """``flag`` as a shortcut for ``--SECTION.FIELD``: it lands in the same place, as a string, and is typed
+    and checked by the section's dataclass like the long form (one convention, one set of errors)."""
+    p.add_argument(flag, dest=field, default=argparse.SUPPRESS, help=f"shortcut for --{field}", **kwargs)
+
+
+def run_section(directory, section: str) -> dict:
+    """The ``[section]`` of the run a checkpoint directory belongs to ({} for a model without a run)."""
+    import json
+
+    from txl.checkpoint import RUN_FILE
+
+    run_file = directory / RUN_FILE
+    if not run_file.is_file():
+        return {}
+    return dict(json.loads(run_file.read_text(encoding="utf-8")).get(section, {}))
+
+
 def load_model_and_tokenizer(args: argparse.Namespace):
+    """The model, its tokenizer and the directory they were read from (a checkpoint or model directory)."""
     from pathlib import Path
 
     import txl
@@ -41,7 +57,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     model = txl.from_pretrained(directory, device=device)
     tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
                                      allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
-    return model, tokenizer
+    return model, tokenizer, directory
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -60,58 +76,68 @@ def read_text_file(path: str, what: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="continue a prompt with a trained model, streaming the text")
+    from txl.config import add_config_arguments
+
+    p = sub.add_parser(
+        "generate", help="continue a prompt with a trained model, streaming the text", allow_abbrev=False,
+        description="Continue a prompt. Sampling is set as --sample.FIELD VALUE (a run's own [sample] settings "
+        "are the defaults), with shortcuts for the common fields, e.g. --temperature 0.8 --top-p 0.9.")
     add_checkpoint_args(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set with this mass (1: all)")
-    p.add_argument("--seed", type=int, help="random seed, for reproducible samples")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the output contains TEXT (cut before it); repeat for several")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 lowers the scores of tokens already read or written (CTRL; 1: off)")
-    p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
+    add_shortcut(p, "--max-new-tokens", "sample.max_new_tokens", metavar="N")
+    add_shortcut(p, "--temperature", "sample.temperature", metavar="T")
+    add_shortcut(p, "--top-k", "sample.top_k", metavar="K")
+    add_shortcut(p, "--top-p", "sample.top_p", metavar="P")
+    add_shortcut(p, "--repetition-penalty", "sample.repetition_penalty", metavar="R")
+    add_shortcut(p, "--seed", "sample.seed", metavar="N")
+    add_shortcut(p, "--stop", "sample.stop", metavar="TEXT", action="append")
+    add_shortcut(p, "--mem-len", "sample.mem_len", metavar="M")
+    add_shortcut(p, "--segment-len", "sample.segment_len", metavar="N")
+    add_shortcut(p, "--compile", "sample.compile", action="store_const", const="true")
+    add_config_arguments(p, ["sample"])
     p.set_defaults(func=run)
 
 
+def sample_config(args: argparse.Namespace, directory=None):
+    """The ``SampleConfig`` of this call: the run's ``[sample]`` (when ``directory`` belongs to a run), then
+    the options given. Called once without a directory to refuse a bad option before a model is loaded."""
+    from txl.config import SampleConfig, apply_overrides, overrides_from
+
+    base = {"sample": run_section(directory, "sample") if directory is not None else {}}
+    return SampleConfig(**apply_overrides(base, overrides_from(args))["sample"])
+
+
 def run(args: argparse.Namespace) -> int:
+    from txl.generate import generate_stream
 
-    from txl.generate import check_sampling, generate_stream
-
-    # Cheap checks first: a typo should not cost loading a model.
-    check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, repetition_penalty=args.repetition_penalty)
-    if any(not s for s in args.stop):
-        raise ValueError("--stop needs a non-empty text")
+    sample_config(args)  # cheap checks first: a typo should not cost loading a model
     text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
     if not text.strip():
         raise ValueError("the prompt is empty: give some text with --prompt TEXT or --prompt-file FILE")
-    model, tokenizer = load_model_and_tokenizer(args)
+    model, tokenizer, directory = load_model_and_tokenizer(args)
+    s = sample_config(args, directory)
     ids = tokenizer.encode_prompt(text)
     if not ids:
         raise ValueError("the prompt has no tokens after tokenisation: give some words")
     stream = tokenizer.stream()
-    tokens = generate_stream(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, mem_len=args.mem_len,
-                             segment_len=256 if args.segment_len is None else args.segment_len,
-                             stop_strings=args.stop, decode=tokenizer.decode,
-                             repetition_penalty=args.repetition_penalty, compile=args.compile)
+    tokens = generate_stream(model, ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                             top_k=s.top_k, top_p=s.top_p, seed=s.seed, mem_len=s.mem_len,
+                             segment_len=s.segment_len, stop_strings=s.stop, decode=tokenizer.decode,
+                             repetition_penalty=s.repetition_penalty, compile=s.compile)
     # A prompt that ends mid-line continues on the same line.
     out = sys.stdout
     if tokenizer.level == "word" and not text.endswith("\n"):
         out.write(" ")
     # Text that could still be the start of a stop string is held back until the next token decides.
-    hold = max((len(s) for s in args.stop), default=1) - 1
+    hold = max((len(stop) for stop in s.stop), default=1) - 1
     pending = ""
     for token in tokens:
         if int(token[0]) < 0:  # the row stopped
             break
         pending += stream.push(int(token[0]))
-        cut = min((pending.find(s) for s in args.stop if s in pending), default=-1)
+        cut = min((pending.find(stop) for stop in s.stop if stop in pending), default=-1)
         if cut >= 0:
             out.write(pending[:cut] + "\n")
             out.flush()
@@ -121,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         pending = pending[max(shown, 0):]
         out.flush()
     pending += stream.finish()
-    cut = min((pending.find(s) for s in args.stop if s in pending), default=-1)
+    cut = min((pending.find(stop) for stop in s.stop if stop in pending), default=-1)
     out.write((pending if cut < 0 else pending[:cut]) + "\n")
     out.flush()
     return 0

@@ -5,23 +5,48 @@ from __future__ import annotations
 import argparse
 import sys
 
-from txl.cli.generate import add_checkpoint_args
+from txl.cli.generate import add_checkpoint_args, add_shortcut, run_section
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("score", help="score documents: per-token log-probabilities, perplexity or bits/char")
+    from txl.config import add_config_arguments
+
+    p = sub.add_parser(
+        "score", help="score documents: per-token log-probabilities, perplexity or bits/char", allow_abbrev=False,
+        description="Score documents with memory carried through each one. The context is set as --eval.FIELD "
+        "VALUE, as in txl eval (a run's own [eval] settings are the defaults), with shortcuts for the common "
+        "fields, e.g. --mem-len 512 --segment-len 128.")
     add_checkpoint_args(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="documents to score, one per file")
-    p.add_argument("--batch-size", type=int, default=8, help="documents read together (default 8)")
     p.add_argument("--output", "-o", default=None, metavar="FILE",
                    help="write JSONL of token scores and document totals to FILE ('-': standard output); "
                    "without it, one summary line per document is printed")
     p.add_argument("--totals-only", action="store_true", help="write only each document's totals")
-    p.add_argument("--clamp-len", type=int, default=None,
-                   help="clamp relative distances (<= 0: none; default: the checkpoint's)")
-    p.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
-                   help="every query attends to the same number of keys (default: the checkpoint's)")
+    add_shortcut(p, "--batch-size", "eval.batch_size", metavar="N")
+    add_shortcut(p, "--segment-len", "eval.tgt_len", metavar="N")
+    add_shortcut(p, "--mem-len", "eval.mem_len", metavar="M")
+    add_shortcut(p, "--clamp-len", "eval.clamp_len", metavar="C")
+    p.add_argument("--same-length", dest="eval.same_length", action=argparse.BooleanOptionalAction,
+                   default=argparse.SUPPRESS, help="shortcut for --eval.same_length")
+    add_config_arguments(p, ["eval"])
     p.set_defaults(func=run)
+
+
+SEGMENT_LEN = 128
+"""Tokens per forward pass when neither the option nor the run's [eval] section gives one."""
+
+
+def eval_config(args: argparse.Namespace, directory=None):
+    """The ``EvalConfig`` of this call: the run's ``[eval]`` (when ``directory`` belongs to a run), then the
+    options given. Called once without a directory to refuse a bad option before a model is loaded."""
+    from txl.config import EvalConfig, apply_overrides, overrides_from
+
+    base = {"eval": run_section(directory, "eval") if directory is not None else {}}
+    e = EvalConfig(**apply_overrides(base, overrides_from(args))["eval"])
+    if e.ext_len:
+        raise ValueError(f"eval.ext_len={e.ext_len}: txl score reads each document from its start without "
+                         "an extended context; drop --eval.ext_len")
+    return e
 
 
 def _lines(path: str):
@@ -58,19 +83,23 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
     if args.output not in (None, "-"):  # a file: check it can be written before loading anything
         _check_output(args.output)
-    model, codec = load_model_and_tokenizer(args)
+    eval_config(args)  # a bad option is refused before a model is loaded
+    model, codec, directory = load_model_and_tokenizer(args)
+    e = eval_config(args, directory)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
-    segment_len = 128 if args.segment_len is None else args.segment_len
-    mem = args.mem_len if args.mem_len is not None else model.config.mem_len
-    context = (f"segment_len {segment_len}, mem_len {mem}{', same_length' if model.config.same_length else ''}"
-               f"{f', clamp_len {model.config.clamp_len}' if model.config.clamp_len > 0 else ''}")
+    segment_len = e.tgt_len or SEGMENT_LEN
+    mem = e.mem_len if e.mem_len is not None else model.config.mem_len
+    same = e.same_length if e.same_length is not None else model.config.same_length
+    clamp = e.clamp_len if e.clamp_len is not None else model.config.clamp_len
+    context = f"segment_len {segment_len}, mem_len {mem}{', same_length' if same else ''}" + \
+        (f", clamp_len {clamp}" if clamp > 0 else "")
     summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
     out = None if args.output is None else sys.stdout if args.output == "-" else open(args.output, "w",  # noqa: SIM115
                                                                                          encoding="utf-8")
     try:
-        for item in iter_scores(model, docs, segment_len=segment_len, batch_size=args.batch_size,
-                                mem_len=args.mem_len, clamp_len=args.clamp_len, same_length=args.same_length,
+        for item in iter_scores(model, docs, segment_len=segment_len, batch_size=e.batch_size,
+                                mem_len=mem, clamp_len=clamp, same_length=same,
                                 context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
