@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 import txl
-from txl.config import OptimConfig
+from txl.config import OptimConfig, add_config_arguments, apply_overrides, overrides_from, unknown_option_error
 from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.evaluate import autocast
@@ -92,6 +92,8 @@ class Shape:
     """Evaluation memory length (None: mem_len)."""
     eval_batch: int | None = None
     """Evaluation batch (None: batch)."""
+    model: tuple[tuple[str, object], ...] = ()
+    """ModelConfig fields set with ``--model.FIELD VALUE`` (e.g. dropout_impl, attn_impl), for every phase."""
 
     def for_phase(self, phase: str) -> Shape:
         """The shape a phase runs: evaluation may read shorter segments against a longer memory."""
@@ -111,6 +113,10 @@ class Shape:
         if mem_len:
             changes.update(mem_len=mem_len, eval_mem_len=mem_len)
         return dataclasses.replace(self, **changes)
+
+    def with_model(self, fields: dict[str, object]) -> Shape:
+        """The shape with ModelConfig fields overridden (``--model.FIELD VALUE``)."""
+        return dataclasses.replace(self, model=tuple(sorted({**dict(self.model), **fields}.items())))
 
 
 SHAPES = {
@@ -139,6 +145,7 @@ def model_config(shape: Shape, **changes) -> txl.ModelConfig:
     fields = dict(vocab_size=shape.vocab_size, n_layer=shape.n_layer, d_model=shape.d_model, n_head=shape.n_head,
                   d_head=shape.d_head, d_inner=shape.d_inner, mem_len=shape.mem_len, dropout=shape.dropout,
                   cutoffs=list(shape.cutoffs), div_val=shape.div_val)
+    fields.update(shape.model)  # --model.FIELD overrides, then the phase's own changes
     fields.update(changes)
     return txl.ModelConfig(**fields)
 
@@ -477,8 +484,11 @@ def run_worker(args) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as the txl command does
+    model_fields = apply_overrides({}, overrides_from(args)).get("model", {})
     shape = SHAPES[args.shape].resized(batch=args.batch, tgt_len=args.tgt_len, mem_len=args.mem_len)
-    common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device))
+    shape = shape.with_model(model_fields)
+    common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device),
+                  **({"model": model_fields} if model_fields else {}))
     if args.worker == "bf16check":
         print(json.dumps(dict(kind="bf16check", **common, **worker_bf16_check(shape))))
         return
@@ -540,8 +550,9 @@ def cpu_model() -> str:
 def spawn(args, *extra: str) -> list[dict]:
     resize = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("batch", "tgt_len", "mem_len")
               if getattr(args, name)]
+    model = [f"--{key}={value}" for key, value in overrides_from(args).items()]
     cmd = [sys.executable, "-m", "benchmarks.run", "--threads", str(args.threads), "--device", args.device, *resize,
-           *extra]
+           *model, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         sys.stderr.write(proc.stderr)
@@ -711,11 +722,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--force-bf16", action="store_true",
                    help="time the bf16 phases even on a CPU without bf16 matrix instructions (very slow there)")
+    add_config_arguments(p, ["model"])  # e.g. --model.dropout_impl fast16, --model.attn_impl reference
     p.add_argument("--worker", choices=[*PHASES, "speedup", "bf16check"], help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile setting
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    try:  # a misspelt --model.FIELD or a bad value: one line naming it, before any work
+        if extra:
+            raise unknown_option_error(extra, ["model"], p.prog)
+        apply_overrides({}, overrides_from(args))
+    except ValueError as err:
+        p.error(str(err))
     if args.worker:
         return run_worker(args)
     device = check_device(args.device)

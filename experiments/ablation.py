@@ -25,6 +25,12 @@ models with every query seeing exactly A keys instead.) Reported, as in the pape
     python -m experiments.ablation                              # PTB, the full budget (about 2.5 h on one core)
     python -m experiments.ablation --corpus wt2 --runs-dir /work/txl-runs/wt2    # WikiText-2 (see its plan)
     python -m experiments.ablation --steps 2 --valid-tokens 600 --contexts 8,16 ...   # a smoke test
+    python -m experiments.ablation --corpus wt2 --model.dropatt 0.1 --optim.weight_decay 0.01   # any field
+
+The short flags are shortcuts for config fields (``--n-layer`` is ``--model.n_layer``, ``--steps`` is
+``--train.max_steps``); every other model, optim and train field is set as ``txl train`` sets it,
+``--SECTION.FIELD VALUE``, for every run of the grid. The fields the grid varies (the encoding, the loss
+positions, the run directory) are refused.
 
 Finished runs (``<runs-dir>/<name>/done.json``) and computed losses are reused, so the command
 can be interrupted and rerun; results/ablation[_wt2].{json,md,png} are rewritten from them.
@@ -92,11 +98,13 @@ CORPUS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ptb": {"data_dir": str(common.SHARED_DATA / "ptb"), "out": str(common.RUNS_DIR / "ablation"),
             "steps": 12000, "batch_size": 16, "tgt_len": 32, "mem_len": 32, "n_layer": 3, "d_model": 128,
             "n_head": 4, "d_inner": 512, "dropout": 0.1, "cutoffs": "2000,6000",
-            "contexts": "32,64,96,128,160,192,224,256", "eval_seg_len": 64, "checkpoints": 4},
+            "contexts": "32,64,96,128,160,192,224,256", "eval_seg_len": 64, "checkpoints": 4,
+            "lr": 1e-3, "seed": 0, "minutes_per_run": 0.0},
     "wt2": {"data_dir": str(common.SHARED_DATA / "wikitext-2"), "out": str(common.RUNS_DIR / "ablation-wt2"),
             "steps": 4000, "batch_size": 16, "tgt_len": 64, "mem_len": 64, "n_layer": 3, "d_model": 128,
             "n_head": 4, "d_inner": 512, "dropout": 0.1, "cutoffs": "2000,10000",
-            "contexts": "64,128,192,256,384,512,768,1024", "eval_seg_len": 128, "checkpoints": 20},
+            "contexts": "64,128,192,256,384,512,768,1024", "eval_seg_len": 128, "checkpoints": 20,
+            "lr": 1e-3, "seed": 0, "minutes_per_run": 0.0},
 }
 """Each corpus's full budget: the defaults of the flags left unset. PTB's are the runs in docs/results.md;
 WikiText-2's are sized in its plan (docs/results.md, 'WikiText-2'). ``checkpoints`` per run bound the
@@ -110,13 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ptb (short news sentences) or wt2 (WikiText-2, long articles); sets the defaults below")
     g = p.add_argument_group("budget (identical for every run; defaults per corpus)")
     g.add_argument("--steps", type=int, help="optimiser steps per run (the budget)")
-    g.add_argument("--minutes-per-run", type=float, default=0.0,
+    g.add_argument("--minutes-per-run", type=float,
                    help="also stop a run after this many minutes (0: no limit; steps are the budget)")
     g.add_argument("--batch-size", type=int)
     g.add_argument("--tgt-len", type=int, help="training segment length")
     g.add_argument("--mem-len", type=int, help="training memory length of the recurrent runs")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--seed", type=int)
     m = p.add_argument_group("model (defaults per corpus)")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--d-model", type=int)
@@ -137,10 +145,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "runs/ablation-wt2); a folder outside the checkout keeps long runs safe")
     p.add_argument("--results", default=str(common.RESULTS_DIR), help="tables and plots go here")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    common.add_config_overrides(p)
+
+
+SHORTCUTS = {"steps": "train.max_steps", "minutes_per_run": "train.minutes", "batch_size": "train.batch_size",
+             "tgt_len": "train.tgt_len", "mem_len": "model.mem_len", "lr": "optim.lr", "seed": "train.seed",
+             "n_layer": "model.n_layer", "d_model": "model.d_model", "n_head": "model.n_head",
+             "d_inner": "model.d_inner", "dropout": "model.dropout", "cutoffs": "model.cutoffs"}
+"""The ablation's short flags, each a shortcut for a config field (``--n-layer`` is ``--model.n_layer``)."""
+
+FIXED = {"model.attn_type": "each run's encoding is its variant's; choose runs with --variants",
+         "train.loss_positions": "each run's loss (Full or Half) is its variant's; choose runs with --variants",
+         "train.out_dir": "each run's directory is <--runs-dir>/<variant name>; give --runs-dir",
+         "model.vocab_size": "the corpus sets it"}
+"""Fields the grid sets per run: an override of one would make the variants the same run."""
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with every flag left unset taken from its corpus's full budget (CORPUS_DEFAULTS)."""
+    """``args`` with the ``--SECTION.FIELD`` options taken (``common.take_config_overrides``) and every flag
+    left unset taken from its corpus's full budget (CORPUS_DEFAULTS)."""
+    common.take_config_overrides(args, SHORTCUTS, FIXED)
     for key, value in CORPUS_DEFAULTS[args.corpus].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -152,7 +176,7 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
     if parser is None:
         parser = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__.split("\n\n")[0])
         add_arguments(parser)
-    return resolve(parser.parse_args(argv))
+    return resolve(common.parse_known(parser, argv))
 
 
 def defaults(corpus: str) -> dict[str, Any]:
@@ -202,7 +226,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                         mem_len=args.mem_len if v.recurrence else 0,
                         learned_positions=max(512, max_len))  # longer-than-trained rows stay untrained
     checkpoints = CORPUS_DEFAULTS[args.corpus]["checkpoints"]
-    return RunConfig(
+    return common.with_overrides(RunConfig(
         data=DataConfig(corpus=args.corpus, data_dir=str(Path(args.data_dir).resolve())),  # one name per folder
         model=model,
         optim=OptimConfig(lr=args.lr, min_lr=args.lr / 100, schedule="cosine",
@@ -213,7 +237,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                           ckpt_interval=max(1, args.steps // checkpoints),
                           loss_positions="last_half" if v.loss == "Half" else "all",
                           keep_last=1, log_interval=max(1, args.steps // 50), tensorboard=False, plot=True,
-                          progress=False))
+                          progress=False)), getattr(args, "config", {}))
 
 
 def collect(args: argparse.Namespace, *, exact: bool = False, available_only: bool = False) -> dict[str, Any]:

@@ -6,6 +6,9 @@ Trains one model (the paper's relative encoding with segment-level recurrence) o
 claim: a Transformer-XL evaluated with longer attention than it was trained with keeps getting better.
 
     python -m experiments.char
+    python -m experiments.char --model.pre_ln true --optim.weight_decay 0.01   # any model/optim/train field
+
+The short flags are shortcuts for config fields (``--n-layer`` is ``--model.n_layer``).
 """
 
 from __future__ import annotations
@@ -23,20 +26,26 @@ import numpy as np
 from experiments import common
 from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
+DEFAULTS: dict[str, Any] = {"steps": 6000, "minutes": 0.0, "batch_size": 16, "tgt_len": 64, "mem_len": 64,
+                            "lr": 1e-3, "seed": 0, "n_layer": 3, "d_model": 128, "n_head": 4, "d_inner": 512,
+                            "dropout": 0.1}
+"""The run's budget and shape: the defaults of the short flags left unset."""
+
+SHORTCUTS = {"steps": "train.max_steps", "minutes": "train.minutes", "batch_size": "train.batch_size",
+             "tgt_len": "train.tgt_len", "mem_len": "model.mem_len", "lr": "optim.lr", "seed": "train.seed",
+             "n_layer": "model.n_layer", "d_model": "model.d_model", "n_head": "model.n_head",
+             "d_inner": "model.d_inner", "dropout": "model.dropout"}
+"""Each short flag is a shortcut for a config field (``--n-layer`` is ``--model.n_layer``)."""
+
+FIXED = {"train.out_dir": "give --out", "model.vocab_size": "the corpus sets it"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=6000, help="optimiser steps (the budget)")
-    p.add_argument("--minutes", type=float, default=0.0, help="also stop after this many minutes (0: no limit)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--tgt-len", type=int, default=64)
-    p.add_argument("--mem-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-layer", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-inner", type=int, default=512)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--steps", type=int, help=f"optimiser steps (the budget; default {DEFAULTS['steps']})")
+    p.add_argument("--minutes", type=float, help="also stop after this many minutes (default 0: no limit)")
+    for flag, kind in (("batch-size", int), ("tgt-len", int), ("mem-len", int), ("lr", float), ("seed", int),
+                       ("n-layer", int), ("d-model", int), ("n-head", int), ("d-inner", int), ("dropout", float)):
+        p.add_argument(f"--{flag}", type=kind, help=f"default {DEFAULTS[flag.replace('-', '_')]}")
     p.add_argument("--corpus", default="pennchar", help="a registry corpus name (pennchar) or a text file")
     p.add_argument("--data-dir", default=str(common.SHARED_DATA / "ptb-char"))
     p.add_argument("--valid-tokens", type=int, default=0, help="score the first N validation symbols (0: all)")
@@ -46,10 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(common.RUNS_DIR / "char"))
     p.add_argument("--results", default=str(common.RESULTS_DIR))
     p.add_argument("--threads", type=int, default=0)
+    common.add_config_overrides(p)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the ``--SECTION.FIELD`` options taken and the short flags left unset at their defaults."""
+    common.take_config_overrides(args, SHORTCUTS, FIXED)
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def run_config(args: argparse.Namespace, vocab_size: int) -> RunConfig:
-    return RunConfig(
+    return common.with_overrides(RunConfig(
         data=DataConfig(corpus=args.corpus, data_dir=args.data_dir),
         model=ModelConfig(vocab_size=vocab_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                           d_inner=args.d_inner, dropout=args.dropout, attn_type="relative", mem_len=args.mem_len),
@@ -58,7 +77,7 @@ def run_config(args: argparse.Namespace, vocab_size: int) -> RunConfig:
         train=TrainConfig(out_dir=args.out, max_steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           tgt_len=args.tgt_len, seed=args.seed, device="cpu", precision="fp32", eval_interval=0,
                           ckpt_interval=max(1, args.steps // 4), keep_last=1, log_interval=max(1, args.steps // 50),
-                          tensorboard=False, plot=True, progress=False))
+                          tensorboard=False, plot=True, progress=False)), getattr(args, "config", {}))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -106,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m experiments.char", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    args = p.parse_args(argv)
+    args = resolve(common.parse_known(p, argv))
     common.setup_logging()
     payload = run(args, argv)
     print(Path(args.results, "char.md").read_text(encoding="utf-8"))

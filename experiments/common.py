@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from experiments import ROOT
-from txl.config import RunConfig
+from txl.config import RunConfig, add_config_arguments, apply_overrides, overrides_from, unknown_option_error
 from txl.data import Corpus, load_corpus
 from txl.evaluate import inference_context
 from txl.model import TransformerXL
@@ -63,6 +63,66 @@ def load_trimmed_corpus(name: str, data_dir: str | Path, *, valid_tokens: int, t
 
 
 # -- training -----------------------------------------------------------------------------------------
+
+CONFIG_SECTIONS = ["model", "optim", "train"]
+"""The config sections an experiment driver takes as ``--SECTION.FIELD``, applied to every run it trains."""
+
+
+def add_config_overrides(p: Any) -> None:
+    """``--SECTION.FIELD VALUE`` for every model, optim and train field, as ``txl train`` takes them (the
+    driver's own short flags, e.g. --n-layer, are shortcuts for some of them)."""
+    add_config_arguments(p, CONFIG_SECTIONS)
+
+
+def parse_known(parser: Any, argv: Sequence[str]) -> Any:
+    """Parse ``argv``; an unknown option is one line naming it (a misspelt --SECTION.FIELD lists the valid
+    fields), as in ``txl train``."""
+    args, extra = parser.parse_known_args(list(argv))
+    if extra:
+        raise SystemExit(f"{parser.prog}: error: {unknown_option_error(extra, CONFIG_SECTIONS, parser.prog)}")
+    return args
+
+
+def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str, str]) -> dict[str, str]:
+    """Move the ``--SECTION.FIELD`` options out of ``args`` into ``args.config`` (what ``with_overrides``
+    applies to each run), after checking them once.
+
+    A field with a driver shortcut (``shortcuts``: flag attribute -> 'section.field') sets that flag, so the
+    driver's grid logic (segment lengths, schedule) sees it; giving both forms with different values is an
+    error (call this before the flags left unset are given their defaults). Fields the driver sets per run
+    (``fixed``: 'section.field' -> why) are refused, naming the flag to use. Everything else is applied to
+    every run's config as given.
+    """
+    given = overrides_from(args)
+    for key in given:
+        delattr(args, key)
+    typed = apply_overrides({}, given)  # an unknown field or a bad value: the same one-line error as txl train
+    for flag, dotted in shortcuts.items():
+        if dotted not in given:
+            continue
+        section, name = dotted.split(".")
+        value = typed[section][name]
+        if isinstance(value, list):  # the drivers keep lists as their flags' comma-separated text
+            value = ",".join(map(str, value))
+        current = getattr(args, flag, None)
+        if current is not None and current != value:  # shortcuts default to None until resolved
+            raise SystemExit(f"--{dotted} {given[dotted]} and --{flag.replace('_', '-')} {current} disagree: "
+                             "give one of them")
+        setattr(args, flag, value)
+        del given[dotted]
+    for dotted in given:
+        if dotted in fixed:
+            raise SystemExit(f"--{dotted}: {fixed[dotted]}")
+    args.config = dict(given)
+    return args.config
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
+    """``cfg`` with the ``--SECTION.FIELD`` overrides of the command line applied (checked again as a whole)."""
+    if not overrides:
+        return cfg
+    return RunConfig.from_dict(apply_overrides(cfg.to_dict(), overrides))
+
 
 def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     """Train ``cfg`` unless its run directory already holds a finished run of the same config.

@@ -23,10 +23,10 @@ def _load(results: Path, stem: str) -> dict[str, Any] | None:
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
 
 
-def _defaults(add_arguments) -> dict[str, Any]:
+def _defaults(add_arguments, resolve) -> dict[str, Any]:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return vars(p.parse_args([]))
+    return vars(resolve(p.parse_args([])))
 
 
 def _reduced(args: dict[str, Any], defaults: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
@@ -159,7 +159,7 @@ def speedup_section(s: dict[str, Any] | None) -> list[str]:
 
 
 def char_section(c: dict[str, Any], img: str) -> list[str]:
-    defaults = _defaults(char.add_arguments)
+    defaults = _defaults(char.add_arguments, char.resolve)
     reduced = _reduced(c["args"], defaults, ("steps", "minutes", "batch_size", "tgt_len", "mem_len", "valid_tokens",
                                                   "contexts"))
     m, t = c["model"], c["train"]

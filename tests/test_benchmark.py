@@ -49,6 +49,18 @@ def test_resized_overrides_train_and_eval_alike():
         (2, 8, 640)
 
 
+def test_model_fields_override_every_shape_and_bad_ones_are_refused(capsys):
+    shape = bench.SHAPES["tiny"].with_model({"dropout_impl": "fast16", "attn_impl": "reference"})
+    config = bench.model_config(shape, recompute_attention=False)
+    assert (config.dropout_impl, config.attn_impl, config.recompute_attention) == ("fast16", "reference", False)
+    assert config.n_layer == bench.SHAPES["tiny"].n_layer
+    for argv, match in ((["--model.dropout_impl", "fast"], "model.dropout_impl='fast' is not allowed"),
+                        (["--model.dropuot", "0.1"], "unknown field model.dropuot; valid model fields are")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert match in capsys.readouterr().err
+
+
 def test_speedup_flop_ratio_grows_with_length():
     shape = bench.SHAPES["small"]
     ratios = [bench.speedup_flop_ratio(shape, length) for length in (128, 800, 3800)]
@@ -104,9 +116,11 @@ def test_run_as_a_module_times_the_tiny_shape(tmp_path):
     """python -m benchmarks.run end to end (its workers are `-m benchmarks.run` subprocesses), one step each."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--shapes", "tiny", "--dtypes", "fp32", "--phases",
                           "eval", "--warmup", "0", "--steps", "1", "--threads", "1", "--lengths", "--out",
-                          str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+                          str(tmp_path), "--model.attn_impl", "reference"], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["shape"], r["compile"], r["batch"]) for r in records] == [("eval", "tiny", False, 2)]
+    assert records[0]["model"] == {"attn_impl": "reference"}  # --model.FIELD reached the worker
     assert records[0]["tokens_per_s"] > 0 and "tiny   fp32  no   eval" in out
 
 

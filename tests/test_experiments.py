@@ -297,3 +297,36 @@ def test_grid_claim_skips_a_run_held_by_a_live_worker_and_takes_a_stale_one(tmp_
         grid.lock_path(run).write_text(json.dumps(owner) if isinstance(owner, dict) else owner)
         with grid.claim(run) as mine:
             assert mine
+
+
+def test_drivers_take_config_fields_as_txl_train_does():
+    """--SECTION.FIELD works in the drivers: a shortcut's field sets the shortcut, any other field reaches every
+    run's config, a field the grid sets per run is refused, and the two forms cannot disagree."""
+    args = ablation.parse_args(["--corpus", "wt2", "--model.n_layer", "2", "--train.max_steps", "30",
+                                "--model.dropatt", "0.2", "--optim.weight_decay", "0.01"])
+    assert args.n_layer == 2 and args.steps == 30 and args.config == {"model.dropatt": "0.2",
+                                                                       "optim.weight_decay": "0.01"}
+    cfg = ablation.run_config(ablation.Variant("shaw", False, "Half"), args, vocab_size=20000)
+    assert (cfg.model.n_layer, cfg.train.max_steps, cfg.model.dropatt, cfg.optim.weight_decay) == (2, 30, 0.2, 0.01)
+    assert (cfg.model.attn_type, cfg.model.mem_len, cfg.train.loss_positions) == ("shaw", 0, "last_half")
+    assert ablation.parse_args(["--model.cutoffs", "10,20"]).cutoffs == "10,20"
+    assert ablation.parse_args(["--n-layer", "2", "--model.n_layer", "2"]).n_layer == 2  # agreeing is fine
+    with pytest.raises(SystemExit, match="disagree"):
+        ablation.parse_args(["--n-layer", "3", "--model.n_layer", "2"])
+    with pytest.raises(SystemExit, match="--model.attn_type: each run's encoding is its variant's"):
+        ablation.parse_args(["--model.attn_type", "shaw"])
+    with pytest.raises(SystemExit, match="unknown field model.n_layers; valid model fields are: .*n_layer"):
+        ablation.parse_args(["--model.n_layers", "2"])
+    with pytest.raises(ValueError, match="model.n_layer='two' must be an integer"):
+        ablation.parse_args(["--model.n_layer", "two"])
+    c = char.resolve(_char_parser().parse_args(["--optim.lr", "0.003", "--model.pre_ln", "true"]))
+    assert c.lr == 0.003 and c.config == {"model.pre_ln": "true"}
+    assert char.run_config(c, vocab_size=50).model.pre_ln is True
+
+
+def _char_parser():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    char.add_arguments(p)
+    return p
