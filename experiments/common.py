@@ -191,7 +191,7 @@ def load_trained(run_dir: str | Path, which: str = "best") -> TransformerXL:
 
 @torch.no_grad()
 def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n_streams: int, seg_len: int,
-                    skip: int, exact: bool = True) -> np.ndarray:
+                    skip: int, exact: bool = True, clamp_len: int | None = None) -> np.ndarray:
     """Loss (nats) of every scored position at attention length ``context``.
 
     ``tokens`` is cut into ``n_streams`` contiguous streams read in ``seg_len``-token segments with
@@ -205,6 +205,9 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     The memory rows hold hidden states that were themselves computed the same way, so information can
     still reach further back through the layers (up to n_layer * context tokens): that is what
     segment-level recurrence adds, and what the paper measures.
+
+    ``clamp_len`` (None: the model's) gives every relative distance beyond it the encoding of ``clamp_len``
+    (the original evaluation's ``clamp_len``), so a model never meets a distance longer than it was trained on.
 
     The first ``skip`` positions of each stream are dropped (they see fewer keys); with ``skip >=
     max context - 1`` every model and context is scored on the same positions, as RECL requires.
@@ -224,6 +227,8 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
         changes = dict(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
     else:
         changes = dict(mem_len=context - seg_len, same_length=False, ext_len=0)
+    if clamp_len is not None:
+        changes["clamp_len"] = clamp_len
     with inference_context(model, **changes) as attention_context:
         # As txl.evaluate: the memory rows' keys and values are carried (KVCache), not projected again.
         cache = model.start_kv_cache()
@@ -237,12 +242,13 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
 
 
 def cached_position_losses(model: TransformerXL | None, tokens: np.ndarray, contexts: Sequence[int], cache: Path, *,
-                           n_streams: int, seg_len: int, skip: int, exact: bool = True
-                           ) -> dict[int, np.ndarray] | None:
+                           n_streams: int, seg_len: int, skip: int, exact: bool = True,
+                           clamp_len: int | None = None) -> dict[int, np.ndarray] | None:
     """``position_losses`` for each context, cached as ``cache/c{context}.npy`` (reused while the
     evaluation setup and the tokens are unchanged). With ``model=None`` nothing is computed: the cached
     losses, or None when any context is missing (another process may still be computing them)."""
     key = {"n_streams": n_streams, "seg_len": seg_len, "skip": skip, **({} if exact else {"exact": False}),
+           **({} if clamp_len is None else {"clamp_len": clamp_len}),
            "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()}
     meta = cache / "meta.json"
     current = meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) == key
@@ -262,13 +268,13 @@ def cached_position_losses(model: TransformerXL | None, tokens: np.ndarray, cont
             continue
         start = time.perf_counter()
         out[c] = position_losses(model, tokens, context=c, n_streams=n_streams, seg_len=seg_len, skip=skip,
-                                 exact=exact)
+                                 exact=exact, clamp_len=clamp_len)
         (cache / f"c{c}.seconds").write_text(f"{time.perf_counter() - start:.3f}\n", encoding="utf-8")
         partial = cache / f"c{c}.partial.npy"
         np.save(partial, out[c])
         partial.replace(file)  # whole or absent: a report running beside this process never reads half a file
-        log.info("%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, c, out[c].mean(),
-                 out[c].size, time.perf_counter() - start)
+        log.info("%s/%s: context %d: loss %.4f over %d positions (%.0f s)", cache.parent.name, cache.name, c,
+                 out[c].mean(), out[c].size, time.perf_counter() - start)
     return out
 
 

@@ -218,8 +218,8 @@ def sizing_lines(z: dict[str, Any] | None) -> list[str]:
             Path(z["_md"]).read_text(encoding="utf-8")]
 
 
-def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str, Any] | None, rel: str
-                ) -> list[str]:
+def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str, Any] | None, rel: str,
+                clamp: dict[str, Any] | None = None) -> list[str]:
     """Section 5: the WikiText-2 grid (Table 6 with both losses), longer memory, RECL, plan and status."""
     d = ablation.defaults("wt2")
     n_runs = len(ablation.WT2_VARIANTS)
@@ -311,16 +311,41 @@ def wt2_section(a: dict[str, Any] | None, r: dict[str, Any] | None, z: dict[str,
                     f"from its training length ({best['gain_over_se']:.1f} SE), and "
                     f"{points[-1]['pct_vs_train_len']:+.2f}% at the longest, {points[-1]['attn_len']} "
                     f"({points[-1]['ratio']:g}x); the paper: {100 * (best_long / init_long - 1):+.1f}%.", ""]
+    if clamp is not None:
+        out += longmem_clamp_section(clamp, f"{rel}/longmem_clamp_wt2.png")
     if r is not None:
         out += recl_section(r, f"{rel}/recl_wt2.png", title="### RECL of the WikiText-2 group")
     out += wall_times(a, title="### Wall time of each WikiText-2 run")
     return out
 
 
+def longmem_clamp_section(c: dict[str, Any], img: str) -> list[str]:
+    """The second block again with relative distances clamped at the training attention length."""
+    out = ["#### The same, with distances clamped at the training attention length", "",
+           "With a longer memory, queries meet relative distances longer than any in training, whose encodings "
+           "R(i - j) the model never learned to read. The original evaluation clamps distances (`clamp_len`: every "
+           "distance beyond it shares one encoding). The same models, positions and protocol, with `clamp_len` "
+           "= the training attention length, beside the unclamped perplexities above "
+           f"(`python -m experiments.longmem`: `{c['command']}`, {_mins(c['wall_s'])}).", "",
+           Path(c["_md"]).read_text(encoding="utf-8"), "", f"![clamped and unclamped]({img})", ""]
+    verdicts = []
+    for name, run in c["runs"].items():
+        points = run["clamped"]
+        best = min(points, key=lambda p: (p["ppl"], p["attn_len"]))
+        gains = best["attn_len"] > points[0]["attn_len"] and best["gain_over_se"] > ablation.SIGNIFICANCE
+        verdicts.append(f"`{name}` clamped is best at {best['attn_len']} ({best['pct_vs_train_len']:+.2f}% from its "
+                        f"training length, {best['gain_over_se']:.1f} SE; {'a gain' if gains else 'no gain'}) "
+                        f"and {points[-1]['pct_vs_train_len']:+.2f}% at {points[-1]['attn_len']}, against "
+                        f"{run['unclamped'][-1]['pct_vs_train_len']:+.2f}% unclamped")
+    out += ["*With clamped distances*: " + "; ".join(verdicts) + ".", ""]
+    return out
+
+
 def render(results: Path, doc: Path) -> str:
     rel = os.path.relpath(results, doc.parent)
     data = {}
-    for stem in ("ablation", "recl", "char", "speedup", "ablation_wt2", "recl_wt2", "sizing_wt2"):
+    for stem in ("ablation", "recl", "char", "speedup", "ablation_wt2", "recl_wt2", "sizing_wt2",
+                 "longmem_clamp_wt2"):
         d = _load(results, stem)
         if d is not None:
             d["_md"] = str(results / f"{stem}.md")
@@ -338,7 +363,7 @@ def render(results: Path, doc: Path) -> str:
     out += speedup_section(data["speedup"])
     if data["char"]:
         out += char_section(data["char"], f"{rel}/char.png")
-    out += wt2_section(data["ablation_wt2"], data["recl_wt2"], data["sizing_wt2"], rel)
+    out += wt2_section(data["ablation_wt2"], data["recl_wt2"], data["sizing_wt2"], rel, data["longmem_clamp_wt2"])
     out += wall_times(data["ablation"], title="## Wall time of each PTB ablation run")
     out += [Path(ROOT / "experiments" / "discussion.md").read_text(encoding="utf-8")]
     text = "\n".join(out).rstrip() + "\n"

@@ -11,7 +11,7 @@ import torch
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
 import txl.train
-from experiments import ablation, char, common, recl, report, speedup
+from experiments import ablation, char, common, longmem, recl, report, speedup
 from txl.config import ModelConfig
 from txl.model import TransformerXL
 
@@ -255,6 +255,18 @@ def test_wt2_grid_workers_half_loss_noise_and_report(wt2_dir, tmp_path, monkeypa
         seed = json.loads((tmp_path / "runs" / "relative-rec-seed1" / "run.json").read_text())
         assert seed["train"]["seed"] == 1 and seed["train"]["loss_positions"] == "all"
 
+    # The second block with clamped distances: identical up to the training attention length (8), not beyond.
+    assert longmem.main(args) == 0
+    c = json.loads((res / "longmem_clamp_wt2.json").read_text())
+    assert set(c["runs"]) == {"relative-rec", "relative-rec-half", "relative-rec-seed1"}
+    run = c["runs"]["relative-rec"]
+    assert run["clamp_len"] == run["train_attn_len"] == 8
+    assert [p["attn_len"] for p in run["clamped"]] == [8, 16]
+    assert run["clamped"][0]["ppl"] == run["unclamped"][0]["ppl"] and run["clamped"][1]["ppl"] != \
+        run["unclamped"][1]["ppl"]
+    lm = json.loads((res / "ablation_wt2.json").read_text())["long_memory"]["relative-rec"]
+    assert [p["ppl"] for p in run["unclamped"]] == [p["ppl"] for p in lm]  # the ablation's own cached losses
+
     def nothing(*a, **k):
         raise AssertionError("--report-only trained or scored")
     monkeypatch.setattr(txl.train, "train", nothing)
@@ -273,6 +285,7 @@ def test_wt2_grid_workers_half_loss_noise_and_report(wt2_dir, tmp_path, monkeypa
     assert (res / "longmem_wt2.png").stat().st_size > 0 and (res / "ablation_wt2.png").stat().st_size > 0
     text = report.render(res, tmp_path / "docs" / "results.md")
     assert "Incomplete" not in text and f"{a['runs']['relative-rec-half']['ppl_best']:.2f}" in text
+    assert "distances clamped at the training attention length" in text and "*With clamped distances*" in text
 
 
 def test_ptb_stays_the_default_corpus():
