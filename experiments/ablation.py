@@ -475,15 +475,9 @@ def plot_long_memory(curves: dict[str, list[dict[str, float]]], png: Path, corpu
                 color=f"C{i}", label=name)
         ax.plot([points[0]["attn_len"]], [points[0]["ppl"]], color=f"C{i}", marker="s", markersize=7,
                 markerfacecolor="none")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation attention length (keys per query; square: training length)")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title(f"{corpus_title}: trained with a short memory, evaluated with longer ones")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    common.save_length_plot(plt, fig, ax, png,
+                            xlabel="evaluation attention length (keys per query; square: training length)",
+                            title=f"{corpus_title}: trained with a short memory, evaluated with longer ones")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -314,6 +314,19 @@ def pyplot():
     return plt
 
 
+def save_length_plot(plt: Any, fig: Any, ax: Any, png: Path, *, xlabel: str, title: str, legend_size: int = 8) -> None:
+    """Finish and write a perplexity-against-attention-length plot (log2 lengths) and close it."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def command_line(module: str, argv: Sequence[str]) -> str:
     """The command that reproduces a run, as the report prints it."""
     return " ".join(["python -m", module, *argv])

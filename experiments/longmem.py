@@ -81,15 +81,8 @@ def plot(runs: dict[str, Any], png: Path, corpus_title: str) -> None:
             ax.plot([p["attn_len"] for p in points], [p["ppl"] for p in points], linestyle=style, marker="o",
                     markersize=3, color=f"C{i}", label=f"{name}, {key}" + (f" at {r['clamp_len']}" if key ==
                                                                            "clamped" else ""))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation attention length (keys per query)")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title(f"{corpus_title}: longer memory, distances clamped or not")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    common.save_length_plot(plt, fig, ax, png, xlabel="evaluation attention length (keys per query)",
+                            title=f"{corpus_title}: longer memory, distances clamped or not", legend_size=7)
 
 
 def main(argv: list[str] | None = None) -> int:
