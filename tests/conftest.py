@@ -30,6 +30,26 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
+def assert_training_equal(fast, reference, tokens: torch.Tensor, tol: dict) -> None:
+    """Train mode over three 5-token segments of ``tokens`` (B, >= 16), memory carried (it fills, then keys
+    outnumber queries): per-token NLL, memory and every parameter gradient of ``fast`` equal ``reference``'s."""
+    memories = [None, None]
+    for s in range(3):
+        x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
+        outs = []
+        for i, model in enumerate((fast.train(), reference.train())):
+            model.zero_grad()
+            out = model(x, labels=y, memory=memories[i])
+            out.loss.backward()
+            memories[i] = out.memory
+            outs.append(out)
+        torch.testing.assert_close(outs[0].nll, outs[1].nll, **tol)
+        for a, b in zip(*memories, strict=True):
+            torch.testing.assert_close(a, b, **tol)
+        for (name, p), q in zip(fast.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
+
+
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     """A small code corpus file (a path) for training runs, its token cache kept inside tmp_path."""

@@ -9,6 +9,7 @@ with TF32 the products keep 10 mantissa bits and 1e-5 cannot hold.
 
 import pytest
 import torch
+from conftest import assert_training_equal
 from hf_oracle import hf_model, ours_from_hf
 
 import txl
@@ -97,21 +98,7 @@ def test_cuda_kernels_equal_the_reference(attn_type, context, exact):
     within 1e-2."""
     fast, reference = kernel_pair(attn_type, "cuda", **context)
     tokens = torch.randint(0, 50, (2, 16), device="cuda")
-    memories = [None, None]
-    for s in range(3):
-        x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
-        outs = []
-        for i, model in enumerate((fast.train(), reference.train())):
-            model.zero_grad()
-            out = model(x, labels=y, memory=memories[i])
-            out.loss.backward()
-            memories[i] = out.memory
-            outs.append(out)
-        torch.testing.assert_close(outs[0].nll, outs[1].nll, **TOL)
-        for a, b in zip(*memories, strict=True):
-            torch.testing.assert_close(a, b, **TOL)
-        for (name, p), q in zip(fast.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert_training_equal(fast, reference, tokens, TOL)
     with torch.no_grad():
         fp32 = reference(tokens[:, :5], labels=tokens[:, 1:6]).loss.item()
         with autocast(torch.device("cuda"), "bf16"):

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from conftest import assert_training_equal
 
 import txl
 from txl.model.attention import Positions, relative_distances, sinusoid
@@ -43,21 +44,7 @@ def test_training_kernels_equal_the_reference(attn_type, context):
     """Train mode, dropout 0: loss, per-token NLL, memory and every parameter gradient, segment after segment
     (keys outnumber queries once the memory fills, and learned positions run out at K > 8)."""
     fused, reference = pair(attn_type, untie_r=attn_type == "relative", **CONTEXTS[context])
-    tokens = torch.randint(0, 50, (2, 16))
-    memories = [None, None]
-    for s in range(3):
-        x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
-        outs = []
-        for i, model in enumerate((fused.train(), reference.train())):
-            model.zero_grad()
-            out = model(x, labels=y, memory=memories[i])
-            out.loss.backward()
-            memories[i] = out.memory
-            outs.append(out)
-        torch.testing.assert_close(outs[0].nll, outs[1].nll, **TOL)
-        assert_memories_equal(*memories)
-        for (name, p), q in zip(fused.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    assert_training_equal(fused, reference, torch.randint(0, 50, (2, 16)), TOL)
 
 
 @pytest.mark.parametrize("context", list(CONTEXTS))
