@@ -83,7 +83,7 @@ def parse_known(parser: Any, argv: Sequence[str]) -> Any:
     return args
 
 
-def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str, str]) -> dict[str, str]:
+def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str, str]) -> None:
     """Move the ``--SECTION.FIELD`` options out of ``args`` into ``args.config`` (what ``with_overrides``
     applies to each run), after checking them once.
 
@@ -114,7 +114,6 @@ def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str,
         if dotted in fixed:
             raise SystemExit(f"--{dotted}: {fixed[dotted]}")
     args.config = dict(given)
-    return args.config
 
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:

@@ -48,11 +48,14 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             continue
         init = ablation.train_attention_length(v, args)
         clamp = args.clamp_len or init
-        model = common.load_trained(run_dir)
-        plain = common.cached_position_losses(model, corpus.valid, grid, run_dir / "losses-train-segments", **scoring)
-        clamped = common.cached_position_losses(model, corpus.valid, grid,
-                                                run_dir / f"losses-train-segments-clamp{clamp}", clamp_len=clamp,
-                                                **scoring)
+        caches = {None: run_dir / "losses-train-segments", clamp: run_dir / f"losses-train-segments-clamp{clamp}"}
+        losses = {c: common.cached_position_losses(None, corpus.valid, grid, cache, clamp_len=c, **scoring)
+                  for c, cache in caches.items()}
+        if any(cached is None for cached in losses.values()):  # load the model only when something is left to score
+            model = common.load_trained(run_dir)
+            losses = {c: common.cached_position_losses(model, corpus.valid, grid, cache, clamp_len=c, **scoring)
+                      for c, cache in caches.items()}
+        plain, clamped = losses[None], losses[clamp]
         rows = {v.name: {"init_len": init}}
         out[v.name] = {"clamp_len": clamp, "train_attn_len": init,
                        "unclamped": ablation.long_memory({v.name: {"variant": v, "losses": plain}}, rows)[v.name],
