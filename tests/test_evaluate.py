@@ -51,7 +51,7 @@ def test_on_segment_reports_each_segment_of_the_total(max_batches):
     assert calls == [(i, n) for i in range(1, n + 1)] and n > 3
 
 
-def test_segment_progress_draws_a_bar_that_goes_away(capsys):
+def test_segment_progress_draws_a_bar_of_segments_only_when_enabled(capsys):
     from txl.metrics import segment_progress
 
     with segment_progress(False, "valid") as hook:
