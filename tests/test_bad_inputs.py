@@ -216,8 +216,9 @@ CASES = [
      "resume from an earlier checkpoint under checkpoints/", 2),
     ("train-resume-pickled-state", ["train", "--resume", "{pickled_state}"],
      "{root}/pickled_state/checkpoints/step_00000002/train_state.pt holds Python objects other than tensors and "
-     "numbers, and txl never unpickles those (unpickling can run code); it was not written by txl: convert it "
-     "to model.safetensors with a tool you trust, or use a checkpoint txl wrote", 2),
+     "numbers, and txl never unpickles those (unpickling can run code): txl did not write it. Resume from another "
+     "checkpoint under {root}/pickled_state/checkpoints, or start a new run from this checkpoint's weights (its "
+     "model.safetensors holds tensors only) with txl train --init-from {pickled_state_ckpt}", 2),
     ("train-resume-corrupt-run-json", ["train", "--resume", "{bad_run_json}"],
      "{root}/bad_run_json/checkpoints/step_00000002/run.json is not valid JSON (...", 2),
     ("train-resume-other-vocab", ["train", "--resume", "{other_vocab}"],

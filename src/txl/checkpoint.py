@@ -24,6 +24,7 @@ Public API: ``Checkpointer`` (writes a run's checkpoints), ``latest(run_dir)``, 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -37,10 +38,10 @@ from typing import Any
 
 import torch
 
-from txl.config import RunConfig
+from txl.config import SECTIONS, RunConfig
 from txl.fileio import atomic_write, remove_partial, write_json
 from txl.model import TransformerXL
-from txl.pretrained import from_pretrained, save_pretrained, unsafe_load_message
+from txl.pretrained import from_pretrained, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +211,47 @@ def find_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
     raise FileNotFoundError(f"{p} holds no checkpoint (no latest.json, no config.json)")
 
 
+# The fields every run.json has held since its first version (txl of 2026-11-22). A saved run.json lacking
+# one of them is damaged, and filling it from the defaults would change what the run is (a model field) or
+# the figure it reports (an eval field): it is refused. A run.json written before a later field existed
+# (model.attn_impl, dropout_impl, recompute_attention; train.compile, tf32, loss_positions; eval.compile;
+# the [sample] section; any field added since) lacks only such fields: that documented older version loads,
+# each missing field taking its default, which by the rule for adding a field reproduces the older behaviour.
+FIRST_RUN_FIELDS = {
+    "data": ("corpus", "data_dir", "level", "cache_dir", "max_bytes"),
+    "model": ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "cutoffs", "div_val",
+              "tie_weight", "tie_projs", "dropout", "dropatt", "mem_len", "ext_len", "clamp_len", "same_length",
+              "same_length_style", "attn_type", "learned_positions", "untie_r", "pre_ln", "layer_norm_eps",
+              "init_std", "proj_init_std"),
+    "optim": ("optimizer", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
+              "clip"),
+    "train": ("out_dir", "max_steps", "minutes", "batch_size", "grad_accum", "tgt_len", "seed", "precision",
+              "device", "eval_interval", "eval_batches", "ckpt_interval", "keep_last", "log_interval",
+              "tensorboard", "plot", "progress", "sample_tokens"),
+    "eval": ("batch_size", "tgt_len", "mem_len", "clamp_len", "same_length", "ext_len"),
+}
+
+
+def check_saved_run(data: object, file: Path) -> dict[str, Any]:
+    """``data`` (a run.json's content) if it holds every field a saved run has always held; else a
+    ValueError naming the missing ones (see FIRST_RUN_FIELDS)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is not a table of config sections; the checkpoint is corrupt")
+    known = {f.name for kind in (SECTIONS[n] for n in FIRST_RUN_FIELDS) for f in dataclasses.fields(kind)}
+    missing = [f"{section}.{name}" for section, names in FIRST_RUN_FIELDS.items() for name in names
+               if name in known and not (isinstance(data.get(section), dict) and name in data[section])]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(f"{file} lacks the field(s) {shown}, which every saved run holds: the file is damaged and "
+                         "its defaults would change the run or its figures. Restore it from another checkpoint of "
+                         "the run (checkpoints/*/run.json, or run.json in the run directory)")
+    return data
+
+
 def read_run(path: Path) -> RunConfig:
     file = path / RUN_FILE
     try:
-        return RunConfig.from_dict(json.loads(file.read_text(encoding="utf-8")))
+        return RunConfig.from_dict(check_saved_run(json.loads(file.read_text(encoding="utf-8")), file))
     except FileNotFoundError:
         raise FileNotFoundError(f"{file} not found: {path} is not a training checkpoint") from None
     except json.JSONDecodeError as err:
@@ -234,8 +272,11 @@ def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = T
             raise FileNotFoundError(f"{file} not found: the checkpoint has weights but no training state")
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise ValueError(unsafe_load_message(file, err)) from None
+        except pickle.UnpicklingError:
+            raise ValueError(f"{file} holds Python objects other than tensors and numbers, and txl never unpickles "
+                             "those (unpickling can run code): txl did not write it. Resume from another checkpoint "
+                             f"under {ckpt.parent}, or start a new run from this checkpoint's weights (its "
+                             f"model.safetensors holds tensors only) with txl train --init-from {ckpt}") from None
         except Exception as err:
             raise ValueError(f"{file} is corrupt or truncated ({type(err).__name__}); resume from an earlier "
                              "checkpoint under checkpoints/") from None

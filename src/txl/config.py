@@ -169,6 +169,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                 "(original PyTorch / Hugging Face) or 'tensorflow' (original TensorFlow / NVIDIA)")
+        if self.same_length and self.mem_len == 0:  # the first query of every segment would see no key
+            raise ValueError("ModelConfig.same_length with mem_len=0 masks every key of a segment's first query "
+                             "(its loss is NaN): set mem_len >= 1, or same_length false")
 
     @property
     def n_clusters(self) -> int:
@@ -232,6 +235,9 @@ class Context:
         if self.same_length_style not in typing.get_args(SameLengthStyle):
             raise ValueError(f"Context.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                              "or 'tensorflow'")
+        if self.same_length and self.mem_len == 0:
+            raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: use a memory "
+                             "of at least 1, or same_length false")
 
 
 # -- training and evaluation ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from txl.distributed import (
     init_distributed,
     shutdown,
 )
-from txl.evaluate import EvalResult, autocast, evaluate, metric_value
+from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, metric_value
 from txl.fileio import remove_partial
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
 from txl.model import Memory, TransformerXL
@@ -48,7 +48,7 @@ from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
 from txl.rundir import RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
-from txl.signals import Stopped, StopRequest
+from txl.signals import Interrupted, Stopped, StopRequest
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -252,11 +252,7 @@ def check_splits_fit(cfg: RunConfig, corpus: Corpus) -> None:
     for split, tokens, tgt_len, flag in (("validation", corpus.valid, cfg.train.tgt_len, "--train.tgt_len"),
                                          ("test", corpus.test, e.tgt_len or cfg.train.tgt_len,
                                           "--eval.tgt_len" if e.tgt_len else "--train.tgt_len")):
-        need = e.batch_size * tgt_len + 1
-        if len(tokens) < need:
-            raise ValueError(f"the {split} split has {len(tokens):,} tokens, fewer than eval.batch_size x tgt_len + 1 "
-                             f"= {e.batch_size} x {tgt_len} + 1 = {need:,}: use a smaller {flag} or "
-                             "--eval.batch_size, or a corpus with a larger split")
+        check_split_fits(split, len(tokens), batch_size=e.batch_size, tgt_len=tgt_len, flag=flag)
 
 
 def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
@@ -283,10 +279,17 @@ def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, l
     elif not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         bad = "the weights hold non-finite values"
     if bad is not None:
-        raise TrainingError(
-            f"{bad} at step {step}: training diverged and this step was not saved. The last good checkpoint is "
-            f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or use "
-            "--train.precision fp32, then resume from it or restart")
+        raise TrainingError(f"{bad} at step {step}: training diverged and this step was not saved. "
+                            f"{_divergence_advice(latest, 'resume from it or restart')}")
+
+
+def _divergence_advice(latest: Path | None, then: str) -> str:
+    """What to do after a divergence: resume from the last good checkpoint, or (none yet) start again."""
+    fix = "Lower --optim.lr, add --optim.warmup_steps, or use --train.precision fp32"
+    if latest is None:
+        return (f"No checkpoint was written yet, so there is nothing to resume: {fix[0].lower()}{fix[1:]}, and "
+                "start again with the same command and --overwrite")
+    return f"The last good checkpoint is {latest}. {fix}, then {then}"
 
 
 class Trainer:
@@ -342,6 +345,8 @@ class Trainer:
                 self.checkpointer.save(self.state.step, model=self.model, run=self.cfg, tokenizer=self.corpus.tokenizer,
                                        parts=parts, best=best, info=info)
             except ckpt.CheckpointError as err:
+                if self.stop.forced:  # a second Ctrl-C cut the write: an interruption, not a full disk
+                    raise Interrupted(signal.SIGINT, f"the write of checkpoint step {self.state.step}") from None
                 raise TrainingError(str(err)) from err
         barrier(self.info)
         self.saved_at = self.state.step
@@ -366,6 +371,7 @@ class Trainer:
         self.optimizer.load_state_dict(loaded.state["optimizer"])
         self.scaler.load_state_dict(loaded.state["scaler"])
         self.state.load_state_dict(train_part(loaded.state), rank=self.info.rank, world_size=self.info.world_size)
+        self.saved_at = self.state.step  # this step's checkpoint exists: a signal now need not write it again
         log.info("resumed from %s at step %d", loaded.path, self.state.step)
 
     # -- evaluation ---------------------------------------------------------------------------------
@@ -461,10 +467,8 @@ class Trainer:
                                                loss_positions=t.loss_positions)
             if not math.isfinite(stats.loss):
                 latest = self.checkpointer.latest() if info.is_main else None
-                raise TrainingError(
-                    f"loss is {stats.loss} at step {state.step + 1}: training stopped. The last good checkpoint is "
-                    f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or "
-                    "use --train.precision fp32, then resume or restart")
+                raise TrainingError(f"loss is {stats.loss} at step {state.step + 1}: training stopped. "
+                                    f"{_divergence_advice(latest, 'resume or restart')}")
             state.step += 1
             state.tokens += stats.tokens
             seen_since += stats.tokens
@@ -496,11 +500,21 @@ class Trainer:
         return "max_steps"
 
     def finish(self, metrics: MetricsLog, stopped: str) -> TrainResult:
-        """The last best decision and checkpoint, then the full validation and the test of the best model."""
+        """The last best decision and checkpoint, then the full validation and the test of the best model.
+
+        A run resumed from its final checkpoint (it had finished, or was stopped during its final
+        evaluation) skips the decision already made; its valid_full and test rows are written once. After
+        the final checkpoint nothing is left to save, so a signal stops the evaluation at once
+        (``StopRequest.at_once``, rc 128 + N) and the message names the intact checkpoint.
+        """
         t, info, state = self.cfg.train, self.info, self.state
-        best, decided = self.decide_best(metrics)
-        self.save(best=best, info={"valid_loss": decided.loss})
-        self.stop_here(metrics)  # a signal during the final validation: its checkpoint is written, skip the test
+        if self.saved_at != state.step:
+            best, decided = self.decide_best(metrics)
+            self.save(best=best, info={"valid_loss": decided.loss})
+            self.stop_here(metrics)  # a signal during the final validation: its checkpoint is written, skip the test
+        else:
+            best = ckpt.best(self.out) == ckpt.latest(self.out)
+        self.stop.at_once("the final evaluation (training is complete; resuming runs the evaluation again)")
         best_dir = self.checkpointer.best() if info.is_main else None
         if not best:
             self.load_best()
@@ -515,7 +529,11 @@ class Trainer:
         sample = None
         if info.is_main:
             if t.plot:
-                plot_learning_curve(metrics.path, self.out / PLOT_FILE, self.corpus.metric)
+                try:
+                    plot_learning_curve(metrics.path, self.out / PLOT_FILE, self.corpus.metric)
+                except Exception as err:  # noqa: BLE001 - a picture must not fail a finished run
+                    log.warning("learning-curve plot not written: %s; the run's results are complete (%s)",
+                                err, metrics.path)
             if t.sample_tokens:
                 e = self.cfg.eval
                 mem = e.mem_len if e.mem_len is not None else self.cfg.model.mem_len

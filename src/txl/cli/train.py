@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from txl.cli.generate import add_shortcut
 from txl.config import SECTIONS, add_config_arguments, load_preset, overrides_from
 
 DEFAULT_PRESET = "default"
@@ -37,9 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
                    "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
     p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
-    p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
-    p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
-    p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
+    add_shortcut(p, "--max-steps", "train.max_steps", type=int)
+    add_shortcut(p, "--minutes", "train.minutes", type=float)
+    add_shortcut(p, "--out", "train.out_dir")
     p.add_argument("--overwrite", action="store_true",
                    help="train afresh into a run directory that holds an earlier run, deleting that run")
     p.add_argument("--list-presets", action="store_true",
@@ -71,11 +73,7 @@ def build_config(args: argparse.Namespace):
     from txl.checkpoint import find_checkpoint, read_run, run_dir_of
     from txl.config import RunConfig, apply_overrides
 
-    overrides: dict[str, object] = overrides_from(args)
-    for flag, key in ((args.max_steps, "train.max_steps"), (args.minutes, "train.minutes"),
-                      (args.out, "train.out_dir")):
-        if flag is not None:
-            overrides[key] = flag
+    overrides: dict[str, object] = overrides_from(args)  # the shortcuts (--max-steps ...) included
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run from a checkpoint's weights, --resume continues a run: "
                          "give one of them")
@@ -121,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
         from txl.finetune import encode_corpus
 
         corpus = encode_corpus(cfg, args.init.tokenizer)
+    elif "model.vocab_size" in overrides_from(args):  # the corpus sets it: an explicit value must agree
+        from txl.data.corpora import load_run_corpus
+
+        corpus = load_run_corpus(cfg.data)
+        if corpus.vocab_size != cfg.model.vocab_size:
+            raise ValueError(f"--model.vocab_size {cfg.model.vocab_size} disagrees with the corpus {corpus.name!r}, "
+                             f"whose vocabulary has {corpus.vocab_size:,} symbols (the model's vocab_size is always "
+                             "the corpus's); drop --model.vocab_size")
     try:
         result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
                        init=None if args.init is None else args.init.model)
@@ -132,9 +138,12 @@ def run(args: argparse.Namespace) -> int:
         if is_main_process():
             print(f"txl train: {stop}", file=sys.stderr)
         return stop.exit_code
-    except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
-        if is_main_process() or not isinstance(err, TrainingError):  # every process sees the same loss
+    except TrainingError as err:  # the run stopped; the message says what was kept
+        if is_main_process():  # every process sees the same loss
             print(f"txl train: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file the run writes (metrics, TensorBoard): the file, and what is intact
+        print(f"txl train: error: {err}; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
     except RuntimeError as err:
         if not _peer_died(err):
@@ -142,9 +151,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"txl train: error: another process of this distributed run died (see its output above); "
               f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
-        print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # a second Ctrl-C, or a signal after the final checkpoint
+        from txl.signals import exit_code, signal_name
+
+        during = getattr(err, "during", "")
+        if is_main_process():
+            print(f"txl train: interrupted by {signal_name(err)}{f' during {during}' if during else ''}; "
+                  f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        return exit_code(err)
     if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
     print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
@@ -167,14 +181,20 @@ def _peer_died(err: RuntimeError) -> bool:
         type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
 
 
-def _resume_hint(out_dir: str) -> str:
-    """The exact resume command when a checkpoint exists, else what to do instead."""
+def _resume_hint(out_dir: str | Path) -> str:
+    """The exact resume command when a checkpoint exists (the torchrun command under torchrun), else what to
+    do instead."""
     from txl.checkpoint import latest
+    from txl.signals import resume_command
 
     try:
         found = latest(out_dir)
     except ValueError:
         found = None
     if found is not None and found.is_dir():
-        return f"the last checkpoint is {found}; resume with: txl train --resume {out_dir}"
+        return f"the last checkpoint is {found}; resume with: {resume_command(out_dir)}"
+    from txl.rundir import earlier_run
+
+    if not earlier_run(Path(out_dir)):
+        return "nothing was written; run the same command again"
     return f"no checkpoint was written, nothing to resume; start again with --out {out_dir} --overwrite"
