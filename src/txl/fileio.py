@@ -159,16 +159,19 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
     """Append one row to a JSON Lines file so that a failed write leaves no partial row: the file is cut
     back to its previous length when the write or flush fails (a full disk), and a process killed mid-write
     leaves at most one torn last line, which ``read_jsonl`` drops. A failure raises ``WriteError``."""
-    line = (json.dumps(row) + "\n").encode("utf-8")
+    line = memoryview((json.dumps(row) + "\n").encode("utf-8"))
     try:
-        with open(path, "ab") as f:
-            size = f.seek(0, os.SEEK_END)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
             try:
-                f.write(line)
-                f.flush()
+                while line:  # unbuffered: nothing is left in a buffer to be written later, after the cut
+                    line = line[os.write(fd, line):]
             except OSError:
-                f.truncate(size)
+                os.ftruncate(fd, size)
                 raise
+        finally:
+            os.close(fd)
     except OSError as err:
         raise WriteError(path, err) from err
 

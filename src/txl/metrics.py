@@ -48,6 +48,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(str(self.tb_dir))
+            except OSError as err:  # its first event, written by its thread, failed (a full disk)
+                raise WriteError(self.tb_dir, err) from err
             except ImportError:
                 log.info("tensorboard is not installed (pip install 'txl[tb]'): metrics go to %s only", self.path)
 

@@ -344,9 +344,12 @@ class Trainer:
             try:
                 self.checkpointer.save(self.state.step, model=self.model, run=self.cfg, tokenizer=self.corpus.tokenizer,
                                        parts=parts, best=best, info=info)
-            except ckpt.CheckpointError as err:
-                if self.stop.forced:  # a second Ctrl-C cut the write: an interruption, not a full disk
-                    raise Interrupted(signal.SIGINT, f"the write of checkpoint step {self.state.step}") from None
+            except (KeyboardInterrupt, ckpt.CheckpointError) as err:
+                # A second Ctrl-C cut the write (torch's and safetensors' writers may turn it into their own
+                # error): an interruption, not a full disk. The previous checkpoint is intact.
+                if isinstance(err, KeyboardInterrupt) or self.stop.forced:
+                    raise Interrupted(getattr(err, "signal", signal.SIGINT),
+                                      f"the write of checkpoint step {self.state.step}") from None
                 raise TrainingError(str(err)) from err
         barrier(self.info)
         self.saved_at = self.state.step
