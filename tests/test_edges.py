@@ -618,3 +618,47 @@ def test_signal_at_start_up_or_in_generate_is_one_line(corpus, tmp_path, trained
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err[-2000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1] == expected, err[-2000:]
+
+
+@pytest.mark.slow  # real processes: torchrun with 2 workers
+def test_ddp_stop_prints_the_torchrun_command_that_resumes(corpus, tmp_path):
+    import socket
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(txl.__file__).parents[1]),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def torchrun(*argv):
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), "-m", "txl", *argv]
+
+    out = tmp_path / "r"
+    proc = subprocess.Popen(torchrun(*args(corpus, out, "--max-steps", "100000", "--train.ckpt_interval", "0")),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").is_file() and len(rows(out)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the launcher's preemption notice, forwarded to both workers
+    _, err = proc.communicate(timeout=120)
+    line = next(x for x in err.splitlines() if x.startswith("txl train: stopped by SIGTERM"))
+    assert line.endswith(f"Resume with: torchrun --nproc_per_node 2 -m txl train --resume {out}"), line
+    step = json.loads((out / "latest.json").read_text())["step"]
+    # The advice works: the same process count resumes (a plain `txl train --resume` is refused).
+    done = subprocess.run(torchrun("train", "--resume", str(out), "--max-steps", str(step + 1)), env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in rows(out) if r["kind"] == "train"][-1] == step + 1
+
+
+def test_process_count_refusal_names_the_command():
+    from txl.train_state import TrainState
+
+    state = TrainState.__new__(TrainState)
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\); .*: torchrun --nproc_per_node 2 -m txl "
+                                         r"train --resume DIR$"):
+        state.load_state_dict({"ranks": [{}, {}]}, rank=0, world_size=1)

@@ -81,8 +81,10 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> None:
         ranks = state["ranks"] if "ranks" in state else [state["local"]]
         if len(ranks) != world_size:
+            how = "txl train --resume DIR" if len(ranks) == 1 else \
+                f"torchrun --nproc_per_node {len(ranks)} -m txl train --resume DIR"
             raise ValueError(f"the checkpoint was written by {len(ranks)} process(es); resume with the same "
-                             "number, since each process's memory is part of the state")
+                             f"number, since each process's memory is part of the state: {how}")
         local = ranks[rank]
         if len(local["memories"]) != self.grad_accum:
             raise ValueError(f"the checkpoint was trained with grad_accum={len(local['memories'])}; resume with "
