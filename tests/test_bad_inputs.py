@@ -423,7 +423,7 @@ CASES = [
     ("eval-plot-is-dir", ["eval", "{run}", "--sweep-mem", "0,4", "--plot", "{root}/a_dir"],
      "--plot {root}/a_dir is a directory; give a file name, e.g. --plot {root}/a_dir/mem_sweep.png", 2),
     ("export-output-is-dir", ["export", *R, "-o", "{root}/a_dir"],
-     "-o {root}/a_dir is a directory; give a file name, e.g. -o {root}/a_dir/a_dir", 2),
+     "-o {root}/a_dir is a directory; give a file name, e.g. -o {root}/a_dir/step.pt2", 2),
     ("export-output-parent-missing", ["export", *R, "-o", "{root}/nope/step.pt2"],
      "-o {root}/nope/step.pt2: the directory {root}/nope does not exist; create it first", 2),
     ("export-output-parent-is-file", ["export", *R, "-o", "{text}/step.pt2"],

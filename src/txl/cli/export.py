@@ -23,15 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import txl
     from txl.export import export
     from txl.fileio import check_output, write_output
     from txl.pretrained import resolve_model_dir
 
-    output = args.output or ("step.onnx" if args.format == "onnx" else "step.pt2")
-    check_output(output, "-o", Path(output).name if args.output else output)  # before the model is loaded
+    default = "step.onnx" if args.format == "onnx" else "step.pt2"
+    output = args.output or default
+    check_output(output, "-o", default)  # before the model is loaded
     model = txl.from_pretrained(resolve_model_dir(args.checkpoint, revision=args.revision))
     c = model.config
     path = write_output(output, lambda tmp: export(model, tmp, format=args.format))
