@@ -1,7 +1,12 @@
+import typing
+
 import pytest
 import torch
 
-from txl.config import ModelConfig
+from txl.config import AttnType, ModelConfig
+
+ATTN_TYPES: tuple[str, ...] = typing.get_args(AttnType)
+"""Every attention type, from the config's Literal: a new encoding is tested everywhere this is used."""
 
 
 @pytest.fixture(autouse=True)
