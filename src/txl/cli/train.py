@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from txl.cli.generate import add_vocab_argument
 from txl.config import SECTIONS, add_config_arguments, load_preset, overrides_from
 
 DEFAULT_PRESET = "default"
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
                    "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
     p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
+    add_vocab_argument(p)  # --init-from: the checkpoint's vocabulary, else this file
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
@@ -108,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         from txl.finetune import load_init
 
-        args.init = load_init(args.init_from, revision=args.revision)
+        args.init = load_init(args.init_from, revision=args.revision, vocab=args.vocab)
+    elif args.vocab is not None:
+        raise ValueError(f"--vocab {args.vocab} is the vocabulary of an --init-from checkpoint; a new run builds its "
+                         "own from the corpus (--data.level, --data.vocab_size): add --init-from DIR or drop --vocab")
     cfg = build_config(args)
     from txl.cli import is_main_process
     from txl.distributed import OtherRankFailed
