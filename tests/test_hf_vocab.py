@@ -141,6 +141,7 @@ def _fake_sacremoses() -> types.ModuleType:
     return module
 
 
+@pytest.mark.oracle
 def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
     hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
     if "sacremoses" not in sys.modules:
