@@ -548,8 +548,11 @@ def _spawn(script, tmp_path):
     txl.cli.main), one thread, output captured."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(txl.__file__).parents[1]),
            "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # SIGINT as a terminal delivers it: a shell without job control starts background jobs with SIGINT
+    # ignored, and Python then never installs its KeyboardInterrupt handler (a real Ctrl-C would not be ignored).
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_ready(proc, timeout=120.0):
