@@ -73,6 +73,9 @@ SHAPES = {
     "tiny": Shape(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, tgt_len=16, mem_len=16, batch=2),
     "small": Shape(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128, batch=8),
     "base": Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=256, mem_len=256, batch=4),
+    # A word-level model a CPU can train: an adaptive softmax with two tail clusters (div_val 4), Zipf tokens.
+    "word": Shape(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=64, mem_len=64, batch=8,
+                  vocab_size=32000, cutoffs=(2000, 10000), div_val=4, zipf=True),
     # NVIDIA DeepLearningExamples, Transformer-XL PyTorch, WikiText-103 base (wt103_base.yaml), per GPU.
     "nvidia": Shape(n_layer=16, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=192, mem_len=192, batch=32,
                     vocab_size=267735, cutoffs=(20000, 40000, 200000), div_val=1, zipf=True,

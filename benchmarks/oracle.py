@@ -16,7 +16,8 @@ forward with labels and memory; txl carries its key/value cache as ``txl.evaluat
 bf16 is ``torch.autocast`` around txl's step (worth timing only where the CPU has AVX512_BF16 or AMX); the
 oracle fails under it (its adaptive softmax writes bf16 rows into a float32 tensor), so it runs in fp32.
 
-Needs ``transformers==4.37.2`` (the ``dev`` extra). Prints one table and one JSON line per measurement.
+Needs ``transformers==4.37.2`` (the ``oracle`` extra, in an environment of its own: it pins old libraries).
+Prints one table and one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("benchmarks.oracle needs transformers==4.37.2: pip install -e '.[dev]'") from None
+        raise SystemExit("benchmarks.oracle needs transformers==4.37.2: pip install -e '.[oracle]'") from None
     changes = {}
     for item in args.model:
         key, _, value = item.partition("=")

@@ -147,3 +147,16 @@ def test_changes_measures_every_change_on_the_tiny_shape():
     record = json.loads(out.splitlines()[-1])
     assert record["kind"] == "changes" and len(record["ms"]) == 4  # --compile (minutes) adds a fifth
     assert all(v["off"] > 0 and v["on"] > 0 for v in record["ms"].values())
+
+
+@pytest.mark.oracle
+def test_oracle_benchmark_times_the_same_model_side_by_side():
+    """benchmarks.oracle gives the oracle txl's weights and refuses to time two models that compute different
+    numbers; one interleaved step of each is timed."""
+    pytest.importorskip("transformers")
+    from benchmarks import oracle
+
+    ours, hf = oracle.build_pair(bench.SHAPES["tiny"])  # raises unless both give the same per-token NLL
+    r = oracle.measure(bench.SHAPES["tiny"], "train", "fp32", warmup=0, steps=1)
+    assert r["txl_step_s"] > 0 and r["oracle_step_s"] > 0 and r["speedup"] == r["oracle_step_s"] / r["txl_step_s"]
+

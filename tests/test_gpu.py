@@ -43,6 +43,7 @@ def tiny(**changes) -> txl.ModelConfig:
     return txl.ModelConfig(**fields)
 
 
+@pytest.mark.oracle
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("overrides", [dict(), dict(same_length=True, clamp_len=4), dict(div_val=2, d_embed=48,
