@@ -50,8 +50,9 @@ def loader(directory: Path):
 
 
 @contextlib.contextmanager
-def running(app, *, timeout: float = 30.0):
-    """Serve ``app`` with uvicorn on 127.0.0.1 at a free port; yields the base URL once /health is ok."""
+def running(app, *, timeout: float = 30.0, ready: bool = True):
+    """Serve ``app`` with uvicorn on 127.0.0.1 at a free port; yields the base URL once /health is ok
+    (``ready=False``: once it accepts connections, the model perhaps still loading)."""
     import httpx
     import uvicorn
 
@@ -69,7 +70,8 @@ def running(app, *, timeout: float = 30.0):
     try:
         while True:
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=2).status_code == (200 if ready else 503) or (
+                        not ready and server.started):
                     break
             except httpx.TransportError:
                 pass

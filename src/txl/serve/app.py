@@ -218,8 +218,9 @@ async def _json_body(request: Request, kind: type[BaseModel] | None = None, *, o
 
 def _validation(errors) -> ClientError:
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    field = ".".join(loc) or "body"
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    # The field, and list positions in it; not pydantic's union tags ('str', 'list[str]').
+    field = ".".join([str(loc[0])] + [str(x) for x in loc[1:] if isinstance(x, int)]) if loc else "body"
     if e.get("type") == "json_invalid":
         return ClientError(400, "body", "malformed JSON")
     reason = e.get("msg", "invalid")
@@ -336,7 +337,9 @@ def _routes(app: FastAPI, srv: Server) -> None:  # noqa: C901 - one place for ev
         if srv.engine is None:
             status = "failed" if srv.failed else "loading"
             return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
-        return {"status": "draining" if srv.engine.stopping else "ok", "model": srv.name}
+        return {"status": "draining" if srv.engine.stopping else "ok", "model": srv.name,
+                "level": srv.engine.tokenizer.level, "segment_len": srv.engine.m.segment_len,
+                "mem_len": srv.engine.m.mem_len}
 
     @app.get("/metrics")
     async def metrics(request: Request):
