@@ -68,15 +68,22 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ValueError(f"txl serve needs the serve extra ({err.name} is missing): pip install 'txl[serve]'") from None
     from txl.cli.generate import load_model_and_tokenizer
+    from txl.pretrained import resolve_model_dir
 
     config = serve_config(args)  # a bad option is refused before anything is loaded
+    resolve_model_dir(args.model, revision=args.revision)  # a missing model: one line now, not a server that 503s
     args.checkpoint = args.model
+    failed: list[Exception] = []
 
     def load():
         model, tokenizer, directory = load_model_and_tokenizer(args)
         return model, tokenizer, str(args.model)
 
-    app = create_app(config, load)
+    def load_error(err: Exception) -> None:  # the server stops and the command says why
+        failed.append(err)
+        server.should_exit = True
+
+    app = create_app(config, load, load_error)
     logging.getLogger("txl.serve.access").setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
@@ -95,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if failed:
+        raise ValueError(f"the model could not be loaded: {failed[0]}")
     return 0
 
 

@@ -11,7 +11,7 @@ from txl.serve.config import ServeConfig
 __all__ = ["ServeConfig", "create_app"]
 
 
-def create_app(config, load):
+def create_app(config, load, on_load_error=None):
     from txl.serve.app import create_app as _create_app  # FastAPI is imported only when an app is built
 
-    return _create_app(config, load)
+    return _create_app(config, load, on_load_error)

@@ -123,8 +123,9 @@ class _Events:
 class Server:
     """The app's state: the config, the engine once the model is loaded, the metrics. No global state."""
 
-    def __init__(self, config: ServeConfig, load: Callable[[], tuple[Any, Any, str]]) -> None:
-        self.config, self.load = config, load
+    def __init__(self, config: ServeConfig, load: Callable[[], tuple[Any, Any, str]],
+                 on_load_error: Callable[[Exception], None] | None = None) -> None:
+        self.config, self.load, self.on_load_error = config, load, on_load_error
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.name = "txl"
@@ -147,6 +148,8 @@ class Server:
         except Exception as err:  # noqa: BLE001 - the server stays up and says it failed
             self.failed = True
             logger.error("the model failed to load: %s", err)
+            if self.on_load_error is not None:
+                self.on_load_error(err)
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -239,10 +242,12 @@ def _flag(value: str | None, name: str) -> bool:
     raise ClientError(422, name, "must be true or false")
 
 
-def create_app(config: ServeConfig, load: Callable[[], tuple[Any, Any, str]]) -> FastAPI:
+def create_app(config: ServeConfig, load: Callable[[], tuple[Any, Any, str]],
+               on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
     """The app; ``load()`` returns (model, tokenizer, model name) and runs in a thread after start-up, the
-    routes answering 503 until it is done. At shutdown the requests in flight drain and sessions are written."""
-    srv = Server(config, load)
+    routes answering 503 until it is done (``on_load_error(err)`` if it fails). At shutdown the requests in
+    flight drain and sessions are written."""
+    srv = Server(config, load, on_load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
