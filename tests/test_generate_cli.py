@@ -12,7 +12,7 @@ import torch
 
 import txl
 from txl.cli import main
-from txl.data.tokenizer import load_model_tokenizer
+from txl.data.tokenizer import load_model_tokenizer, save_tokenizer
 from txl.data.tokenizer.hf_vocab import write_vocab_txt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -24,15 +24,20 @@ WORDS = ("<eos> <unk> the . , cat sat on mat a dog It 's state @-@ of art model 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A random TransfoXLLMHeadModel saved by transformers, with a vocabulary in the HF plain format."""
-    transformers = pytest.importorskip("transformers")
+    """A random transfo-xl in the Hugging Face layout, with a vocabulary in the HF plain format: saved by
+    transformers where the oracle is installed (.ci/run's oracle environment), else by txl.save_hf, whose
+    files test_checkpoints.py proves transformers reads."""
     torch.manual_seed(0)
-    config = transformers.TransfoXLConfig(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32,
-                                          d_embed=32, n_head=4, d_head=8, d_inner=64, n_layer=2, mem_len=8,
-                                          clamp_len=1000, same_length=True, dropout=0.0, dropatt=0.0)
-    model = transformers.TransfoXLLMHeadModel(config)
+    shape = dict(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32, d_embed=32, n_head=4, d_head=8,
+                 d_inner=64, n_layer=2, mem_len=8, clamp_len=1000, same_length=True, dropout=0.0)
     directory = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(directory)
+    try:
+        import transformers
+    except ImportError:
+        txl.save_hf(txl.TransformerXL(txl.ModelConfig(**shape)), directory)
+    else:
+        config = transformers.TransfoXLConfig(**shape, dropatt=0.0)
+        transformers.TransfoXLLMHeadModel(config).save_pretrained(directory)
     write_vocab_txt(WORDS, directory / "vocab.txt")
     return directory
 
@@ -164,7 +169,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
                                               d_inner=32, mem_len=4))
     ckpt = tmp_path / "run" / "checkpoints" / "step_1"  # a training run's layout: found through best.json
     txl.save_pretrained(model, ckpt)
-    tok.save(ckpt / "tokenizer")
+    save_tokenizer(tok, ckpt / "tokenizer")
     (tmp_path / "run" / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
     rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", "-o", "-", text)
     assert rc == 0, err
@@ -205,7 +210,7 @@ def _byte_checkpoint(tmp_path, run: dict | None = None):
     model = txl.TransformerXL(config)
     ckpt = tmp_path / "ckpt"
     txl.save_pretrained(model, ckpt)
-    tok.save(ckpt / "tokenizer")
+    save_tokenizer(tok, ckpt / "tokenizer")
     if run is not None:
         cfg = RunConfig.from_dict({"model": vars(config), **run}).to_dict()
         (ckpt / RUN_FILE).write_text(json.dumps(cfg))

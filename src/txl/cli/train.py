@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from txl.config import SECTIONS, add_config_arguments, load_preset, overrides_from
+from txl.cli.generate import add_vocab_argument
+from txl.cli.options import add_config_arguments, overrides_from
+from txl.config import SECTIONS
+from txl.presets import load_preset
 
 DEFAULT_PRESET = "default"
 
@@ -37,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
                    "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
     p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
+    add_vocab_argument(p)  # --init-from: the checkpoint's vocabulary, else this file
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
@@ -52,8 +56,8 @@ def list_presets() -> list[str]:
     """One line per preset: name, parameters (built on the meta device: no memory, no time), what it is."""
     import torch
 
-    from txl.config import preset_expected_time, preset_names, preset_summary, run_config
     from txl.model import TransformerXL
+    from txl.presets import preset_expected_time, preset_names, preset_summary, run_config
 
     lines = []
     for name in preset_names():
@@ -64,12 +68,35 @@ def list_presets() -> list[str]:
     return lines
 
 
+def min_lr_follows_lr(base: dict, overrides: dict) -> None:
+    """``--optim.lr`` without ``--optim.min_lr`` scales the config's min_lr with it (their ratio kept), so a
+    small fine-tuning rate (the README's 2.5e-5) is not refused for lying below the preset's floor (1e-4)."""
+    import logging
+
+    from txl.config import OptimConfig
+
+    if "optim.lr" not in overrides or "optim.min_lr" in overrides:
+        return
+    optim = {"lr": OptimConfig().lr, "min_lr": OptimConfig().min_lr, **base.get("optim", {})}
+    try:
+        lr, old_lr, old_min = float(overrides["optim.lr"]), float(optim["lr"]), float(optim["min_lr"])
+    except (TypeError, ValueError):
+        return  # the config's own check names the bad value
+    if old_min and old_lr > 0 and lr != old_lr:
+        overrides["optim.min_lr"] = repr(old_min / old_lr * lr)
+        logging.getLogger(__name__).info("optim.lr %g without optim.min_lr: min_lr follows it at the config's ratio "
+                                         "(%g / %g), %g; give --optim.min_lr to set it", lr, old_min, old_lr,
+                                         old_min / old_lr * lr)
+
+
 def build_config(args: argparse.Namespace):
     """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD."""
     import logging
 
-    from txl.checkpoint import find_checkpoint, read_run, run_dir_of
-    from txl.config import RunConfig, apply_overrides
+    from txl.checkpoint import read_run
+    from txl.config import RunConfig
+    from txl.presets import apply_overrides
+    from txl.rundir import find_checkpoint, run_dir_of
 
     overrides: dict[str, object] = overrides_from(args)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.minutes, "train.minutes"),
@@ -85,6 +112,7 @@ def build_config(args: argparse.Namespace):
                              "(override single fields with --SECTION.FIELD instead)")
         base = read_run(find_checkpoint(args.resume)).to_dict()
         overrides.setdefault("train.out_dir", str(run_dir_of(args.resume)))
+        min_lr_follows_lr(base, overrides)
     else:
         base = load_preset(args.config or DEFAULT_PRESET)
         # The user's step count wins over a preset's time budget (a budget only if asked for with it).
@@ -93,6 +121,7 @@ def build_config(args: argparse.Namespace):
             logging.getLogger(__name__).info("train.max_steps given: the preset's %s-minute time budget is off "
                                              "(add --train.minutes to keep one)", base["train"]["minutes"])
             overrides["train.minutes"] = 0
+        min_lr_follows_lr(base, overrides)
         if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
             from txl.finetune import run_config
 
@@ -108,9 +137,12 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         from txl.finetune import load_init
 
-        args.init = load_init(args.init_from, revision=args.revision)
+        args.init = load_init(args.init_from, revision=args.revision, vocab=args.vocab)
+    elif args.vocab is not None:
+        raise ValueError(f"--vocab {args.vocab} is the vocabulary of an --init-from checkpoint; a new run builds its "
+                         "own from the corpus (--data.level, --data.vocab_size): add --init-from DIR or drop --vocab")
     cfg = build_config(args)
-    from txl.cli import is_main_process
+    from txl.cli.options import is_main_process
     from txl.distributed import OtherRankFailed
     from txl.signals import Stopped
     from txl.train import TrainingError, train
@@ -169,7 +201,7 @@ def _peer_died(err: RuntimeError) -> bool:
 
 def _resume_hint(out_dir: str) -> str:
     """The exact resume command when a checkpoint exists, else what to do instead."""
-    from txl.checkpoint import latest
+    from txl.rundir import latest
 
     try:
         found = latest(out_dir)

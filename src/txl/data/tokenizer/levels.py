@@ -103,12 +103,6 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
-    def save(self, directory: str | Path) -> None:
-        """Write the tokenizer files into ``directory`` (see ``txl.data.tokenizer.files``)."""
-        from txl.data.tokenizer.files import save_tokenizer  # files.py builds on this module: import late
-
-        save_tokenizer(self, directory)
-
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a prompt to continue (word level: no ``<eos>`` after its last words, so the line goes on)."""
         return [int(i) for i in self.encode(text)]
@@ -297,13 +291,14 @@ class WordTokenizer(Tokenizer):
         self._split, self._join = _rules(spec)
 
     @classmethod
-    def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = False, rules: str = "wt103",
+    def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = True, rules: str = "wt103",
                       wt103_backend: str = "builtin") -> WordTokenizer:
         """The word tokenizer of a Hugging Face / original Transformer-XL vocabulary file.
 
-        ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` only with
-        ``allow_pickle`` (``txl.data.tokenizer.hf_vocab``). Its text follows the WikiText-103 conventions, so
-        ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in WikiText form.
+        ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` read with a restricted
+        unpickler (``txl.data.tokenizer.hf_vocab``; ``allow_pickle=False`` refuses pickles). Its text follows the
+        WikiText-103 conventions, so ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in
+        WikiText form.
         """
         from txl.data.tokenizer.hf_vocab import read_vocab
 
