@@ -33,11 +33,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, kind: type) -> None:
     """``--serve.FIELD`` for each field of ``kind``, its docstring as help (as config.add_config_arguments)."""
     import dataclasses
 
-    from txl.config import _field_types, _metavar, _shown, field_docs
+    from txl.cli.options import _metavar, _shown, field_docs
+    from txl.presets import field_types
 
     parser.set_defaults(config_sections=["serve"])
     group = parser.add_argument_group(f"serve ({kind.__doc__.splitlines()[0].rstrip('.')})")
-    docs, hints = field_docs(kind), _field_types(kind)
+    docs, hints = field_docs(kind), field_types(kind)
     for f in dataclasses.fields(kind):
         text = docs.get(f.name, "").replace("%", "%%") + f" (default: {_shown(f.default)})"
         group.add_argument(f"--serve.{f.name}", dest=f"serve.{f.name}", default=argparse.SUPPRESS,
@@ -48,10 +49,10 @@ def serve_config(args: argparse.Namespace):
     """The ``ServeConfig`` of the options given, typed and checked as every config section is."""
     import os
 
-    from txl.config import _coerce, _field_types
+    from txl.presets import _coerce, field_types
     from txl.serve.config import ServeConfig
 
-    hints = _field_types(ServeConfig)
+    hints = field_types(ServeConfig)
     values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("serve.")}
     if "api_key" not in values and os.environ.get("TXL_SERVE_API_KEY"):
         values["api_key"] = os.environ["TXL_SERVE_API_KEY"]
