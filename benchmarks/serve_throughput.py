@@ -2,7 +2,8 @@
 
 A real `txl serve` process (a random small char model, memory 128, segments of 128) and N clients, each
 reading Tiny Shakespeare into a session of its own, a segment per request (the first request 129
-characters, so every later one ends on a segment boundary and costs one forward). Requests of different
+characters, so every later one ends on a segment boundary and costs one forward); or, with
+--mode generate, each generating 32 tokens per request. Requests of different
 sessions that arrive together run as one batched forward (dynamic batching): the figure to read is the
 aggregate tokens/s against N.
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 
-async def measure(url: str, n: int, seconds: float, text: str, S: int) -> float:
+async def measure(url: str, n: int, seconds: float, text: str, S: int, mode: str = "read") -> float:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=n + 2)) as c:
@@ -33,7 +34,10 @@ async def measure(url: str, n: int, seconds: float, text: str, S: int) -> float:
         async def client(k: int) -> None:
             at = k * 1000 + S + 1
             while time.monotonic() < deadline:
-                r = await c.post(f"/v1/sessions/{ids[k]}/text", json={"text": text[at:at + S]})
+                if mode == "read":
+                    r = await c.post(f"/v1/sessions/{ids[k]}/text", json={"text": text[at:at + S]})
+                else:  # generation: one (B, 1) step per token, the sessions' steps batched together
+                    r = await c.post(f"/v1/sessions/{ids[k]}/generate", json={"max_tokens": 32, "seed": at})
                 r.raise_for_status()
                 counts[k] += r.json()["tokens"]
                 at += S
@@ -53,6 +57,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--durability", default="shutdown", choices=["request", "shutdown"])
     p.add_argument("--rounds", type=int, default=2, help="passes over --sessions (interleaved; the best is kept)")
+    p.add_argument("--mode", default="read", choices=["read", "generate"],
+                   help="read: tokens read, a segment per request; generate: tokens generated, 32 per request")
     p.add_argument("--model", default=None)
     args = p.parse_args()
     from benchmarks.serve_common import corpus_text, make_model_dir, start_server
@@ -69,7 +75,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for n in args.sessions:
-                rate = asyncio.run(measure(url, n, args.seconds, text, S))
+                rate = asyncio.run(measure(url, n, args.seconds, text, S, args.mode))
                 best[n] = max(best.get(n, 0.0), rate)
                 print(f"{n:>3} sessions: {rate:9.0f} tokens/s", flush=True)
     finally:
@@ -78,7 +84,7 @@ def main() -> None:
     one = best[min(best)]
     for n in sorted(best):
         print(f"best of {args.rounds}: {n:>3} sessions {best[n]:9.0f} tokens/s ({best[n] / one:.2f}x one session)")
-    print(json.dumps({"tokens_per_s": best, "threads": args.threads, "durability": args.durability,
+    print(json.dumps({"mode": args.mode, "tokens_per_s": best, "threads": args.threads, "durability": args.durability,
                       "load_average": os.getloadavg()[0]}))
 
 

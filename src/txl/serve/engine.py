@@ -97,6 +97,7 @@ class Model:
         self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
         self.cacheable = model.start_kv_cache() is not None
         self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
+        self.weights_version = weights_version(model)  # a server never changes its weights
 
     def _memory(self, units: list[Unit], T: int):
         mem, pads = _left_pad([u.memory for u in units], (self.d_model,), self.dtype, self.device)
@@ -135,7 +136,7 @@ class Model:
                 values, _ = _left_pad([u.kv[1] for u in units], (self.n_head, self.d_head), self.dtype, self.device)
             cache = KVCache(keys=() if keys is None else tuple(keys.unbind(0)),
                             values=() if values is None else tuple(values.unbind(0)),
-                            positions=self.table, weights_version=weights_version(self.model))
+                            positions=self.table, weights_version=self.weights_version)
         out = self.model(x, memory=memory, context=self.gen_ctx, padding=padding, kv_cache=cache,
                          return_log_probs=False)
         next_lp = self.model.softmax.log_prob(out.hidden[:, -1]).float().cpu()  # (B, V)
@@ -223,9 +224,15 @@ class Engine:
             self.stopping = True
         self.wake.set()
         self.thread.join(timeout)
-        if self.thread.is_alive():
-            logger.warning("requests still running after %.0f s of draining: abandoned", timeout)
-        n = self.store.flush()
+        if self.thread.is_alive():  # generations stop at their next token, reading at its next segment
+            logger.warning("requests still running after %.0f s of draining: generations cut short", timeout)
+            for job in list(self.active.values()):
+                job.cancelled = True
+            self.thread.join(timeout)
+        busy = set(self.active) if self.thread.is_alive() else set()
+        if busy:
+            logger.error("the worker did not stop: %d sessions in use are not written", len(busy))
+        n = self.store.flush(exclude=busy)
         logger.info("sessions written: %d", n)
 
     @property

@@ -253,9 +253,9 @@ class SessionStore:
             self.delete(sid)
         return len(old)
 
-    def flush(self) -> int:
-        """Write every session changed since it was last written (at shutdown)."""
-        dirty = [self.ram[sid] for sid in self.dirty if sid in self.ram]
+    def flush(self, exclude: set[str] = frozenset()) -> int:
+        """Write every session changed since it was last written (at shutdown), but ``exclude``."""
+        dirty = [self.ram[sid] for sid in self.dirty if sid in self.ram and sid not in exclude]
         for state in dirty:
             self.save(state)
         return len(dirty)
