@@ -61,6 +61,7 @@ def serve_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    from pathlib import Path
 
     try:
         import uvicorn
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     def load():
         model, tokenizer, directory = load_model_and_tokenizer(args)
-        return model, tokenizer, str(args.model)
+        # The name clients see: a Hub id as given, a directory by its last part (never a server path).
+        return model, tokenizer, Path(args.model).name if Path(args.model).exists() else str(args.model)
 
     def load_error(err: Exception) -> None:  # the server stops and the command says why
         failed.append(err)

@@ -234,6 +234,8 @@ class SessionStore:
 
     def evict(self, pinned: set[str]) -> int:
         """Write the least recently used sessions beyond the budget to disk and drop them from RAM."""
+        if len(self.ram) <= self.max_in_memory:
+            return 0
         n = 0
         for sid in list(self.ram):
             if len(self.ram) <= self.max_in_memory:
