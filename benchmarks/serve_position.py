@@ -76,7 +76,7 @@ def main() -> None:
         while pos < target:
             segment(session, pos)
             pos += S
-        long_t, fresh_t = [], []
+        long_t, fresh_t, at = [], [], pos
         for _ in range(args.repeats):
             long_t.append(segment(session, pos))
             pos += S
@@ -85,9 +85,9 @@ def main() -> None:
             fresh_t.append(segment(fresh, fresh_at + 1 + S))
         a, b = statistics.median(long_t) * 1000, statistics.median(fresh_t) * 1000
         state = session.memory.numel() * session.memory.element_size()
-        rows.append({"tokens_read": pos, "ms_per_segment": a, "fresh_ms_per_segment": b, "ratio": a / b,
+        rows.append({"tokens_read": at, "ms_per_segment": a, "fresh_ms_per_segment": b, "ratio": a / b,
                      "state_bytes": state})
-        print(f"after {pos:>7} tokens: {a:7.2f} ms/segment, fresh session {b:7.2f} ms ({a / b:.3f}x), "
+        print(f"from {at:>7} tokens read: {a:7.2f} ms/segment, fresh session {b:7.2f} ms ({a / b:.3f}x), "
               f"state {state / 1024:.0f} KiB", flush=True)
     print(json.dumps({"segment_len": S, "mem_len": c.mem_len, "n_layer": c.n_layer, "d_model": c.d_model,
                       "threads": args.threads, "load_average": os.getloadavg()[0], "rows": rows}))
