@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         from txl.signals import exit_code, signal_name
 
         if main_process:
-            print(f"txl {args.command}: interrupted by {signal_name(err)}; {INTACT.get(args.command, '')}",
+            intact = INTACT.get(args.command)
+            print(f"txl {args.command}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}",
                   file=sys.stderr)
         return exit_code(err)
 
