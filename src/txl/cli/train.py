@@ -121,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
         from txl.finetune import encode_corpus
 
         corpus = encode_corpus(cfg, args.init.tokenizer)
+    from txl.elastic import restart_plan
+
+    resume, overwrite = restart_plan(cfg.train.out_dir, args.resume, args.overwrite)  # torchrun restarts go on
     try:
-        result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
+        result = train(cfg, resume=resume, corpus=corpus, overwrite=overwrite,
                        init=None if args.init is None else args.init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
@@ -139,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         if not _peer_died(err):
             raise
-        print(f"txl train: error: another process of this distributed run died (see its output above); "
-              f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        who = err if type(err).__name__ == "PeerDied" else "another process of this distributed run died"
+        print(f"txl train: error: {who} (see its output above); {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
         print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
@@ -164,7 +167,7 @@ def _peer_died(err: RuntimeError) -> bool:
 
     text = str(err)
     return os.environ.get("WORLD_SIZE", "1") != "1" and (
-        type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
+        type(err).__name__ in ("DistBackendError", "PeerDied") or "closed by peer" in text or "reset by peer" in text)
 
 
 def _resume_hint(out_dir: str) -> str:
