@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,12 @@ def dead_peers(info: DistInfo) -> str:
     here still runs, the ranks on other hosts (which this process cannot see)."""
     host = socket.gethostname()
     here = [r for r, (h, _) in enumerate(info.peers) if h == host and r != info.rank]
-    dead = [r for r in here if not _alive(info.peers[r][1])]
+    dead: list[int] = []
+    for _ in range(40):  # a killed process closes its sockets before it is gone: allow it 2 seconds
+        dead = [r for r in here if not _alive(info.peers[r][1])]
+        if dead or not here:
+            break
+        time.sleep(0.05)
     if dead:
         return ", ".join(f"rank {r} (pid {info.peers[r][1]})" for r in dead)
     away = [r for r, (h, _) in enumerate(info.peers) if h != host]
