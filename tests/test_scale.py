@@ -190,3 +190,91 @@ def test_elastic_restart_after_kill_and_two_nodes(corpus, tmp_path):
     assert (killed / last).read_bytes() == reference
     assert (nodes / last).read_bytes() == reference
     assert losses(killed) == losses(plain) == losses(nodes)
+
+
+# -- fast: the pieces, in one process ------------------------------------------------------------------
+
+def test_memories_reshard_stream_by_stream():
+    """Rank r of W holds streams [r B/W, (r+1) B/W), chunk a of its A the a-th slice: 2 ranks x 2 chunks of a
+    batch of 8 streams become 4 ranks x 1 chunk, and 1 rank x 2 chunks, each stream keeping its own rows."""
+    from txl.train_state import reshard_ranks
+
+    streams = torch.arange(8.0)[:, None, None].expand(8, 3, 5)  # stream i's memory is filled with i: (B, M, d)
+    layers = 2
+    old = [{"rng": {"r": r}, "memories": [tuple(streams[4 * r + 2 * a:4 * r + 2 * a + 2] for _ in range(layers))
+                                          for a in range(2)]} for r in range(2)]
+    four = reshard_ranks(old, 4)
+    assert [len(r["memories"]) for r in four] == [2] * 4  # grad_accum is kept: 8 streams = 4 x 2 x 1
+    for r, part in enumerate(four):
+        for a, memory in enumerate(part["memories"]):
+            assert len(memory) == layers and all(m.shape == (1, 3, 5) for m in memory)
+            assert float(memory[0][0, 0, 0]) == 2 * r + a
+    assert [p["rng"]["r"] for p in four] == [0, 1, 0, 1]
+    one = reshard_ranks(old, 1)
+    assert [float(m[1][0, 0, 0]) for m in one[0]["memories"]] == [0.0, 4.0]  # chunk 0: streams 0-3
+    assert reshard_ranks([{"rng": {}, "memories": [None]}] * 2, 4) == [{"rng": {}, "memories": [None]}] * 4
+    with pytest.raises(ValueError, match="do not split over 3 process"):
+        reshard_ranks(old, 3)
+
+
+def test_a_restarted_job_continues_only_its_own_run(tmp_path):
+    from txl.elastic import record_job, restart_plan
+
+    job = {"TORCHELASTIC_RUN_ID": "job-1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert restart_plan(run_dir, None, False, job) == (None, False)  # the first attempt: as given
+    record_job(run_dir, job)
+    again = {**job, "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert restart_plan(run_dir, None, False, again) == (None, True)  # its own files, no checkpoint: start again
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (run_dir / "latest.json").write_text(json.dumps({"step": 5, "path": "checkpoints/step_00000005"}))
+    assert restart_plan(run_dir, None, False, again) == (str(run_dir), False)  # continue from latest
+    assert restart_plan(run_dir, "x", True, again) == (str(run_dir), False)  # --overwrite only on the first
+    other = {"TORCHELASTIC_RUN_ID": "job-2", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert restart_plan(run_dir, None, False, other) == (None, False)  # another job's run: not continued
+    assert restart_plan(run_dir, None, False, {}) == (None, False)  # no torchrun
+
+
+def test_size_prediction_within_15_percent_of_the_measured_peak(one_thread):
+    """One process, the benchmark's small shape (benchmarks.scaling measures 2 processes, DDP and FSDP)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from benchmarks.scaling import SHAPE, run_config
+    from txl.data import Batch
+    from txl.distributed import DistInfo
+    from txl.model import TransformerXL
+    from txl.optim import build_optimizer
+    from txl.sizing import estimate
+    from txl.train import train_step
+
+    for checkpointing in (False, True):
+        cfg = run_config("ddp", checkpointing, 4, 32)
+        model = TransformerXL(cfg.model)
+        if checkpointing:
+            from txl.parallel import checkpoint_layers
+            checkpoint_layers(model)
+        optimizer = build_optimizer(model, cfg.optim)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        tokens = torch.randint(0, SHAPE["vocab_size"], (4, 33))
+        batch = Batch(input_ids=tokens[:, :-1], labels=tokens[:, 1:], context_len=0, start=1)
+        info = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
+        memories = [None]
+        for _ in range(2):  # the memory fills; Adam's state exists
+            _, memories = train_step(model, optimizer, scaler, batch, memories, lr=1e-4, clip=0.25, precision="fp32",
+                                     info=info)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            train_step(model, optimizer, scaler, batch, memories, lr=1e-4, clip=0.25, precision="fp32", info=info)
+        measured = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        predicted = estimate(cfg, world_size=1, parallel="ddp", checkpointing=checkpointing).peak
+        assert abs(predicted - measured) / measured < 0.15, (checkpointing, predicted, measured)
+
+
+def test_size_command(capsys):
+    assert main(["size", "--preset", "tiny", "--world-size", "1,2,3", "--bytes"]) == 0
+    out = capsys.readouterr().out
+    assert "| fsdp | 2 | on |" in out and "3 processes: the batch of 8 streams does not split" in out
+    assert main(["size", "--world-size", "two"]) == 2
+    assert "--world-size 'two' must be comma-separated integers" in capsys.readouterr().err
