@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +116,11 @@ def dead_peers(info: DistInfo) -> str:
     host = socket.gethostname()
     here = [r for r, (h, _) in enumerate(info.peers) if h == host and r != info.rank]
     dead: list[int] = []
-    for _ in range(40):  # a killed process closes its sockets before it is gone: allow it 2 seconds
+    for _ in range(50):  # a killed process closes its sockets just before it is gone: allow it half a second
         dead = [r for r in here if not _alive(info.peers[r][1])]
         if dead or not here:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     if dead:
         return ", ".join(f"rank {r} (pid {info.peers[r][1]})" for r in dead)
     away = [r for r, (h, _) in enumerate(info.peers) if h != host]
@@ -170,3 +172,15 @@ def any_true(flag: bool, info: DistInfo) -> bool:
         return flag
     return all_reduce_sum([float(flag)], info)[0] > 0
 
+
+
+@contextlib.contextmanager
+def naming_dead_peers(info: DistInfo) -> Iterator[None]:
+    """Turn a collective's failure because another process died into ``PeerDied`` naming that rank (one
+    line for the user instead of gloo's or NCCL's words)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if info.enabled and not isinstance(err, PeerDied) and is_peer_failure(err):
+            raise PeerDied(f"{dead_peers(info)} of this distributed run died") from err
+        raise

@@ -38,9 +38,8 @@ from txl.distributed import (
     all_reduce_sum,
     any_true,
     barrier,
-    dead_peers,
     init_distributed,
-    is_peer_failure,
+    naming_dead_peers,
     shutdown,
 )
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
@@ -231,7 +230,7 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
     from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
-    lock = None
+    lock, peer_died = None, False
     try:
         check_run(cfg, info)
         lock = _open_run_dir(Path(cfg.train.out_dir), resume is not None, overwrite, info)
@@ -241,16 +240,16 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
         check_splits_fit(cfg, corpus)
         with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
-            with StopRequest() as stop:
+            with StopRequest() as stop, naming_dead_peers(info):  # named while a SIGTERM cannot cut it short
                 result = Trainer(cfg, corpus, info, stop, init=init).run(resume)
             barrier(info)  # no process tears the group down while another still tests, plots or samples
             return result
-    except RuntimeError as err:
-        if info.enabled and is_peer_failure(err):  # one line that names the rank, not gloo's words
-            raise PeerDied(f"{dead_peers(info)} of this distributed run died") from err
+    except PeerDied:
+        peer_died = True  # no orderly teardown with a peer gone: exit at once, before torchrun's SIGTERM
         raise
     finally:
-        shutdown(info)
+        if not peer_died:
+            shutdown(info)
         if lock is not None:
             lock.release()
 
@@ -378,6 +377,9 @@ class Trainer:
     def restore(self, resume: str | Path) -> None:
         if ckpt.is_sharded(ckpt.find_checkpoint(resume)):
             return self.restore_sharded(resume)
+        if parallel.is_sharded(self.model):
+            raise ValueError(f"{resume} is a DDP (unsharded) checkpoint; resume it with --train.parallel ddp, or "
+                             "in one process, whose next checkpoints are then sharded ones that FSDP resumes")
         loaded = ckpt.load(resume, device=self.info.device)
         ckpt.check_tokenizer(loaded.path, self.corpus.tokenizer)
         if loaded.model.config.to_dict() | {"mem_len": 0} != self.model.config.to_dict() | {"mem_len": 0}:
