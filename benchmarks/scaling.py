@@ -96,10 +96,15 @@ def launch(args: argparse.Namespace, parallel: str, world: int, checkpointing: b
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                "-m", "benchmarks.scaling", *cmd[3:]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        out, failed = proc.stdout, proc.returncode and proc.stderr[-3000:]
+    except subprocess.TimeoutExpired as err:  # a worker that printed its figures but did not exit still counts
+        out, failed = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timeout"
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if not lines:
+        raise SystemExit(f"{' '.join(cmd)}: {failed}")
+    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -113,6 +118,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per process")
     p.add_argument("--repeats", type=int, default=1, help="run the whole grid this many times (interleaved)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     args = p.parse_args()
     if args.worker:
         return worker(args)
