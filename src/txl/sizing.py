@@ -12,13 +12,15 @@ For one process of W (B/W streams, each of ``grad_accum`` chunks B/(W A)), fp32 
 * activations: what autograd saves for the backward pass, *counted*, not guessed: one forward of a model
   of the config's layer shape with a 2-symbol vocabulary, one stream, with ``saved_tensors_hooks`` summing
   the bytes of every tensor saved; with 1 and 2 layers, so the difference is one layer's (megabytes and a
-  second on a CPU even for the large presets). The output layer's part is computed (``softmax_bytes``). A chunk holds
-  B/(W A) streams. With activation checkpointing a layer keeps only its input, and one layer's activations
-  are recomputed at a time. The adaptive softmax's tail clusters score only the tokens whose targets fall in
-  them; their shares are estimated from Zipf's law (rank r has frequency ~ 1/r), which natural text follows.
+  second on a CPU even for the large presets). A chunk holds B/(W A) streams. The output layer's part is
+  computed (``softmax_bytes``): the adaptive softmax's tail clusters score only the tokens whose targets fall
+  in them, their shares estimated from Zipf's law (rank r has frequency ~ 1/r), which natural text follows.
+  With activation checkpointing a layer keeps only its input; one layer at a time is recomputed in the
+  backward pass, beside the gradients of its activations (about as large again, as measured).
 
-The peak is params + optimiser state + buckets + 2 memories + the larger of (activations + the gradients of
-the output layer, which come first in the backward pass) and (all the gradients + one unit in flight).
+The peak is params + optimiser state + buckets or units in flight + 2 memories + the larger of (activations +
+the gradients of the output layer, which come first in the backward pass) and (all the gradients + with
+activation checkpointing, the first layer recomputed at the end of the backward pass and its gradients).
 ``benchmarks/scaling.py`` measures the peak of real runs with torch's MemTracker to validate it.
 """
 
@@ -54,12 +56,15 @@ class Sizing:
     activations: int
     head_grads: int
     """Gradients of the output layer (embedding and softmax), allocated before the activations are freed."""
+    recompute: int
+    """Activation checkpointing: one layer recomputed in the backward pass and its activations' gradients,
+    alive while nearly every gradient exists (the first layer comes last); 0 without it."""
     checkpointing: bool
 
     @property
     def peak(self) -> int:
-        static = self.params + self.optimizer + self.buckets + 2 * self.memory
-        return static + max(self.activations + self.head_grads + self.unsharded, self.grads + self.unsharded)
+        static = self.params + self.optimizer + self.buckets + 2 * self.memory + self.unsharded
+        return static + max(self.activations + self.head_grads, self.grads + self.recompute)
 
     def row(self) -> dict[str, int | str | bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
@@ -116,7 +121,7 @@ def softmax_bytes(config: ModelConfig, tokens: int) -> int:
 
 
 def activation_bytes(config: ModelConfig, *, streams: int, tgt_len: int, checkpointing: bool) -> tuple[int, int]:
-    """(saved activations of one chunk of ``streams``, of which one decoder layer) for the config's shape."""
+    """(saved activations of one chunk of ``streams``, those of one decoder layer) for the config's shape."""
     per_stream, layer = _per_stream(json.dumps(config.to_dict(), sort_keys=True), tgt_len, checkpointing)
     return per_stream * streams, layer * streams
 
@@ -141,8 +146,8 @@ def _per_stream(config_json: str, tgt_len: int, checkpointing: bool) -> tuple[in
     kept = measure(2, checkpointing) - measure(1, checkpointing)
     base = measure(1, checkpointing) - kept
     per_stream = base + config.n_layer * kept + softmax_bytes(config, tgt_len)
-    if checkpointing:
-        per_stream += layer  # one layer recomputed at a time in the backward pass
+    if checkpointing:  # one layer recomputed at a time in the backward pass, beside its activations' gradients
+        per_stream += 2 * layer
     return per_stream, layer
 
 
@@ -158,7 +163,7 @@ def estimate(cfg: RunConfig, *, world_size: int, parallel: str, checkpointing: b
     n_head = sum(head.values())
     n_layer = sum(p.numel() for p in model.layers[0].parameters())
     streams = t.batch_size // world_size
-    acts, _ = activation_bytes(c, streams=streams // t.grad_accum, tgt_len=t.tgt_len, checkpointing=checkpointing)
+    acts, layer = activation_bytes(c, streams=streams // t.grad_accum, tgt_len=t.tgt_len, checkpointing=checkpointing)
     memory = c.n_layer * streams * c.mem_len * c.d_model * F32
     fsdp = parallel == "fsdp" and world_size > 1
     shard = (lambda x: math.ceil(x / world_size)) if fsdp else (lambda x: x)
@@ -166,7 +171,7 @@ def estimate(cfg: RunConfig, *, world_size: int, parallel: str, checkpointing: b
     return Sizing(parallel=parallel, world_size=world_size, params=shard(n) * F32, grads=shard(n) * F32,
                   optimizer=2 * shard(n) * F32, buckets=n * F32 if parallel == "ddp" and world_size > 1 else 0,
                   unsharded=unsharded, memory=memory, activations=acts, head_grads=shard(n_head) * F32,
-                  checkpointing=checkpointing)
+                  recompute=2 * layer if checkpointing else 0, checkpointing=checkpointing)
 
 
 def human(n: float) -> str:
