@@ -180,12 +180,3 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight, whole, on the CPU of every process (all-gathered under FSDP; collective there)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not is_sharded(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
-    return get_model_state_dict(model, options=options)
