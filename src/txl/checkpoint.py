@@ -207,10 +207,14 @@ class Checkpointer:
                 save_tokenizer(tokenizer, tmp_dir / TOKENIZER_DIR)
                 _write_state(tmp_dir / STATE_FILE, parts)
                 fsync_tree(tmp_dir)
-                if final.exists():  # the same step written again (a resumed run's last step)
-                    shutil.rmtree(final)
+                old = None
+                if final.exists():  # the same step written again (a resumed run's last step): as atomic_write does
+                    old = final.parent / f".tmp-old-{name}-{os.getpid()}"
+                    os.replace(final, old)
                 os.replace(tmp_dir, final)
                 fsync_dir(final.parent)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
                 pointer = {"step": step, "path": f"{CKPT_DIR}/{name}", **(info or {})}
                 write_json(self.run_dir / "latest.json", pointer)
                 if best:

@@ -12,14 +12,13 @@ import logging
 import sys
 
 from txl import __version__
-from txl.cli import consolidate, data, generate, score, size
+from txl.cli import consolidate, data, generate, score, serve, size
 from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.cli.options import is_main_process
 
-SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
-SUBCOMMANDS += [consolidate, size]  # (their own line: other subcommands join the list above)
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve, consolidate, size]
 
 
 def build_parser() -> argparse.ArgumentParser:
