@@ -163,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--model.vocab_size {cfg.model.vocab_size} disagrees with the corpus {corpus.name!r}, "
                              f"whose vocabulary has {corpus.vocab_size:,} symbols (the model's vocab_size is always "
                              "the corpus's); drop --model.vocab_size")
+    from txl.elastic import restart_plan
+
+    resume, overwrite = restart_plan(cfg.train.out_dir, args.resume, args.overwrite)  # torchrun restarts go on
     try:
-        result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
+        result = train(cfg, resume=resume, corpus=corpus, overwrite=overwrite,
                        init=None if init is None else init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
@@ -184,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         if not _peer_died(err):
             raise
-        print(f"txl train: error: another process of this distributed run died (see its output above); "
-              f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        who = err if type(err).__name__ == "PeerDied" else "another process of this distributed run died"
+        print(f"txl train: error: {who} (see its output above); {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # a second Ctrl-C, or a signal after the final checkpoint
         from txl.signals import exit_code, signal_name
@@ -214,7 +217,7 @@ def _peer_died(err: RuntimeError) -> bool:
 
     text = str(err)
     return os.environ.get("WORLD_SIZE", "1") != "1" and (
-        type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
+        type(err).__name__ in ("DistBackendError", "PeerDied") or "closed by peer" in text or "reset by peer" in text)
 
 
 def _resume_hint(out_dir: str | Path) -> str:
