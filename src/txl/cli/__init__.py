@@ -28,7 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():  # one thread setting for every command
+        command.add_argument("--threads", type=_threads, default=None, metavar="N",
+                             help="CPU threads (default: OMP_NUM_THREADS, else the cores idle at start, at least 1: "
+                             "torch's all-core default slows ~20x when another process holds a core)")
     return parser
+
+
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--threads {text!r} must be a whole number >= 1")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     main_process = is_main_process()  # under torchrun only rank 0 prints and logs
     logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
                         format="%(message)s", stream=sys.stderr)
-    from txl.runtime import retain_freed_memory
+    from txl.runtime import choose_threads, retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
+    threads, why = choose_threads(args.threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
+    logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
