@@ -1,10 +1,14 @@
 import importlib.util
 import os
+import typing
 
 import pytest
 import torch
 
-from txl.config import ModelConfig
+from txl.config import AttnType, ModelConfig
+
+ATTN_TYPES: tuple[str, ...] = typing.get_args(AttnType)
+"""Every attention type, from the config's Literal: a new encoding is tested everywhere this is used."""
 
 ORACLE_VERSION = "4.37.2"  # transformers' last release whose deprecated TransfoXLLMHeadModel runs
 

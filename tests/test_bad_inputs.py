@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ATTN_TYPES
 
 import txl.data.download
 from txl.cli import main
@@ -150,8 +151,8 @@ CASES = [
      "model.n_layer='2.5' must be an integer", 2),
     ("train-bool-not-bool", ["train", "--train.progress", "maybe"],
      "train.progress='maybe' must be a boolean (true or false)", 2),
-    ("train-literal", ["train", "--model.attn_type", "rotary"],
-     "model.attn_type='rotary' is not allowed; choose one of 'relative', 'shaw', 'absolute', 'al_rfou'", 2),
+    ("train-literal", ["train", "--model.attn_type", "nope"],
+     f"model.attn_type='nope' is not allowed; choose one of {', '.join(map(repr, ATTN_TYPES))}", 2),
     ("train-cutoffs-abc", ["train", "--model.cutoffs", "abc"],
      "model.cutoffs='abc' must be an integer", 2),
     ("train-cutoffs-bad-list", ["train", "--model.cutoffs", "[1, 2"],
