@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
     main_process = is_main_process()  # under torchrun only rank 0 prints and logs
-    logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
-                        format="%(message)s", stream=sys.stderr)
+    # txl's own progress lines at INFO; other libraries' (an exporter's hundred lines of chatter) only when they warn.
+    level = (logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR
+    logging.basicConfig(level=max(level, logging.WARNING), format="%(message)s", stream=sys.stderr)
+    logging.getLogger("txl").setLevel(level)
     from txl.runtime import choose_threads, retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
