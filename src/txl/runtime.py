@@ -154,24 +154,40 @@ def busy_cpus(interval: float = 0.2) -> float | None:
 
 
 def choose_threads(requested: int | None) -> tuple[int, str]:
-    """The CPU thread count of a command, and why. ``requested`` (``--threads N``) wins; else OMP_NUM_THREADS
-    (torchrun sets 1 per process); else the cores that are idle now, at least 1 (``auto``).
+    """The CPU thread count of a command, and why: ``requested`` (``--threads N``), else OMP_NUM_THREADS
+    (torchrun sets 1 per process), else 1.
 
-    Why not torch's default (every core): its OpenMP threads wait for each other at every parallel region, so
-    when another process holds one of two cores the other thread spins waiting for it and a step takes ~20x
-    longer (issue 28: the default job ran 28 steps in 60 s with 2 threads against 548 with 1, one busy
-    process beside it)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    Why one thread by default, not torch's default (every core):
+    - its OpenMP threads wait for each other at every parallel region, so when another process holds one of
+      two cores a step takes ~20x longer (issue 28: the default job ran 28 steps in 60 s with 2 threads against
+      548 with 1 beside one busy process; on the shared machine of this change, 0-9 steps against 20-70);
+    - the thread count changes the figures: torch splits reductions by thread, so the gradients of 1 and 2
+      threads differ in the last bits (2e-9 on the default job's model) and a 2,000-step run ends elsewhere;
+      one thread gives the same figures on every machine of a CPU kind, whatever its cores and load;
+    - at the default job's size a second free core buys ~10% (README).
+    """
     if requested is not None:
         return requested, "--threads"
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env), "OMP_NUM_THREADS"
+    return 1, "the default: the same figures on every machine of a CPU kind, and no waiting on a busy core"
+
+
+def oversubscribed(threads: int) -> str | None:
+    """Advice when ``threads`` exceed the cores idle right now (their threads would wait on the busy ones), or
+    None: the collapse torch's thread pool suffers on a shared machine, detected before the run starts."""
+    if threads <= 1:
+        return None
     busy = busy_cpus()
     if busy is None:
-        return usable, f"auto: {usable} cores"
-    idle = max(0.0, (os.cpu_count() or usable) - busy)
-    return max(1, min(usable, int(idle + 0.5))), f"auto: {usable} cores, {busy:.1f} busy with other work"
+        return None
+    idle = max(0.0, (os.cpu_count() or threads) - busy)
+    if threads <= idle + 0.5:
+        return None
+    return (f"{threads} CPU threads but only {idle:.1f} cores are idle ({busy:.1f} busy with other work): each "
+            "parallel step waits for the thread on a busy core, up to ~20x slower; use --threads "
+            f"{max(1, int(idle + 0.5))}")
 
 
 def machine_record() -> dict[str, object]:

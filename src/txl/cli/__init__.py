@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_parser(sub)
     for command in sub.choices.values():  # one thread setting for every command
         command.add_argument("--threads", type=_threads, default=None, metavar="N",
-                             help="CPU threads (default: OMP_NUM_THREADS, else the cores idle at start, at least 1: "
-                             "torch's all-core default slows ~20x when another process holds a core)")
+                             help="CPU threads (default: OMP_NUM_THREADS, else 1: the same figures on every machine of "
+                             "a CPU kind; torch's all-core default slows ~20x when another process holds a core)")
     return parser
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     level = (logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR
     logging.basicConfig(level=max(level, logging.WARNING), format="%(message)s", stream=sys.stderr)
     logging.getLogger("txl").setLevel(level)
-    from txl.runtime import choose_threads, retain_freed_memory
+    from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
     threads, why = choose_threads(args.threads)
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
     logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
+    if main_process and (advice := oversubscribed(threads)) is not None:
+        logging.getLogger(__name__).warning(advice)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
