@@ -163,8 +163,7 @@ def choose_threads(requested: int | None) -> tuple[int, str]:
       548 with 1 beside one busy process; on the shared machine of this change, 0-9 steps against 20-70);
     - the thread count changes the figures: torch splits reductions by thread, so the gradients of 1 and 2
       threads differ in the last bits (2e-9 on the default job's model) and a 2,000-step run ends elsewhere;
-      one thread gives the same figures on every machine of a CPU kind, whatever its cores and load;
-    - at the default job's size a second free core buys ~10% (README).
+      one thread gives the same figures on every machine of a CPU kind, whatever its cores and load.
     """
     if requested is not None:
         return requested, "--threads"
