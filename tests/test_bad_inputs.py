@@ -154,7 +154,7 @@ CASES = [
      "unrecognised argument '--bogus'; config fields are set as --data.FIELD, --model.FIELD, --optim.FIELD, "
      "--train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
     ("train-unknown-field", ["train", "--model.mem_lenn", "3"],
-     "unknown field model.mem_lenn; valid model fields are: ...", 2),
+     "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are: ...", 2),
     ("train-unknown-section", ["train", "--modle.mem_len", "3"],
      "unrecognised argument '--modle.mem_len'; config fields are set as --data.FIELD, --model.FIELD, "
      "--optim.FIELD, --train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),

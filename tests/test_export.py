@@ -63,11 +63,16 @@ def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, caps
     check_against_eager(model, lambda *a: SegmentStep(model)(*a))
 
 
-def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
+def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capfd):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "s.onnx")]) == 0
-    session = ort.InferenceSession(str(tmp_path / "s.onnx"))
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "out" /
+                 "s.onnx")]) == 0
+    out, err = capfd.readouterr()
+    assert err == "" and out.startswith(f"{tmp_path / 'out' / 's.onnx'}: one segment step (onnx)")  # no chatter
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["s.onnx"]  # one file, no s.onnx.data
+    (tmp_path / "out" / "s.onnx").rename(tmp_path / "shipped.onnx")  # it travels alone
+    session = ort.InferenceSession(str(tmp_path / "shipped.onnx"))
 
     def run(ids, memory, padding):
         outs = session.run(None, {"input_ids": ids.numpy(), "memory": np.asarray(memory),
@@ -75,6 +80,18 @@ def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
         return tuple(torch.from_numpy(o) for o in outs)
 
     check_against_eager(txl.from_pretrained(model_dir), run)
+
+
+def test_onnx_of_a_large_model_names_its_weights_file(model_dir, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import txl.export
+
+    monkeypatch.setattr(txl.export, "ONNX_INLINE_LIMIT", 0)  # as if the weights were over 1 GiB
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "s.onnx")]) == 0
+    assert (tmp_path / "s.onnx.data").is_file()
+    assert f"{tmp_path / 's.onnx.data'}: the weights (over 1 GiB, too large to keep inside s.onnx); ship it beside " \
+        "s.onnx" in capsys.readouterr().out
 
 
 def test_absolute_positions_cannot_be_exported():

@@ -8,7 +8,9 @@ Each option of the paper is a named field; combinations that cannot work are rej
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,6 +18,12 @@ AttnType = Literal["relative", "shaw", "absolute", "al_rfou"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["torch", "fast16"]
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean n_layer?)' for the choice closest to a misspelt ``name`` ('' when none is close)."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @dataclass(kw_only=True)
@@ -183,7 +191,8 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"unknown ModelConfig field(s) {unknown}; known fields are {sorted(known)}")
+                f"unknown ModelConfig field(s) {unknown}{did_you_mean(unknown[0], known)}; known fields are "
+                f"{sorted(known)}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -509,6 +518,9 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": 
                              "train": TrainConfig, "eval": EvalConfig, "sample": SampleConfig}
 
 
+MACHINE_KEY = "machine"  # run.json also records where the run ran (txl.runtime.machine_record); never config
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """Everything a run needs, saved with every checkpoint. model.vocab_size is the corpus's."""
@@ -535,7 +547,7 @@ class RunConfig:
         """Build from nested dicts of typed values ({'model': {...}, ...}), as ``to_dict`` writes them;
         unknown sections or fields are errors. Text (a TOML file, command-line strings) goes through
         ``txl.presets``, which types each value first."""
-        unknown = sorted(set(data) - set(SECTIONS))
+        unknown = sorted(set(data) - set(SECTIONS) - {MACHINE_KEY})  # run.json's record of the machine: not config
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections are {sorted(SECTIONS)}")
         sections = {}
@@ -546,7 +558,8 @@ class RunConfig:
             known = {f.name for f in dataclasses.fields(kind)}
             bad = sorted(set(values) - known)
             if bad:
-                raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}; valid {name} "
+                raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}"
+                                 f"{did_you_mean(bad[0], known)}; valid {name} "
                                  f"fields are: {', '.join(sorted(known))}")
             if name == "model":
                 values.setdefault("vocab_size", 256)

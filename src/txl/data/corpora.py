@@ -389,7 +389,9 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
         data_root = Path("/")  # user specs carry absolute paths
     cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     if spec.generated == "stdlib":
-        data_root = build_stdlib_corpus(cache_root.parent / "stdlib", max_bytes=max_bytes, seed=STDLIB_SEED)
+        # Inside a given cache_dir (never beside it); by default ~/.cache/txl/stdlib, beside the token cache.
+        generated_root = cache_root / "stdlib" if cache_dir is not None else cache_root.parent / "stdlib"
+        data_root = build_stdlib_corpus(generated_root, max_bytes=max_bytes, seed=STDLIB_SEED)
     sources = resolve_sources(spec, data_root)
     tok_options = dict(spec.tokenizer)
     vocab_digest = None
