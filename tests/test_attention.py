@@ -27,7 +27,7 @@ def tiny(attn_type: str, **changes) -> txl.TransformerXL:
     return model.eval()
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou"])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou", "rotary"])
 def test_fused_and_explicit_paths_agree(attn_type):
     """The fused kernel (positional term as the kernel's additive mask, without gradients; recomputing backward,
     with them) and the reference attention (every score materialised, the paper's equation) give the same
@@ -109,7 +109,7 @@ def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, mon
 
 
 @pytest.mark.parametrize("attn_type,recompute", [("relative", True), ("relative", False), ("shaw", True),
-                                                  ("absolute", True)])
+                                                  ("absolute", True), ("rotary", True)])
 def test_bf16_autocast_training_step_tracks_fp32(attn_type, recompute):
     """bf16 autocast (CPU) runs forward and backward through every attention path; loss and gradients stay
     close to fp32's (the benchmark's 1e-2 loss criterion, on a tiny model)."""

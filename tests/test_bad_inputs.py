@@ -150,8 +150,8 @@ CASES = [
      "model.n_layer='2.5' must be an integer", 2),
     ("train-bool-not-bool", ["train", "--train.progress", "maybe"],
      "train.progress='maybe' must be a boolean (true or false)", 2),
-    ("train-literal", ["train", "--model.attn_type", "rotary"],
-     "model.attn_type='rotary' is not allowed; choose one of 'relative', 'shaw', 'absolute', 'al_rfou'", 2),
+    ("train-literal", ["train", "--model.attn_type", "alibi"],
+     "model.attn_type='alibi' is not allowed; choose one of 'relative', 'shaw', 'absolute', 'al_rfou', 'rotary'", 2),
     ("train-cutoffs-abc", ["train", "--model.cutoffs", "abc"],
      "model.cutoffs='abc' must be an integer", 2),
     ("train-cutoffs-bad-list", ["train", "--model.cutoffs", "[1, 2"],
@@ -184,7 +184,7 @@ CASES = [
      "--train.device 'cuda': CUDA is not available on this machine; use --train.device cpu", 2, no_cuda),
     ("train-missing-corpus", ["train", *T, "--data.corpus", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
-     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib, recall", 2),
     ("train-empty-corpus", ["train", *T, "--data.corpus", "{root}/empty.txt"],
      "the train split of corpus 'empty' is empty ({root}/empty.txt[0:0]); give a non-empty file or larger split "
      "fractions", 2),
@@ -340,7 +340,7 @@ CASES = [
     # -- txl data
     ("data-unknown-corpus", ["data", "download", "wikipedia"],
      "unknown corpus 'wikipedia'; corpora that can be downloaded: enwik8, text8, wt103, wt2, ptb, pennchar, "
-     "lm1b, stdlib", 2),
+     "lm1b, stdlib, recall", 2),
     ("data-download-offline", ["data", "download", "ptb", "--dir", "{root}/ptb"],
      "could not download http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz: <urlopen error "
      "[Errno -3] Temporary failure in name resolution> (tried 4 times, nothing was received). Check "
@@ -367,7 +367,7 @@ CASES = [
      "put them under those names in --dir and run txl data download lm1b without --from-file", 2),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
-     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib, recall", 2),
     ("data-prepare-empty", ["data", "prepare", "{root}/blank.txt", "--data.level", "char"],
      "the test split of corpus 'blank' is empty ({root}/blank.txt[5:5]); give a non-empty file or larger split "
      "fractions", 2),

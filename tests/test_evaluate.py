@@ -24,7 +24,8 @@ def uncached_mean_nll(model, tokens, *, batch_size, tgt_len, ext_len):
 
 @pytest.mark.parametrize("changes", [dict(attn_type="relative"), dict(attn_type="relative", same_length=True),
                                      dict(attn_type="relative", ext_len=2, pre_ln=True, untie_r=True),
-                                     dict(attn_type="shaw"), dict(attn_type="al_rfou")])
+                                     dict(attn_type="shaw"), dict(attn_type="al_rfou"),
+                                     dict(attn_type="rotary")])
 def test_evaluate_with_cached_keys_equals_recomputing_them(changes):
     torch.manual_seed(0)
     config = tiny_config(vocab_size=40, mem_len=9, learned_positions=64, **changes)

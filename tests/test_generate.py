@@ -150,6 +150,7 @@ KV_CONFIGS = {
     "adaptive_div2_tied": CONFIGS["adaptive_div2_tied"],
     "clamp_pre_ln_untie_r": CONFIGS["clamp_pre_ln_untie_r"],
     "shaw": dict(vocab_size=61, attn_type="shaw", learned_positions=7),
+    "rotary": dict(vocab_size=61, attn_type="rotary"),
     "ext_len": dict(vocab_size=61, ext_len=1),
 }
 
@@ -237,7 +238,7 @@ def test_kv_cache_rejected_where_it_would_be_wrong():
 
 # -- ragged batches, stopping, repetition penalty ----------------------------------------------------------
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw"])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
 @pytest.mark.parametrize("segment_len", [2, 64])
 def test_left_padded_batch_equals_one_prompt_at_a_time(attn_type, segment_len):
     """Prompts of lengths 7, 2 and 4 read as one left-padded batch: every step's log-probabilities equal

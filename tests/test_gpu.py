@@ -71,7 +71,7 @@ def test_hf_parity_on_cuda(exact, overrides):
             memory, hf_mems = out.memory, ref.mems
 
 
-ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou"]
+ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou", "rotary"]
 
 
 def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:

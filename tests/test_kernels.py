@@ -16,7 +16,7 @@ from txl.model.attention import Positions, relative_distances, sinusoid
 from txl.model.transformer import attention_mask
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou"]
+ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou", "rotary"]
 CONTEXTS = {"plain": dict(), "same_length": dict(same_length=True), "clamp_len": dict(clamp_len=3)}
 
 
@@ -67,7 +67,7 @@ def test_evaluation_kernels_equal_the_reference(attn_type, context):
 
 
 @pytest.mark.parametrize("keep", ["recompute_attention=False", "dropatt"])
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute"])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "rotary"])
 def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
     """The kernel that keeps the probabilities (by choice, or because dropatt drops them): with dropout and dropatt
     on, the same seed draws the same masks (nn.Dropout over the same number of elements, in the same order)."""
@@ -88,7 +88,7 @@ def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
         torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute"])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "rotary"])
 def test_attention_input_gradients_equal_the_reference(attn_type):
     """One attention layer: the gradients of its inputs (segment and memory rows) and of its parameters."""
     fused, reference = pair(attn_type, pre_ln=True)

@@ -18,7 +18,7 @@ def model_of(**overrides) -> txl.TransformerXL:
 
 @pytest.mark.parametrize("variant", [
     dict(), dict(cutoffs=[10, 30], div_val=2, d_embed=32), dict(pre_ln=True), dict(untie_r=True),
-    dict(attn_type="shaw", learned_positions=64), dict(clamp_len=5),
+    dict(attn_type="shaw", learned_positions=64), dict(clamp_len=5), dict(attn_type="rotary"),
 ])
 def test_segments_with_memory_equal_one_long_pass(variant):
     """Whenever memory covers the history, recurrence is exactly a longer causal context."""
@@ -165,7 +165,7 @@ def test_no_gradient_reaches_memory_and_memory_is_not_modified():
     assert all(not m.requires_grad for m in out.memory)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou"])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou", "rotary"])
 @pytest.mark.parametrize("mem_len", [0, 8])
 def test_ablation_variants_forward_and_backward(attn_type, mem_len):
     model = model_of(attn_type=attn_type, mem_len=mem_len, learned_positions=12, dropout=0.1).train()

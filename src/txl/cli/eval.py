@@ -168,10 +168,11 @@ def run(args: argparse.Namespace) -> int:
     tgt = e.tgt_len or cfg.train.tgt_len
     same = e.same_length if e.same_length is not None else m.same_length
     clamp = e.clamp_len if e.clamp_len is not None else m.clamp_len
-    if clamp is not None and clamp > 0 and m.attn_type in ("shaw", "absolute", "al_rfou"):
+    if clamp is not None and clamp > 0 and m.attn_type in ("shaw", "absolute", "al_rfou", "rotary"):
         logging.getLogger(__name__).warning(
             "eval.clamp_len=%d does not apply to attn_type=%r: %s", clamp, m.attn_type,
             "Shaw attention clamps distances at its own model.learned_positions" if m.attn_type == "shaw"
+            else "rotary positions rotate by the distance itself" if m.attn_type == "rotary"
             else "absolute positions have no relative distance to clamp")
     mems = [e.mem_len if e.mem_len is not None else m.mem_len]
     if args.sweep_mem:

@@ -15,6 +15,7 @@ Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encod
 second one against the K encodings, realigned from "encoding index" to "key index" by ``rel_shift``.
 Shaw et al.'s ablation has its own positional term (a learned embedding and bias per distance); the
 absolute ablations (Vaswani, Al-Rfou) have none here: their positions are added to the layer inputs.
+Rotary positions (Su et al. 2021, ``txl.model.rotary``) have none either: they rotate q and k instead.
 Queries are only computed for the T segment rows: memory rows need keys and values alone.
 
 ``ModelConfig.attn_impl`` chooses who computes it: 'reference' (this file), or 'fused' (the default,
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
-from txl.model import kernels
+from txl.model import kernels, rotary
 
 
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -124,6 +125,7 @@ class Attention(nn.Module):
         else:
             q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
+        q, k = self.place(q, k)
         attend = self.reference if self.impl == "reference" else kernels.fused_attention
         args = (q, k, val) if self.impl == "reference" else (self, q, k, val)
         attn = attend(*args, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
@@ -144,6 +146,11 @@ class Attention(nn.Module):
         score = (score * self.scale).masked_fill(mask, float("-inf"))  # (B, H, T, K): no future keys
         prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype)  # (B, H, T, K)
         return torch.einsum("bhtk,bkhd->bhtd", self.dropatt(prob), val)  # (B, H, T, D)
+
+    def place(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (B, T, H, D) and keys (B, K, H, D) as the scores read them: unchanged here; rotary
+        attention rotates them by their place in the window."""
+        return q, k
 
     def content_bias(self, u: torch.Tensor | None) -> torch.Tensor | float:
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 for plain attention."""
@@ -236,10 +243,22 @@ class ShawAttention(Attention):
         return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
 
+class RotaryAttention(Attention):
+    """Rotary positions (Su et al. 2021): queries and keys rotated by their index in [memory; segment]
+    (``txl.model.rotary``), so the content score q_i . k_j depends on the distance i - j alone. No
+    positional term of its own and no parameters beyond plain attention's; keys are rotated here, at
+    attention time, so memory rows and cached keys are stored unrotated and stay valid as they move back."""
+
+    def place(self, q, k):
+        return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
+
+
 def build_attention(config: ModelConfig) -> Attention:
     """The attention module for config.attn_type; absolute encodings are added to the layer inputs."""
     if config.attn_type == "relative":
         return RelativeAttention(config)
     if config.attn_type == "shaw":
         return ShawAttention(config)
+    if config.attn_type == "rotary":
+        return RotaryAttention(config)
     return Attention(config)  # 'absolute', 'al_rfou': positions live in the inputs

@@ -16,8 +16,9 @@ Like the memory, the cache goes into ``TransformerXL.forward(..., kv_cache=)`` a
 * with the weights it was built with (checked through the parameters' version counters);
 * next to the memory it was returned with: same length and alignment, truncated in the same place
   (``update_memory``);
-* for 'relative' and 'shaw' attention. 'absolute' and 'al_rfou' add to every memory row a position that
-  shifts each step, so its keys change and cannot be cached.
+* for 'relative', 'shaw' and 'rotary' attention ('rotary' caches unrotated keys and rotates them by
+  their place in each window). 'absolute' and 'al_rfou' add to every memory row a position that shifts
+  each step, so its keys change and cannot be cached.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-CACHEABLE_ATTN_TYPES = ("relative", "shaw")
+CACHEABLE_ATTN_TYPES = ("relative", "shaw", "rotary")
 """Attention types whose memory-row keys do not change from step to step (see the module docstring)."""
 
 
