@@ -21,7 +21,7 @@ import time
 import torch
 
 import txl
-from txl.generate import IncrementalDecoder, inference_context
+from txl.generation import IncrementalDecoder, inference_context
 
 
 def small_model(device: str) -> txl.TransformerXL:

@@ -57,11 +57,13 @@ from pathlib import Path
 import torch
 
 import txl
-from txl.config import OptimConfig, add_config_arguments, apply_overrides, overrides_from, unknown_option_error
+from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
+from txl.config import OptimConfig
 from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.evaluate import autocast
 from txl.optim import build_optimizer
+from txl.presets import apply_overrides
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, retain_freed_memory, to_device
 from txl.train import train_step as library_train_step
 

@@ -20,10 +20,12 @@ import numpy as np
 import torch
 
 from experiments import ROOT
-from txl.config import RunConfig, add_config_arguments, apply_overrides, overrides_from, unknown_option_error
+from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
+from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
 from txl.evaluate import inference_context
 from txl.model import TransformerXL
+from txl.presets import apply_overrides
 from txl.runtime import retain_freed_memory
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,9 @@
 import pytest
 import torch
 
-from txl.config import (
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-    apply_overrides,
-    load_preset,
-    preset_names,
-    run_config,
-)
+from txl.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from txl.model import TransformerXL
+from txl.presets import apply_overrides, load_preset, preset_names, run_config
 
 # Parameter counts: Dai et al. 2019 Tables 1-3 where the paper's count matches its own hyper-parameters.
 # wt103_large: the paper reports 257M, but its hyper-parameters (and the released checkpoint that Hugging
@@ -106,7 +98,8 @@ def _help(argv):
 def test_train_help_lists_every_field_with_its_docstring_and_default():
     import dataclasses
 
-    from txl.config import SECTIONS, field_docs
+    from txl.cli.options import field_docs
+    from txl.config import SECTIONS
 
     text = _help(["train", "--help"])
     for section, kind in SECTIONS.items():

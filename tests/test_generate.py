@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_config
 
 import txl
-from txl.generate import FINISHED, IncrementalDecoder, generate_stream, inference_context
+from txl.generation import FINISHED, IncrementalDecoder, generate_stream, inference_context
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -310,3 +310,13 @@ def test_repetition_penalty_math_and_effect():
     prompt = [1, 2, 3, 4]
     out = txl.generate(model, prompt, max_new_tokens=20, temperature=0, repetition_penalty=1e6)[0].tolist()
     assert len(set(prompt + out)) == len(prompt) + len(out)
+
+
+def test_generate_is_the_function_and_generation_the_module():
+    # The function and the module have different names, so importing the module never rebinds txl.generate.
+    import importlib
+
+    module = importlib.import_module("txl.generation")
+    assert txl.generate is module.generate and callable(txl.generate)
+    assert txl.generation.FINISHED == FINISHED == -1  # the README's name for a finished row's places
+    assert txl.generate_stream is module.generate_stream

@@ -12,7 +12,7 @@ import torch
 
 import txl
 from txl.cli import main
-from txl.data.tokenizer import load_model_tokenizer
+from txl.data.tokenizer import load_model_tokenizer, save_tokenizer
 from txl.data.tokenizer.hf_vocab import write_vocab_txt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -164,7 +164,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
                                               d_inner=32, mem_len=4))
     ckpt = tmp_path / "run" / "checkpoints" / "step_1"  # a training run's layout: found through best.json
     txl.save_pretrained(model, ckpt)
-    tok.save(ckpt / "tokenizer")
+    save_tokenizer(tok, ckpt / "tokenizer")
     (tmp_path / "run" / "best.json").write_text(json.dumps({"step": 1, "path": "checkpoints/step_1"}))
     rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", "-o", "-", text)
     assert rc == 0, err
@@ -205,7 +205,7 @@ def _byte_checkpoint(tmp_path, run: dict | None = None):
     model = txl.TransformerXL(config)
     ckpt = tmp_path / "ckpt"
     txl.save_pretrained(model, ckpt)
-    tok.save(ckpt / "tokenizer")
+    save_tokenizer(tok, ckpt / "tokenizer")
     if run is not None:
         cfg = RunConfig.from_dict({"model": vars(config), **run}).to_dict()
         (ckpt / RUN_FILE).write_text(json.dumps(cfg))

@@ -17,8 +17,9 @@ import torch
 
 import txl
 from txl.cli import main
-from txl.config import RunConfig, load_preset
+from txl.config import RunConfig
 from txl.convert.hf import config_to_hf, state_dict_to_hf
+from txl.presets import load_preset
 
 hub_constants = pytest.importorskip("huggingface_hub.constants")
 

@@ -20,6 +20,7 @@ import torch
 
 import txl
 import txl.checkpoint
+import txl.rundir
 import txl.train
 from txl.cli import main
 from txl.evaluate import EvalResult
@@ -336,8 +337,8 @@ def test_kill_9_at_random_moments_resumes_to_identical_weights(corpus, tmp_path)
         mid_write += bool(partial)  # killed while a checkpoint or pointer was being written
     assert mid_write >= 1  # a checkpoint every step: most kills land in one
     assert main(["train", "--resume", str(out)]) == 0
-    a = txl.checkpoint.find_checkpoint(straight)
-    b = txl.checkpoint.find_checkpoint(out)
+    a = txl.rundir.find_checkpoint(straight)
+    b = txl.rundir.find_checkpoint(out)
     assert a.name == b.name == f"step_{steps:08d}"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert losses(out) == losses(straight)

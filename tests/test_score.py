@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config
 
 import txl
-from txl.generate import inference_context
+from txl.generation import inference_context
 from txl.score import DocumentScore, ScoredSegment, iter_scores, score_documents
 
 TOL = dict(atol=1e-5, rtol=1e-5)

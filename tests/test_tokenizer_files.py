@@ -19,6 +19,7 @@ from txl.data.tokenizer import (
     load_tokenizer,
     make_spec,
     read_meta,
+    save_tokenizer,
     wt103,
 )
 from txl.data.tokenizer.hf_vocab import write_vocab_txt
@@ -56,7 +57,7 @@ def test_hf_tokenizer_json_gives_txl_ids_on_real_text(tmp_path, corpus, level, o
     # An observed byte vocabulary has no <unk> (as enwik8's): it learns from the held-out part as well.
     train.write_text(_head(path, 120_000 if options.get("vocab") == "observed" else 60_000), encoding="utf-8")
     tok = fit_tokenizer(make_spec(level, **options), [Source(train)])
-    tok.save(tmp_path / "tok")
+    save_tokenizer(tok, tmp_path / "tok")
     hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
     for text in (held_out, held_out.rstrip("\n"), "", "a\n\nb  c\n"):
         assert level != "word" or tok.vocab.unk_id is not None  # both corpora hold <unk>: any text encodes
@@ -70,7 +71,7 @@ def test_no_hf_tokenizer_json_for_wikitext103_rules(tmp_path):
     write_vocab_txt(["<eos>", "<unk>", "the", "cat", "'s"], tmp_path / "vocab.txt")
     tok = WordTokenizer.from_hf_vocab(tmp_path / "vocab.txt")
     assert tok.spec["rules"] == "wt103" and tok.encode_prompt("the cat's") == [2, 3, 4]
-    tok.save(tmp_path / "tok")
+    save_tokenizer(tok, tmp_path / "tok")
     assert not (tmp_path / "tok" / "tokenizer.json").exists()  # Moses rules are not expressible in it
     again = load_tokenizer(tmp_path / "tok")
     assert again.spec == tok.spec and again.encode_prompt("the cat's") == [2, 3, 4]
@@ -95,7 +96,7 @@ def test_old_checkpoint_with_txl_format_tokenizer_json_still_loads(tmp_path, lev
     spec = make_spec(level, **({"specials": ["<eos>", "<unk>"]} if level == "word" else {}))
     tok = fit_tokenizer(spec, [Source(train)])
     ckpt = tmp_path / "ckpt"
-    tok.save(ckpt / "tokenizer")
+    save_tokenizer(tok, ckpt / "tokenizer")
     _as_old_checkpoint(ckpt / "tokenizer")
     assert read_meta(ckpt / "tokenizer")["version"] == 1
     old = load_tokenizer(ckpt / "tokenizer", spec=spec)  # the old spec's missing options take their defaults

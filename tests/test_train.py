@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import txl.checkpoint
+import txl.rundir
 import txl.train
 from txl.cli import main
 from txl.config import OptimConfig
@@ -81,7 +82,7 @@ def test_resume_from_a_flat_train_state_of_an_older_version(corpus, tmp_path):
     """Checkpoints written before the stateful parts had their own keys still resume, bit-identically."""
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "5")]) == 0
     assert main(["train", *args(corpus, tmp_path / "b", "--max-steps", "3")]) == 0
-    state_file = txl.checkpoint.find_checkpoint(tmp_path / "b") / "train_state.pt"
+    state_file = txl.rundir.find_checkpoint(tmp_path / "b") / "train_state.pt"
     parts = torch.load(state_file, weights_only=True)
     train = parts["train"]
     flat = {"optimizer": parts["optimizer"], "scaler": parts["scaler"], "step": train["step"],
@@ -141,7 +142,7 @@ def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
         in out and "sample (prompt >>> continuation)" in out
     run = tmp_path / "runs" / "default"
     assert (run / "learning_curve.png").is_file() and (run / "best.json").is_file()
-    model = txl.from_pretrained(txl.checkpoint.find_checkpoint(run, "best"))  # a plain model directory too
+    model = txl.from_pretrained(txl.rundir.find_checkpoint(run, "best"))  # a plain model directory too
     assert model.config.vocab_size == 256
 
 
@@ -207,7 +208,7 @@ def test_disk_full_is_one_clear_line(corpus, tmp_path, monkeypatch, capsys):
 def test_corrupt_and_truncated_checkpoints(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
-    ckpt = txl.checkpoint.find_checkpoint(out)
+    ckpt = txl.rundir.find_checkpoint(out)
     state = ckpt / "train_state.pt"
     state.write_bytes(state.read_bytes()[:100])
     assert main(["train", "--resume", str(out)]) == 2

@@ -7,8 +7,6 @@ not pay for importing torch.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -18,7 +16,7 @@ _EXPORTS = {
     "Context": "txl.config", "ModelConfig": "txl.config",
     "KVCache": "txl.model", "LMOutput": "txl.model", "Memory": "txl.model", "TransformerXL": "txl.model",
     "from_pretrained": "txl.pretrained", "save_hf": "txl.pretrained", "save_pretrained": "txl.pretrained",
-    "generate": "txl.generate", "generate_stream": "txl.generate",
+    "generate": "txl.generation", "generate_stream": "txl.generation",
     "iter_scores": "txl.score", "score_documents": "txl.score",
 }
 __all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL", "from_pretrained", "generate",
@@ -35,21 +33,9 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Importing the submodule txl.generate binds it here as an attribute; the public name txl.generate
-        # is the function (as when this file imported it eagerly).
-        if name == "generate" and isinstance(value, types.ModuleType):
-            value = value.generate
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:
     from txl.config import Context, ModelConfig
-    from txl.generate import generate, generate_stream
+    from txl.generation import generate, generate_stream
     from txl.model import KVCache, LMOutput, Memory, TransformerXL
     from txl.pretrained import from_pretrained, save_hf, save_pretrained
     from txl.score import iter_scores, score_documents

@@ -38,16 +38,17 @@ from typing import Any
 import torch
 
 from txl.config import RunConfig
+from txl.data.tokenizer import read_meta, save_tokenizer
 from txl.fileio import atomic_write, remove_partial, write_json
 from txl.model import TransformerXL
 from txl.pretrained import from_pretrained, save_pretrained, unsafe_load_message
+from txl.rundir import CKPT_DIR, best, find_checkpoint, latest  # latest/best: txl.checkpoint's documented API
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 RUN_FILE = "run.json"
 TOKENIZER_DIR = "tokenizer"
-CKPT_DIR = "checkpoints"
 STATE_PARTS = ("optimizer", "scaler", "train")
 """The fixed keys of train_state.pt, one per stateful part besides the model."""
 
@@ -138,7 +139,7 @@ class Checkpointer:
         def write(tmp: Path) -> None:
             save_pretrained(model, tmp)
             write_json(tmp / RUN_FILE, run.to_dict())
-            tokenizer.save(tmp / TOKENIZER_DIR)
+            save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
             _write_state(tmp / STATE_FILE, parts)
 
         try:
@@ -164,50 +165,6 @@ class Checkpointer:
         for path in steps[:-self.keep_last]:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _pointer(run_dir: Path, which: str) -> Path | None:
-    file = run_dir / f"{which}.json"
-    if not file.is_file():
-        return None
-    try:
-        return run_dir / json.loads(file.read_text(encoding="utf-8"))["path"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{file} is corrupt; point it at a directory under {run_dir / CKPT_DIR}, or "
-                         "delete it") from None
-
-
-def latest(run_dir: str | os.PathLike) -> Path | None:
-    """The run's most recent checkpoint directory (latest.json), or None before the first one."""
-    return _pointer(Path(run_dir), "latest")
-
-
-def best(run_dir: str | os.PathLike) -> Path | None:
-    """The run's checkpoint with the lowest validation loss so far (best.json), or None."""
-    return _pointer(Path(run_dir), "best")
-
-
-def run_dir_of(path: str | os.PathLike) -> Path:
-    """The run directory of a run or checkpoint directory (a checkpoint outside a run is its own)."""
-    p = Path(path)
-    return p.parent.parent if (p / "config.json").is_file() and p.parent.name == CKPT_DIR else p
-
-
-def find_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
-    """A checkpoint directory from itself or from a run directory (its ``which`` pointer: latest/best)."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    if not p.is_dir():
-        raise FileNotFoundError(f"{p} does not exist; pass a run directory (with latest.json) or a "
-                                "checkpoint directory (with config.json)")
-    for name in (which, "latest"):
-        found = _pointer(p, name)
-        if found is not None:
-            if not found.is_dir():
-                raise FileNotFoundError(f"{p / (name + '.json')} points at {found}, which is missing")
-            return found
-    raise FileNotFoundError(f"{p} holds no checkpoint (no latest.json, no config.json)")
 
 
 def read_run(path: Path) -> RunConfig:
@@ -264,8 +221,6 @@ def _from_flat(state: dict[str, Any]) -> dict[str, Any]:
 
 def check_tokenizer(ckpt: Path, tokenizer: Any) -> None:
     """Raise unless ``tokenizer`` has the vocabulary the checkpoint was trained with."""
-    from txl.data.tokenizer import read_meta
-
     saved = read_meta(ckpt / TOKENIZER_DIR)
     if saved is None:
         return  # a plain model directory: only the vocabulary size can be checked (by the model)

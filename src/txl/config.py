@@ -8,13 +8,8 @@ Each option of the paper is a named field; combinations that cannot work are rej
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
@@ -424,7 +419,7 @@ def check_sampling(*, temperature: float | None = None, top_k: int | None = None
     """The one check of the sampling arguments (None: not given), each with the message that names it.
 
     ``SampleConfig`` (the command line and presets) and the public entry points of ``txl.sampling`` and
-    ``txl.generate`` call it once; the work below them runs unchecked. Torch-free, so a typo is refused
+    ``txl.generation`` call it once; the work below them runs unchecked. Torch-free, so a typo is refused
     before a model is loaded.
     """
     if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0):  # NaN too
@@ -502,7 +497,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        """Build from nested dicts ({'model': {...}, ...}); unknown sections or fields are errors."""
+        """Build from nested dicts of typed values ({'model': {...}, ...}), as ``to_dict`` writes them;
+        unknown sections or fields are errors. Text (a TOML file, command-line strings) goes through
+        ``txl.presets``, which types each value first."""
         unknown = sorted(set(data) - set(SECTIONS))
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections are {sorted(SECTIONS)}")
@@ -516,8 +513,6 @@ class RunConfig:
             if bad:
                 raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}; valid {name} "
                                  f"fields are: {', '.join(sorted(known))}")
-            for key, value in values.items():
-                values[key] = _coerce(name, key, value, _field_types(kind)[key])
             if name == "model":
                 values.setdefault("vocab_size", 256)
             sections[name] = kind(**values)
@@ -525,257 +520,3 @@ class RunConfig:
 
     def replace(self, **sections: Any) -> RunConfig:
         return dataclasses.replace(self, **sections)
-
-
-# -- presets and command-line overrides --------------------------------------------------------------
-
-PRESET_DIR = Path(__file__).parent / "configs"
-"""Presets ship inside the package (the repository's configs/ links here)."""
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-
-
-def preset_summary(name: str) -> str:
-    """The first comment line of a preset file: what it is."""
-    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
-
-
-def preset_expected_time(name: str) -> str:
-    """The preset file's ``# expected time:`` comment ('' when it has none)."""
-    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
-        if line.lower().startswith("# expected time:"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
-def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
-    """The nested dict of a config: a preset name (configs/<name>.toml), a TOML file, a saved run.json,
-    or a run or checkpoint directory (its run.json)."""
-    path = Path(name_or_path)
-    if not path.suffix and not path.is_dir():
-        path = PRESET_DIR / f"{name_or_path}.toml"
-        if not path.is_file():
-            raise ValueError(f"unknown preset {str(name_or_path)!r}; presets are: {', '.join(preset_names())} "
-                             "(or pass the path of a .toml file or a run's run.json)")
-    if path.is_dir():
-        path = path / "run.json"
-    try:
-        if path.suffix == ".json":
-            return json.loads(path.read_text(encoding="utf-8"))
-        with open(path, "rb") as f:
-            return _toml().load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file {path} not found") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    except _toml().TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
-
-
-def _toml() -> Any:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    return tomllib
-
-
-def _field_types(kind: type) -> dict[str, Any]:
-    return typing.get_type_hints(kind)
-
-
-def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
-    """Convert ``value`` (a TOML value or a command-line string) to the field's type, or say why not."""
-    where = f"{section}.{name}"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        errors = []
-        for a in inner:
-            try:
-                return _coerce(section, name, value, a)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError(errors[0])
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{where}={value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
-        return value
-    if origin is list:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    value = json.loads(text)
-                except json.JSONDecodeError:
-                    raise ValueError(f"{where}={value!r} is not a list; write e.g. 1,2,3 or [1, 2, 3]") from None
-            else:
-                value = [v for v in text.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ValueError(f"{where}={value!r} must be a list")
-        return [_coerce(section, name, v, args[0]) for v in value]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"{where}={value!r} must be a boolean (true or false)")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise ValueError(f"{where}={value!r} must be an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{where}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"{where}={value!r} must be a string")
-    return value
-
-
-def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
-    """A copy of nested ``data`` with 'section.field' -> value overrides (values are strings or typed)."""
-    out = {k: dict(v) for k, v in data.items()}
-    for dotted, value in overrides.items():
-        section, _, name = dotted.partition(".")
-        if section not in SECTIONS or not name:
-            raise ValueError(f"unknown option --{dotted}; options are --SECTION.FIELD with SECTION one of "
-                             f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
-        hints = _field_types(SECTIONS[section])
-        if name not in hints:
-            raise ValueError(f"unknown field {section}.{name}; valid {section} fields are: "
-                             f"{', '.join(sorted(hints))}")
-        out.setdefault(section, {})[name] = _coerce(section, name, value, hints[name])
-    return out
-
-
-def run_config(preset: str | os.PathLike = "default", overrides: dict[str, str] | None = None) -> RunConfig:
-    """Load a preset, apply overrides, validate."""
-    return RunConfig.from_dict(apply_overrides(load_preset(preset), overrides or {}))
-
-
-# -- the command-line surface: one --SECTION.FIELD option per config field ----------------------------
-
-def field_docs(kind: type) -> dict[str, str]:
-    """Each field's docstring (the string literal under its annotation), read from the class's source:
-    the help text and the config reference come from the same place as the code."""
-    return _module_field_docs(kind.__module__).get(kind.__qualname__, {})
-
-
-@functools.cache
-def _module_field_docs(module: str) -> dict[str, dict[str, str]]:
-    """{class name: {field: docstring}} for every top-level class of ``module``, from one parse of its file
-    (``inspect.getsource`` of each class would parse the whole file again, ~50 ms a class)."""
-    import ast
-    import inspect
-    import sys
-
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[module]))
-    except (OSError, TypeError, KeyError):  # no source (a frozen install): no help text, nothing else lost
-        return {}
-    out = {}
-    for cls in tree.body:
-        if not isinstance(cls, ast.ClassDef):
-            continue
-        docs = out.setdefault(cls.name, {})
-        for node, after in zip(cls.body, cls.body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                    isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
-                    isinstance(after.value.value, str):
-                docs[node.target.id] = " ".join(after.value.value.split())
-    return out
-
-
-def _metavar(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        return "|".join(_metavar(a) for a in inner) + ("|none" if len(inner) < len(args) else "")
-    if origin is Literal:
-        return "{" + ",".join(map(str, args)) + "}"
-    if origin is list:
-        return f"{_metavar(args[0])},..."
-    return {int: "INT", float: "FLOAT", str: "STR", bool: "BOOL"}.get(hint, "VALUE")
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "none" if value is None else str(value)
-
-
-def add_config_arguments(parser: Any, sections: list[str], *, preset: dict[str, Any] | None = None,
-                         preset_name: str = "") -> None:
-    """Register ``--SECTION.FIELD VALUE`` for every field of the given sections, each with its docstring,
-    its default and (when ``preset`` is given) the preset's value. Values stay strings here and are typed
-    and validated by ``apply_overrides``/``RunConfig``, so a command line and a TOML file give the same
-    errors; only the options given appear in the parsed namespace (see ``overrides_from``)."""
-    import argparse
-
-    parser.set_defaults(config_sections=list(sections))
-    for section in sections:
-        kind = SECTIONS[section]
-        group = parser.add_argument_group(f"{section} ({kind.__doc__.splitlines()[0].rstrip('.')})")
-        docs, hints = field_docs(kind), _field_types(kind)
-        for f in dataclasses.fields(kind):
-            if f.default is not dataclasses.MISSING:
-                default = _shown(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                default = _shown(f.default_factory())
-            else:
-                default = "the corpus's" if f.name == "vocab_size" else "required"
-            text = docs.get(f.name, "").replace("%", "%%")
-            text += f" (default: {default}"
-            if preset is not None and f.name in preset.get(section, {}) and \
-                    _shown(preset[section][f.name]) != default:
-                text += f"; preset {preset_name!r}: {_shown(preset[section][f.name])}"
-            bool_flag = hints[f.name] is bool or bool in typing.get_args(hints[f.name])
-            group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                               metavar=_metavar(hints[f.name]), help=text + ")",
-                               **({"nargs": "?", "const": "true"} if bool_flag else {}))
-
-
-def overrides_from(args: Any) -> dict[str, str]:
-    """The ``--SECTION.FIELD`` options a parsed namespace holds: {'model.mem_len': '300', ...}."""
-    return {k: v for k, v in vars(args).items() if "." in k and k.split(".", 1)[0] in SECTIONS}
-
-
-def unknown_option_error(extra: list[str], sections: list[str], program: str) -> ValueError:
-    """One line for an option argparse did not know: a misspelt config field names the valid ones, a field
-    of a section this command does not take says which sections it takes. ``program``: e.g. "txl train"."""
-    arg = extra[0]
-    key = arg[2:].partition("=")[0] if arg.startswith("--") else ""
-    section = key.partition(".")[0]
-    if sections and section in SECTIONS and section not in sections:
-        return ValueError(f"{program} takes no --{section}.FIELD options; its config options are "
-                          f"{', '.join(f'--{s}.FIELD' for s in sections)} (see {program} --help)")
-    if section in sections:
-        try:
-            apply_overrides({}, {key: ""})
-        except ValueError as err:
-            if "unknown" in str(err):
-                return err
-    hint = (f"config fields are set as {', '.join(f'--{s}.FIELD' for s in sections)} VALUE" if sections
-            else f"{program} takes no config fields")
-    return ValueError(f"unrecognised argument {arg!r}; {hint} (see {program} --help)")

@@ -18,8 +18,8 @@ import torch
 
 from txl.config import Context
 from txl.distributed import DistInfo, all_reduce_sum
+from txl.labels import IGNORE_INDEX
 from txl.model import TransformerXL
-from txl.model.adaptive import IGNORE_INDEX
 from txl.runtime import compile_model
 
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from txl.config import ModelConfig, RunConfig, apply_overrides
+from txl.config import ModelConfig, RunConfig
 from txl.data.corpora import Corpus, get_spec, resolve_sources
 from txl.data.tokenizer import Tokenizer, WordTokenizer, encode_source, load_model_tokenizer
 from txl.model import TransformerXL
+from txl.presets import apply_overrides
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from txl.convert.hf import (
 )
 from txl.fileio import atomic_write
 from txl.model import TransformerXL
+from txl.rundir import find_checkpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -187,8 +188,6 @@ def resolve_model_dir(path: str | os.PathLike, *, revision: str | None = None,
     if p.is_dir():
         if (p / CONFIG_FILE).is_file():
             return p
-        from txl.checkpoint import find_checkpoint  # checkpoint.py imports this module
-
         return find_checkpoint(p, which)
     if p.exists():
         raise FileNotFoundError(f"{p} is a file: pass a model directory (config.json + weights), a run "

@@ -1,4 +1,9 @@
-"""A run directory belongs to one run and one process at a time.
+"""A run directory: its pointers (``latest``, ``best``), and one run and one process at a time.
+
+``latest``/``best`` read the pointer files (``latest.json``, ``best.json``) the checkpointer writes;
+``find_checkpoint`` and ``run_dir_of`` go between a run directory and its checkpoints. They live here,
+below both ``txl.checkpoint`` (which writes checkpoints) and ``txl.pretrained`` (which loads a model from
+a run directory), so neither imports the other for them.
 
 ``open_run_dir`` is called by the main process before anything is written:
 
@@ -15,13 +20,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 LOCK_FILE = "train.lock"
 RUN_FILES = ("run.json", "metrics.jsonl", "latest.json", "best.json", "learning_curve.png", "mem_sweep.png")
-RUN_DIRS = ("checkpoints", "tb")
+CKPT_DIR = "checkpoints"
+RUN_DIRS = (CKPT_DIR, "tb")
 
 
 class RunDirError(ValueError):
@@ -103,3 +110,49 @@ def open_run_dir(out_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -
     except BaseException:
         lock.release()
         raise
+
+
+# -- the run directory's pointers -------------------------------------------------------------------
+
+def _pointer(run_dir: Path, which: str) -> Path | None:
+    file = run_dir / f"{which}.json"
+    if not file.is_file():
+        return None
+    try:
+        return run_dir / json.loads(file.read_text(encoding="utf-8"))["path"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{file} is corrupt; point it at a directory under {run_dir / CKPT_DIR}, or "
+                         "delete it") from None
+
+
+def latest(run_dir: str | os.PathLike) -> Path | None:
+    """The run's most recent checkpoint directory (latest.json), or None before the first one."""
+    return _pointer(Path(run_dir), "latest")
+
+
+def best(run_dir: str | os.PathLike) -> Path | None:
+    """The run's checkpoint with the lowest validation loss so far (best.json), or None."""
+    return _pointer(Path(run_dir), "best")
+
+
+def run_dir_of(path: str | os.PathLike) -> Path:
+    """The run directory of a run or checkpoint directory (a checkpoint outside a run is its own)."""
+    p = Path(path)
+    return p.parent.parent if (p / "config.json").is_file() and p.parent.name == CKPT_DIR else p
+
+
+def find_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
+    """A checkpoint directory from itself or from a run directory (its ``which`` pointer: latest/best)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    if not p.is_dir():
+        raise FileNotFoundError(f"{p} does not exist; pass a run directory (with latest.json) or a "
+                                "checkpoint directory (with config.json)")
+    for name in (which, "latest"):
+        found = _pointer(p, name)
+        if found is not None:
+            if not found.is_dir():
+                raise FileNotFoundError(f"{p / (name + '.json')} points at {found}, which is missing")
+            return found
+    raise FileNotFoundError(f"{p} holds no checkpoint (no latest.json, no config.json)")

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from txl.config import Context
-from txl.generate import inference_context
+from txl.generation import inference_context
+from txl.labels import IGNORE_INDEX
 from txl.model import Memory, TransformerXL
-from txl.model.adaptive import IGNORE_INDEX
 
 __all__ = ["DocumentScore", "ScoredSegment", "iter_scores", "score_documents"]
 

@@ -41,12 +41,12 @@ from txl.distributed import (
 )
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.fileio import remove_partial
+from txl.labels import IGNORE_INDEX
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
 from txl.model import Memory, TransformerXL
-from txl.model.adaptive import IGNORE_INDEX
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
-from txl.rundir import RunDirError, RunLock, open_run_dir
+from txl.rundir import CKPT_DIR, RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
 from txl.signals import Stopped, StopRequest
 from txl.train_state import TrainState
@@ -424,7 +424,7 @@ class Trainer:
         cfg, t, info, state = self.cfg, self.cfg.train, self.info, self.state
         if resume is not None:
             if info.is_main:
-                remove_partial(self.out / ckpt.CKPT_DIR)  # what a killed writer left (start() does it afresh)
+                remove_partial(self.out / CKPT_DIR)  # what a killed writer left (start() does it afresh)
                 remove_partial(self.out)
             self.restore(resume)
         elif info.is_main:
@@ -539,7 +539,7 @@ def _sample(model: TransformerXL, corpus: Corpus, n: int, settings: SampleConfig
             prompt_len: int = 64) -> str:
     """A continuation of the test split's first tokens drawn with the run's ``[sample]`` settings (its seed,
     else ``seed``; its memory, else ``mem_len``), prompt and continuation marked."""
-    from txl.generate import generate
+    from txl.generation import generate
 
     device = next(model.parameters()).device
     prompt = torch.as_tensor(np.asarray(corpus.test[:prompt_len], dtype=np.int64), device=device)[None]  # (1, P)

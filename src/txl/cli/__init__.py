@@ -16,16 +16,9 @@ from txl.cli import data, generate, score
 from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
+from txl.cli.options import is_main_process
 
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
-
-
-def is_main_process() -> bool:
-    """Whether this is rank 0 of a torchrun job (or no torchrun job): the one process that prints and
-    logs (torch-free, so the entry point can ask before anything heavy is imported)."""
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if extra:  # a misspelt --SECTION.FIELD names the valid fields; anything else says what is accepted
-        from txl.config import unknown_option_error
+        from txl.cli.options import unknown_option_error
 
         err = unknown_option_error(extra, getattr(args, "config_sections", []), f"txl {args.command}")
         print(f"txl {args.command}: error: {err}", file=sys.stderr)

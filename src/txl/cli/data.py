@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from txl.config import add_config_arguments, overrides_from
+from txl.cli.options import add_config_arguments, overrides_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,8 +84,9 @@ def _place_archive(name: str, directory: str | None, archive: str) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from txl.config import RunConfig, apply_overrides
+    from txl.config import RunConfig
     from txl.data.corpora import load_run_corpus
+    from txl.presets import apply_overrides
 
     data = RunConfig.from_dict(apply_overrides({"data": {"corpus": args.name}}, overrides_from(args))).data
     corpus = load_run_corpus(data)

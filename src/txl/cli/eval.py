@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from txl.config import add_config_arguments, overrides_from
+from txl.cli.options import add_config_arguments, overrides_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,8 +97,8 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     import json
 
     import txl
-    from txl.config import apply_overrides
     from txl.evaluate import evaluate
+    from txl.presets import apply_overrides
     from txl.runtime import resolve_precision
 
     given = apply_overrides({}, overrides_from(args))  # only the options given, typed
@@ -140,14 +140,16 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from dataclasses import replace
 
-    from txl.checkpoint import RUN_FILE, check_tokenizer, load, run_dir_of
-    from txl.config import RunConfig, apply_overrides
+    from txl.checkpoint import RUN_FILE, check_tokenizer, load
+    from txl.config import RunConfig
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
     from txl.evaluate import evaluate
     from txl.fileio import write_text
     from txl.metrics import ProgressBar, plot_memory_sweep, segment_progress
+    from txl.presets import apply_overrides
     from txl.pretrained import resolve_model_dir
+    from txl.rundir import run_dir_of
     from txl.runtime import resolve_precision
 
     if args.max_batches < 0:

@@ -76,7 +76,7 @@ def read_text_file(path: str, what: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from txl.config import add_config_arguments
+    from txl.cli.options import add_config_arguments
 
     p = sub.add_parser(
         "generate", help="continue a prompt with a trained model, streaming the text", allow_abbrev=False,
@@ -103,14 +103,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def sample_config(args: argparse.Namespace, directory=None):
     """The ``SampleConfig`` of this call: the run's ``[sample]`` (when ``directory`` belongs to a run), then
     the options given. Called once without a directory to refuse a bad option before a model is loaded."""
-    from txl.config import SampleConfig, apply_overrides, overrides_from
+    from txl.cli.options import overrides_from
+    from txl.config import SampleConfig
+    from txl.presets import apply_overrides
 
     base = {"sample": run_section(directory, "sample") if directory is not None else {}}
     return SampleConfig(**apply_overrides(base, overrides_from(args))["sample"])
 
 
 def run(args: argparse.Namespace) -> int:
-    from txl.generate import generate_stream
+    from txl.generation import generate_stream
 
     sample_config(args)  # cheap checks first: a typo should not cost loading a model
     text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")

@@ -9,7 +9,7 @@ from txl.cli.generate import add_checkpoint_args, add_shortcut, run_section
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from txl.config import add_config_arguments
+    from txl.cli.options import add_config_arguments
 
     p = sub.add_parser(
         "score", help="score documents: per-token log-probabilities, perplexity or bits/char", allow_abbrev=False,
@@ -39,7 +39,9 @@ SEGMENT_LEN = 128
 def eval_config(args: argparse.Namespace, directory=None):
     """The ``EvalConfig`` of this call: the run's ``[eval]`` (when ``directory`` belongs to a run), then the
     options given. Called once without a directory to refuse a bad option before a model is loaded."""
-    from txl.config import EvalConfig, apply_overrides, overrides_from
+    from txl.cli.options import overrides_from
+    from txl.config import EvalConfig
+    from txl.presets import apply_overrides
 
     base = {"eval": run_section(directory, "eval") if directory is not None else {}}
     e = EvalConfig(**apply_overrides(base, overrides_from(args))["eval"])

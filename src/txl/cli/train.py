@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from txl.config import SECTIONS, add_config_arguments, load_preset, overrides_from
+from txl.cli.options import add_config_arguments, overrides_from
+from txl.config import SECTIONS
+from txl.presets import load_preset
 
 DEFAULT_PRESET = "default"
 
@@ -52,8 +54,8 @@ def list_presets() -> list[str]:
     """One line per preset: name, parameters (built on the meta device: no memory, no time), what it is."""
     import torch
 
-    from txl.config import preset_expected_time, preset_names, preset_summary, run_config
     from txl.model import TransformerXL
+    from txl.presets import preset_expected_time, preset_names, preset_summary, run_config
 
     lines = []
     for name in preset_names():
@@ -68,8 +70,10 @@ def build_config(args: argparse.Namespace):
     """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD."""
     import logging
 
-    from txl.checkpoint import find_checkpoint, read_run, run_dir_of
-    from txl.config import RunConfig, apply_overrides
+    from txl.checkpoint import read_run
+    from txl.config import RunConfig
+    from txl.presets import apply_overrides
+    from txl.rundir import find_checkpoint, run_dir_of
 
     overrides: dict[str, object] = overrides_from(args)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.minutes, "train.minutes"),
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.init = load_init(args.init_from, revision=args.revision)
     cfg = build_config(args)
-    from txl.cli import is_main_process
+    from txl.cli.options import is_main_process
     from txl.distributed import OtherRankFailed
     from txl.signals import Stopped
     from txl.train import TrainingError, train
@@ -169,7 +173,7 @@ def _peer_died(err: RuntimeError) -> bool:
 
 def _resume_hint(out_dir: str) -> str:
     """The exact resume command when a checkpoint exists, else what to do instead."""
-    from txl.checkpoint import latest
+    from txl.rundir import latest
 
     try:
         found = latest(out_dir)

@@ -426,7 +426,7 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
 
         def fill(tmp: Path) -> dict[str, Any]:
             tok = tz.fit_tokenizer(tok_spec, sources["train"])
-            tok.save(tmp / "tokenizer")
+            tz.save_tokenizer(tok, tmp / "tokenizer")
             dtype = cache.dtype_for(tok.vocab_size)
             counts = {}
             for split in SPLITS:

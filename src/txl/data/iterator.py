@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from txl.model.adaptive import IGNORE_INDEX  # the one definition: the loss skips these labels
+from txl.labels import IGNORE_INDEX
 from txl.runtime import to_device
 
 

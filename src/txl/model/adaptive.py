@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
-
-IGNORE_INDEX = -100
+from txl.labels import IGNORE_INDEX
 
 
 def cluster_bounds(config: ModelConfig) -> list[int]:

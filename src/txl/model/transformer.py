@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from txl.config import Context, ModelConfig
+from txl.labels import IGNORE_INDEX
 from txl.model import kernels
-from txl.model.adaptive import IGNORE_INDEX, AdaptiveEmbedding, AdaptiveLogSoftmax
+from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import (
     Attention,
     Positions,

@@ -3,7 +3,7 @@
 ::
 
     tok = fit_tokenizer(make_spec("word"), [Source(path)])           # learn a vocabulary from text
-    tok.save(directory)                                              # txl_tokenizer.json, vocab.txt,
+    save_tokenizer(tok, directory)                                   # txl_tokenizer.json, vocab.txt,
     tok = load_tokenizer(directory)                                  # and a Hugging Face tokenizer.json
     tok = WordTokenizer.from_hf_vocab("transfo-xl-wt103/vocab.txt")  # WikiText-103 rules included
     tok = load_model_tokenizer(checkpoint_dir)                       # whichever a model directory holds

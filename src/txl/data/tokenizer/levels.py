@@ -103,12 +103,6 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
-    def save(self, directory: str | Path) -> None:
-        """Write the tokenizer files into ``directory`` (see ``txl.data.tokenizer.files``)."""
-        from txl.data.tokenizer.files import save_tokenizer  # files.py builds on this module: import late
-
-        save_tokenizer(self, directory)
-
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a prompt to continue (word level: no ``<eos>`` after its last words, so the line goes on)."""
         return [int(i) for i in self.encode(text)]

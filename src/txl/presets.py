@@ -1,0 +1,177 @@
+"""From text to configs: presets, TOML and JSON files, and ``section.field`` overrides, typed.
+
+``txl.config`` holds the dataclasses (plain, typed data); this layer turns what a person writes (a preset
+name, a ``.toml`` file, a ``run.json``, ``--model.mem_len 300`` on a command line) into them, with one
+error message per bad value naming the field. The argparse surface is ``txl.cli.options``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from txl.config import SECTIONS, RunConfig
+
+PRESET_DIR = Path(__file__).parent / "configs"
+"""Presets ship inside the package (the repository's configs/ links here)."""
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_summary(name: str) -> str:
+    """The first comment line of a preset file: what it is."""
+    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def preset_expected_time(name: str) -> str:
+    """The preset file's ``# expected time:`` comment ('' when it has none)."""
+    for line in (PRESET_DIR / f"{name}.toml").read_text(encoding="utf-8").splitlines():
+        if line.lower().startswith("# expected time:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:
+    """The nested dict of a config: a preset name (configs/<name>.toml), a TOML file, a saved run.json,
+    or a run or checkpoint directory (its run.json)."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.is_dir():
+        path = PRESET_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            raise ValueError(f"unknown preset {str(name_or_path)!r}; presets are: {', '.join(preset_names())} "
+                             "(or pass the path of a .toml file or a run's run.json)")
+    if path.is_dir():
+        path = path / "run.json"
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            return _toml().load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path} not found") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except _toml().TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+
+
+def _toml() -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
+    """Convert ``value`` (a TOML value or a command-line string) to the field's type, or say why not."""
+    where = f"{section}.{name}"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(section, name, value, a)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{where}={value!r} is not allowed; choose one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{where}={value!r} is not a list; write e.g. 1,2,3 or [1, 2, 3]") from None
+            else:
+                value = [v for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{where}={value!r} must be a list")
+        return [_coerce(section, name, v, args[0]) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where}={value!r} must be a boolean (true or false)")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"{where}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where}={value!r} must be a string")
+    return value
+
+
+def field_types(kind: type) -> dict[str, Any]:
+    """{field: type hint} of a config dataclass."""
+    return typing.get_type_hints(kind)
+
+
+def typed(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of nested ``data`` (a TOML file, a run.json) with every known field's value converted to the
+    field's type, or a ValueError naming the field; unknown sections and fields are left for
+    ``RunConfig.from_dict`` to name."""
+    out: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            out[section] = values
+            continue
+        hints = field_types(SECTIONS[section])
+        out[section] = {name: _coerce(section, name, value, hints[name]) if name in hints else value
+                        for name, value in values.items()}
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """A typed copy of nested ``data`` with 'section.field' -> value overrides (values are strings or typed)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in typed(data).items()}
+    for dotted, value in overrides.items():
+        section, _, name = dotted.partition(".")
+        if section not in SECTIONS or not name:
+            raise ValueError(f"unknown option --{dotted}; options are --SECTION.FIELD with SECTION one of "
+                             f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
+        hints = field_types(SECTIONS[section])
+        if name not in hints:
+            raise ValueError(f"unknown field {section}.{name}; valid {section} fields are: "
+                             f"{', '.join(sorted(hints))}")
+        out.setdefault(section, {})[name] = _coerce(section, name, value, hints[name])
+    return out
+
+
+def run_config(preset: str | os.PathLike = "default", overrides: dict[str, str] | None = None) -> RunConfig:
+    """Load a preset, apply overrides, validate."""
+    return RunConfig.from_dict(apply_overrides(load_preset(preset), overrides or {}))
