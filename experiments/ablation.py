@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 ENCODINGS = ("relative", "shaw", "absolute", "al_rfou")
 ENCODING_NAMES = {"relative": "Ours (relative)", "shaw": "Shaw et al. (2018)",
-                  "absolute": "Vaswani et al. (2017)", "al_rfou": "Al-Rfou et al. (2018)"}
+                  "absolute": "Vaswani et al. (2017)", "al_rfou": "Al-Rfou et al. (2018)",
+                  "rotary": "Rotary (Su et al. 2021)"}
 SIGNIFICANCE = 2.0
 """A model 'improves with longer attention' when its mean per-position loss at the best length is below
 the one at the training length by more than SIGNIFICANCE standard errors of the paired difference
@@ -93,6 +94,9 @@ WT2_VARIANTS = (
 """The WikiText-2 grid, in priority order: the paper's nine first-block rows, two Full rows, a second seed."""
 
 GRIDS = {"ptb": VARIANTS, "wt2": WT2_VARIANTS}
+EXTRA_VARIANTS = {"wt2": (Variant("rotary", True),)}
+"""Rows beside the paper's, trained only when named in --variants (``experiments.rotary``): not part of the
+grid's ``all``, its table or its RECL group."""
 
 CORPUS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ptb": {"data_dir": str(common.SHARED_DATA / "ptb"), "out": str(common.RUNS_DIR / "ablation"),
@@ -204,7 +208,7 @@ def variants_of(args: argparse.Namespace) -> list[Variant]:
     grid = GRIDS[args.corpus]
     if args.variants == "all":
         return list(grid)
-    by_name = {v.name: v for v in grid}
+    by_name = {v.name: v for v in (*grid, *EXTRA_VARIANTS.get(args.corpus, ()))}
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     bad = [n for n in names if n not in by_name]
     if bad:
@@ -446,7 +450,7 @@ CORPUS_TITLES = {"ptb": "PTB", "wt2": "WikiText-2"}
 def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path, corpus_title: str = "PTB") -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    colors = dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1")))
+    colors = {**dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1"))), "rotary": "C4"}
     for name, r in runs.items():
         v, s = r["variant"], rows[name]
         cs = sorted(s["ppl"])

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 ENCODING_NAMES = {"relative": "Ours (relative)", "shaw": "Shaw et al. (2018)", "absolute": "Vaswani et al. (2017)",
                   "rotary": "Rotary (Su et al. 2021)"}
 RATIOS = (0.1, 0.5, 1.0)
+SIGNIFICANCE = 2.0
+"""A difference counts when it exceeds this many standard errors."""
 BINS = (3, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 600)
 """Edges of the distance bins: [3, 8), [8, 16), ...; the last bin takes the realised distances just past 512."""
 
@@ -303,6 +305,94 @@ def reach(bins: list[dict[str, float]], chance: float, se_mult: float = 2.0) -> 
     return edge
 
 
+def regions(limits: dict[str, int]) -> list[tuple[int, int]]:
+    """Distance ranges the argument separates: within the segment; one hop back through memory (up to
+    mem + segment); the rest of n_layer x mem_len; up to n_layer x (mem + segment), the farthest any cached
+    state can reach; beyond it."""
+    edges = [3, limits["segment"], limits["mem_plus_segment"], limits["n_layer_x_mem_len"],
+             limits["n_layer_x_attention"], 10_000]
+    edges = sorted(set(edges))
+    return list(zip(edges, edges[1:]))
+
+
+def region_accuracy(runs: dict[str, Any], distances: np.ndarray, key: str, limits: dict[str, int]
+                    ) -> dict[str, list[dict[str, float]]]:
+    """Per model (seeds pooled): accuracy in each of ``regions`` with its standard error (across seeds where
+    there are two or more, else binomial over the answers)."""
+    models: dict[str, list[str]] = {}
+    for name in runs:
+        if f"hit_{key}" in runs[name]["scores"] or name.endswith("-norec") or "-norec-" in name:
+            models.setdefault(name.split("-seed")[0], []).append(name)
+    out = {}
+    for model, names in models.items():
+        keys = [f"hit_{key}" if f"hit_{key}" in runs[n]["scores"] else next(k for k in runs[n]["scores"]
+                                                                          if k.startswith("hit_m")) for n in names]
+        rows = []
+        for lo, hi in regions(limits):
+            sel = (distances >= lo) & (distances < hi)
+            means = np.array([runs[n]["scores"][k][sel].mean() if sel.any() else math.nan
+                              for n, k in zip(names, keys)])
+            m = float(means.mean())
+            se = (float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1
+                  else math.sqrt(m * (1 - m) / max(1, int(sel.sum()))))
+            rows.append({"lo": lo, "hi": hi, "n": int(sel.sum()), "acc": m, "se": se})
+        out[model] = rows
+    return out
+
+
+def findings(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's claims (section 3.2, 3.3) on this corpus, each with the numbers it rests on and a verdict:
+    a difference counts when it exceeds SIGNIFICANCE standard errors."""
+    chance, lim, reg = payload["chance_accuracy"], payload["limits"], payload["regions"]
+    out = []
+
+    def acc(model: str, lo: int) -> dict[str, float] | None:
+        return next((r for r in reg.get(model, []) if r["lo"] == lo), None)
+
+    seg, hop = lim["segment"], lim["mem_plus_segment"]
+
+    def above(r: dict[str, float] | None) -> bool:
+        return r is not None and r["n"] > 0 and r["acc"] - chance > SIGNIFICANCE * max(r["se"], 1e-9)
+
+    def near(r: dict[str, float] | None) -> bool:  # within noise of chance, or within 2 points of it
+        return r is not None and r["n"] > 0 and abs(r["acc"] - chance) <= SIGNIFICANCE * max(r["se"], 1e-9) + 0.02
+    for model in ("relative-rec", "shaw-rec", "absolute-rec", "rotary-rec"):
+        if model in reg:
+            r1, r2 = acc(model, seg), acc(model, hop)
+            verdict = ("reproduced" if above(r1) and above(r2) else "partly: beyond the segment, not past one hop"
+                       if above(r1) else "not reproduced")
+            out.append({"claim": f"{model}: recurrence carries answers past the segment ({seg}) towards "
+                        f"n_layer x mem_len ({lim['n_layer_x_mem_len']})", "verdict": verdict,
+                        "regions": [r1, r2]})
+    if "relative-norec" in reg:
+        beyond = [r for r in reg["relative-norec"] if r["lo"] >= seg and r["n"]]
+        verdict = "reproduced" if beyond and all(near(r) for r in beyond) else "not reproduced"
+        out.append({"claim": f"relative-norec: at chance past the segment ({seg})", "verdict": verdict,
+                    "regions": beyond})
+    lm = payload["longer_memory"]
+    mems = sorted(int(m[1:]) for m in lm)
+    train, longest = f"m{payload['args']['mem_len']}", f"m{mems[-1]}"
+    for model, expect in (("relative-rec", "keeps"), ("rotary-rec", "keeps"), ("shaw-rec", "keeps"),
+                          ("absolute-rec", "loses")):
+        if model in lm.get(train, {}) and model in lm.get(longest, {}):
+            a, b = lm[train][model]["acc_all"], lm[longest][model]["acc_all"]
+            n = payload["answers"]
+            se = math.sqrt(max(a * (1 - a), b * (1 - b), 1e-6) * 2 / n)
+            kept = b >= a - SIGNIFICANCE * se
+            verdict = "reproduced" if kept == (expect == "keeps") else "not reproduced"
+            out.append({"claim": f"{model} {expect} its accuracy with memory {mems[-1]} at evaluation "
+                        f"(trained with {payload['args']['mem_len']})", "verdict": verdict,
+                        "acc_train_mem": a, "acc_longest_mem": b, "se": se})
+    if payload["recl"]:
+        recl1 = {n: v["recl"] for n, v in payload["recl"]["1.0"].items()}
+        top = max(recl1.values())
+        leaders = sorted(n for n, v in recl1.items() if v == top)
+        out.append({"claim": "relative-rec has the longest RECL of the group (r = 1)",
+                    "verdict": "reproduced" if leaders == ["relative-rec"] else "tied" if "relative-rec" in leaders
+                    else "not reproduced", "longest": leaders, "recl": recl1})
+    return out
+
+
 def recl_of(runs: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
     """RECL of the group (seed 0 of each model) on the answers' losses, each query attending to exactly c keys."""
     group = {n: {c: r["scores"][f"nll_c{c}"] for c in contexts} for n, r in runs.items()
@@ -346,7 +436,9 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
                                   "acc_se": [b["se"] for b in rows["acc"]]}
                               for n, rows in g.items() if not n.endswith("-norec")} for m, g in longer.items()},
         "recl": recl_of(runs, contexts), "recl_contexts": contexts,
+        "regions": region_accuracy(runs, distances, train_key, limits),
     }
+    payload["findings"] = findings(payload)
     headers = ["model", "seeds", *[f"{b['lo']}-{b['hi'] - 1}" for b in next(iter(main.values()))["acc"]], "all",
                "reach"]
     rows = [[n, len(r["seeds"]), *[f"{100 * b['mean']:.0f} ± {100 * b['se']:.0f}" if b["n"] else "-" for b in r["acc"]],
