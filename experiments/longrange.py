@@ -81,8 +81,8 @@ VARIANTS = (Variant("relative", True), Variant("relative", False), Variant("shaw
             Variant("shaw", True, seed=1), Variant("absolute", True, seed=1), Variant("rotary", True, seed=1))
 """In priority order: the four non-rotary models, the main row's second seed, rotary, then second seeds."""
 
-DEFAULTS: dict[str, Any] = {"steps": 1500, "batch_size": 32, "tgt_len": 32, "mem_len": 32, "n_layer": 3,
-                            "d_model": 128, "n_head": 4, "d_inner": 256, "dropout": 0.0, "lr": 1e-3, "seed": 0,
+DEFAULTS: dict[str, Any] = {"steps": 2500, "batch_size": 16, "tgt_len": 32, "mem_len": 32, "n_layer": 3,
+                            "d_model": 64, "n_head": 4, "d_inner": 256, "dropout": 0.0, "lr": 2e-3, "seed": 0,
                             "eval_mems": "32,64,128,256", "recl_contexts": "32,64,96,128,192,256",
                             "streams": 8, "valid_tokens": 50_000}
 """The budget: sized for six runs, three at a time on each of two shared cores, within about 1.5 hours."""

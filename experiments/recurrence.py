@@ -48,14 +48,15 @@ class _Words:
 def train_and_score(mem_len: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train one tiny model with memory ``mem_len`` on the recall stream; its answer accuracy on held-out text."""
     params = RecallParams(n_keys=1, n_values=args.values, n_filler=4, min_distance=args.min_distance,
-                          max_distance=args.max_distance, define_rate=0.3, tokens=(0, 0, 0), seed=args.seed)
+                          max_distance=args.max_distance, define_rate=args.define_rate, tokens=(0, 0, 0),
+                          seed=args.seed)
     B, T = args.batch_size, args.tgt_len
     train_words, valid_words = generate(B * T * args.steps + 1, params, 0), generate(args.valid_tokens, params, 1)
     words = _Words(train_words + valid_words + [f"v{i}" for i in range(args.values)])
     train, valid = words.encode(train_words), words.encode(valid_words)
     torch.manual_seed(args.seed)
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=len(words.index), n_layer=2, d_model=32, n_head=2,
-                                              d_inner=64, mem_len=mem_len, dropout=0.0))
+    model = txl.TransformerXL(txl.ModelConfig(vocab_size=len(words.index), n_layer=2, d_model=args.d_model,
+                                              n_head=2, d_inner=2 * args.d_model, mem_len=mem_len, dropout=0.0))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     L = (len(train) - 1) // B
     x = torch.as_tensor(train[:B * L]).view(B, L)  # (B, L)
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-distance", type=int, default=10)
     p.add_argument("--max-distance", type=int, default=16)
     p.add_argument("--values", type=int, default=4)
+    p.add_argument("--define-rate", type=float, default=0.05,
+                   help="chance a free position starts a definition: low, so one value is in reach at a time")
+    p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--valid-tokens", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)

@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 class RecallParams:
     """The generator's parameters (all enter the cache key)."""
 
-    n_keys: int = 128
-    """Distinct keys; more than the definitions pending at once, so a free key is always there."""
+    n_keys: int = 24
+    """Distinct keys; more than the definitions usually pending at once (about 6); few, so that each is seen
+    often and a small model learns to match them quickly."""
     n_values: int = 16
     """Distinct values: chance accuracy on an answer is 1 / n_values, chance loss ln(n_values)."""
     n_filler: int = 32
@@ -57,7 +58,7 @@ class RecallParams:
     """Shortest drawn distance, value to value (3: the query follows the definition's three words)."""
     max_distance: int = 512
     """Longest drawn distance (realised ones may exceed it by a few tokens)."""
-    define_rate: float = 0.06
+    define_rate: float = 0.08
     """Probability that a free position starts a definition (one pair every ~1 / rate filler words)."""
     tokens: tuple[int, int, int] = (2_000_000, 200_000, 200_000)
     """Words in train, valid and test."""
