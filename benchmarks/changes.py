@@ -32,9 +32,8 @@ import torch
 import txl
 from benchmarks import run as bench
 from txl.config import OptimConfig
-from txl.model.attention import rel_shift
 from txl.model.kernels import realign
-from txl.model.transformer import attention_mask
+from txl.model.positions import attention_mask, rel_shift
 from txl.optim import build_optimizer
 from txl.runtime import compile_model, retain_freed_memory
 

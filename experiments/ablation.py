@@ -52,13 +52,12 @@ import numpy as np
 
 from experiments import common, paper
 from txl.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from txl.model.attention import attn_types, encoding
 
 log = logging.getLogger(__name__)
 
 ENCODINGS = ("relative", "shaw", "absolute", "al_rfou")
-ENCODING_NAMES = {"relative": "Ours (relative)", "shaw": "Shaw et al. (2018)",
-                  "absolute": "Vaswani et al. (2017)", "al_rfou": "Al-Rfou et al. (2018)",
-                  "rotary": "Rotary (Su et al. 2021)"}
+"""The encodings of the paper's Table 6, the grid's rows (an encoding's name and traits: txl.model.encoding)."""
 SIGNIFICANCE = 2.0
 """A model 'improves with longer attention' when its mean per-position loss at the best length is below
 the one at the training length by more than SIGNIFICANCE standard errors of the paired difference
@@ -409,7 +408,7 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
     table_rows = []
     for name, r in runs.items():
         v, s, rec = r["variant"], rows[name], r["record"]
-        table_rows.append([name, "yes" if v.recurrence else "no", ENCODING_NAMES[v.attn_type], v.loss, s["init_len"],
+        table_rows.append([name, "yes" if v.recurrence else "no", encoding(v.attn_type).title, v.loss, s["init_len"],
                            s["ppl_init"], s["ppl_best"], s["best_len"], f"{s['gain_pct']:.2f}",
                            f"{s['gain_nats'] / s['gain_se_nats']:.1f}" if s["gain_se_nats"] > 0 else "-",
                            s["ppl_longest"], f"{s['loss_pct_longest']:+.1f}",
@@ -450,14 +449,14 @@ CORPUS_TITLES = {"ptb": "PTB", "wt2": "WikiText-2"}
 def plot(runs: dict[str, Any], rows: dict[str, dict[str, Any]], png: Path, corpus_title: str = "PTB") -> None:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    colors = {**dict(zip(ENCODINGS, ("C3", "C0", "C2", "C1"))), "rotary": "C4"}
+    colors = dict(zip(attn_types(), ("C3", "C0", "C2", "C1", *(f"C{i}" for i in range(4, 10)))))
     for name, r in runs.items():
         v, s = r["variant"], rows[name]
         cs = sorted(s["ppl"])
         style = ("-" if v.recurrence else "--") if v.loss == "Full" else ("-." if v.recurrence else ":")
         ax.plot(cs, [s["ppl"][c] for c in cs], color=colors[v.attn_type], linestyle=style,
                 marker="o", markersize=3, alpha=0.6 if v.seed else 1.0,
-                label=f"{ENCODING_NAMES[v.attn_type]}, {'recurrence' if v.recurrence else 'no recurrence'}"
+                label=f"{encoding(v.attn_type).title}, {'recurrence' if v.recurrence else 'no recurrence'}"
                 + ("" if v.loss == "Full" else ", Half loss") + (f", seed +{v.seed}" if v.seed else ""))
         ax.plot([s["init_len"]], [s["ppl_init"]], color=colors[v.attn_type], marker="s", markersize=7,
                 markerfacecolor="none")

@@ -81,7 +81,9 @@ def train_and_score(mem_len: int, args: argparse.Namespace) -> dict[str, Any]:
             memory = out.memory
             hits.append(out.log_probs.argmax(-1) == yv[:, s:s + T])  # (S, T)
     hit = torch.cat(hits, 1).reshape(-1).numpy()  # stream after stream: token p is predicted at index p - 1
-    keep = ((positions - 1) < S * Lv) & ((positions - 1) // Lv == (positions - distances - 1) // Lv)
+    # Scored: answers beyond one segment (no query can see them without memory), in the stream of their definition.
+    keep = (((positions - 1) < S * Lv) & ((positions - 1) // Lv == (positions - distances - 1) // Lv)
+            & (distances > T))
     acc = float(hit[positions[keep] - 1].mean())
     return {"mem_len": mem_len, "accuracy": acc, "se": math.sqrt(acc * (1 - acc) / max(1, keep.sum())),
             "answers": int(keep.sum()), "min_distance": int(distances[keep].min()), "train_s": train_s}
@@ -93,20 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--tgt-len", type=int, default=8)
     p.add_argument("--mem-len", type=int, default=16)
-    p.add_argument("--min-distance", type=int, default=10)
+    p.add_argument("--min-distance", type=int, default=3)
     p.add_argument("--max-distance", type=int, default=16)
     p.add_argument("--values", type=int, default=4)
-    p.add_argument("--define-rate", type=float, default=0.05,
-                   help="chance a free position starts a definition: low, so one value is in reach at a time")
+    p.add_argument("--define-rate", type=float, default=0.3, help="chance a free position starts a definition")
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--valid-tokens", type=int, default=8000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.min_distance <= args.tgt_len:
-        raise SystemExit(f"--min-distance {args.min_distance} must exceed --tgt-len {args.tgt_len}: the check is "
-                         "about answers beyond one segment")
+    if args.max_distance <= args.tgt_len:
+        raise SystemExit(f"--max-distance {args.max_distance} must exceed --tgt-len {args.tgt_len}: the check "
+                         "scores the answers beyond one segment")
     torch.set_num_threads(args.threads)
     chance = 1.0 / args.values
     with_memory, without = train_and_score(args.mem_len, args), train_and_score(0, args)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments import ROOT, ablation, char, common, paper
+from txl.model.attention import attn_types, encoding
 
-ENC = ablation.ENCODING_NAMES
+ENC = {t: encoding(t).title for t in attn_types()}
 
 
 def _load(results: Path, stem: str) -> dict[str, Any] | None:

@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ATTN_TYPES
 
 import txl
-from txl.model.attention import Attention
+from txl.model.attention import Attention, attn_types, encoding
 from txl.model.kernels import _RecomputedAttention
-from txl.model.transformer import attention_mask
+from txl.model.positions import attention_mask
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -27,7 +28,7 @@ def tiny(attn_type: str, **changes) -> txl.TransformerXL:
     return model.eval()
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou", "rotary"])
+@pytest.mark.parametrize("attn_type", ATTN_TYPES)
 def test_fused_and_explicit_paths_agree(attn_type):
     """The fused kernel (positional term as the kernel's additive mask, without gradients; recomputing backward,
     with them) and the reference attention (every score materialised, the paper's equation) give the same
@@ -80,7 +81,8 @@ def test_fused_kernel_gradients_equal_explicit_attention():
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw"])
+@pytest.mark.parametrize("attn_type", [t for t in attn_types()  # those with positional scores (not rotary's rotation)
+                                       if encoding(t).positional_inputs is not Attention.positional_inputs])
 def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, monkeypatch):
     """Training with a positional term keeps no probabilities: they are recomputed in backward. Every gradient
     equals the one of the explicit path, which keeps them (taken here by a dropatt that drops nothing)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ATTN_TYPES
 
 import txl.data.download
 from txl.cli import main
@@ -96,7 +97,7 @@ def world(tmp_path_factory):
         t.addfile(member, io.BytesIO(b"hi"))
     with zipfile.ZipFile(root / "escape.zip", "w") as z:
         z.writestr("../../outside.txt", "hi")
-    hf = root / "hf_pickle"  # a Hugging Face-style directory whose only vocabulary is a pickle
+    hf = root / "hf_pickle"  # a Hugging Face-style directory whose only vocabulary is a pickle, of no vocabulary
     shutil.copytree(ckpt, hf)
     shutil.rmtree(hf / "tokenizer")
     (hf / "vocab.pkl").write_bytes(b"\x80\x04K\x01.")
@@ -150,8 +151,8 @@ CASES = [
      "model.n_layer='2.5' must be an integer", 2),
     ("train-bool-not-bool", ["train", "--train.progress", "maybe"],
      "train.progress='maybe' must be a boolean (true or false)", 2),
-    ("train-literal", ["train", "--model.attn_type", "alibi"],
-     "model.attn_type='alibi' is not allowed; choose one of 'relative', 'shaw', 'absolute', 'al_rfou', 'rotary'", 2),
+    ("train-literal", ["train", "--model.attn_type", "nope"],
+     f"model.attn_type='nope' is not allowed; choose one of {', '.join(map(repr, ATTN_TYPES))}", 2),
     ("train-cutoffs-abc", ["train", "--model.cutoffs", "abc"],
      "model.cutoffs='abc' must be an integer", 2),
     ("train-cutoffs-bad-list", ["train", "--model.cutoffs", "[1, 2"],
@@ -310,15 +311,15 @@ CASES = [
     ("generate-checkpoint-missing", ["generate", "--checkpoint", "{root}/nope", "--prompt", "x"],
      "{root}/nope does not exist (and is not a Hugging Face Hub repo id like transfo-xl/transfo-xl-wt103)", 2),
     ("generate-pickled-vocab", ["generate", "--checkpoint", "{hf_pickle}", "--prompt", "x"],
-     "{root}/hf_pickle/vocab.pkl is a pickled vocabulary and pickles can run code, so it is not read by "
-     "default; if you trust it pass --allow-pickle (allow_pickle=True), or convert it once to vocab.txt with "
-     "txl.data.tokenizer.hf_vocab.write_vocab_txt", 2),
+     "{root}/hf_pickle/vocab.pkl: the pickle does not hold a Transformer-XL vocabulary dict (expected a dict "
+     "with 'idx2sym'), got int", 2),
     ("generate-pickled-weights", ["generate", "--checkpoint", "{pickled_bin}", "--prompt", "x"],
      "{root}/pickled_bin/pytorch_model.bin holds Python objects other than tensors and numbers, and txl never "
      "unpickles those (unpickling can run code); it was not written by txl: convert it to model.safetensors "
      "with a tool you trust, or use a checkpoint txl wrote", 2),
     ("generate-vocab-missing", ["generate", *R, "--prompt", "x", "--vocab", "{root}/nope.txt"],
-     "--vocab {root}/nope.txt is not a file: pass the vocabulary (vocab.txt, one word a line, or JSON)", 2),
+     "--vocab {root}/nope.txt is not a file: pass the vocabulary (vocab.txt, one word a line, JSON, or the "
+     "vocab.pkl that TransfoXLTokenizer.save_pretrained writes)", 2),
     # -- txl score
     ("score-file-missing", ["score", *R, "{root}/nope.txt"],
      "{root}/nope.txt is not a file: pass the documents to score", 2),

@@ -37,6 +37,7 @@ def test_round_trip_reproduces_outputs_and_stores_tied_weights_once(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.oracle
 def test_import_hf_directory_saved_by_transformers(tmp_path):
     hf = hf_model(div_val=2, d_embed=32, cutoffs=[20, 50])
     for safe in (True, False):
@@ -49,6 +50,7 @@ def test_import_hf_directory_saved_by_transformers(tmp_path):
         torch.testing.assert_close(outputs(ours, tokens), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.oracle
 def test_export_to_hf_is_loaded_by_transformers(tmp_path):
     from transformers import TransfoXLLMHeadModel
 
@@ -67,6 +69,7 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
         txl.save_hf(model, tmp_path)
 
 
+@pytest.mark.oracle
 def test_published_wt103_configuration_every_key_every_shape_round_trip():
     """transfo-xl-wt103 with random weights: vocab 267,735, cutoffs 20k/40k/200k, div_val 4, 18 x 1024."""
     from transformers import TransfoXLConfig, TransfoXLLMHeadModel
@@ -134,6 +137,7 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
         txl.from_pretrained(tmp_path / "nope")
 
 
+@pytest.mark.oracle
 def test_legacy_bin_is_loaded_without_unpickling_code(tmp_path):
     hf = hf_model()
     torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
@@ -150,6 +154,7 @@ def test_legacy_bin_is_loaded_without_unpickling_code(tmp_path):
     assert "weights_only" not in str(err.value)  # never torch's advice to unpickle anyway
 
 
+@pytest.mark.oracle
 def test_tied_weights_that_differ_in_the_file_are_rejected():
     hf = hf_model()
     state = hf.state_dict()
@@ -159,6 +164,7 @@ def test_tied_weights_that_differ_in_the_file_are_rejected():
         load_weights(ours, state_dict_from_hf(state), source="test")
 
 
+@pytest.mark.oracle
 def test_unknown_checkpoint_keys_are_named():
     hf = hf_model()
     state = {**hf.state_dict(), "transformer.extra.weight": torch.zeros(1)}
@@ -166,6 +172,7 @@ def test_unknown_checkpoint_keys_are_named():
         state_dict_from_hf(state)
 
 
+@pytest.mark.oracle
 def test_original_pytorch_cluster_order_is_reversed_on_import():
     """The original PyTorch code scores tail cluster i with head column -i; ours with shortlist + i - 1."""
     hf = hf_model(cutoffs=[20, 50, 80], tie_projs=[False, True, True, True])

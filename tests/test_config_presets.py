@@ -154,6 +154,39 @@ def test_explicit_max_steps_beats_a_presets_time_budget():
     assert (default.max_steps, default.minutes, default.seed) == (2000, 0, 0)  # fixed, seeded steps
 
 
+def test_min_lr_follows_an_lr_given_alone():
+    """The README's fine-tuning rate, 2.5e-5, lies below the default preset's min_lr 1e-4: min_lr keeps its ratio
+    to lr (1e-4 / 2e-3) instead of refusing the run; an explicit min_lr is taken as given and checked."""
+    default = _train_args([]).optim
+    assert (default.lr, default.min_lr) == (2e-3, 1e-4)
+    tuned = _train_args(["--optim.lr", "2.5e-5"]).optim
+    assert tuned.lr == 2.5e-5 and tuned.min_lr == pytest.approx(2.5e-5 * 1e-4 / 2e-3, rel=1e-12)
+    assert _train_args(["--optim.lr", "2.5e-5", "--optim.min_lr", "0"]).optim.min_lr == 0
+    with pytest.raises(ValueError, match=r"OptimConfig.min_lr=0.0001 must lie in \[0, lr\]"):
+        _train_args(["--optim.lr", "2.5e-5", "--optim.min_lr", "1e-4"])
+
+
+@pytest.mark.parametrize("preset", ["default", "tiny"])
+def test_corpus_level_follows_the_readme_under_every_cpu_preset(preset, tmp_path):
+    """README: a directory is read at word level unless --data.level says otherwise, a single file at character
+    level; the presets' own corpus (stdlib) stays byte level."""
+    from txl.data.corpora import get_spec
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for split in ("train", "valid", "test"):
+        (folder / f"{split}.txt").write_text("a b c\n")
+
+    def level(*argv):
+        data = _train_args(["--preset", preset, *argv]).data
+        return get_spec(data.corpus, level=data.level)[0].level
+
+    assert level() == "byte"
+    assert level("--data.corpus", str(folder)) == "word"
+    assert level("--data.corpus", str(folder / "train.txt")) == "char"
+    assert level("--data.corpus", str(folder), "--data.level", "byte") == "byte"
+
+
 def test_config_accepts_a_saved_run_json(tmp_path):
     cfg = _train_args(["--preset", "tiny", "--model.mem_len", "7", "--optim.lr", "3e-3"])
     saved = tmp_path / "run.json"

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import txl
-from txl.model.kernels import FastDropout as Dropout
-from txl.model.kernels import FastReLUDropout, ReLUDropout, keep_mask
+from txl.model.dropout import FastDropout as Dropout
+from txl.model.dropout import FastReLUDropout, ReLUDropout, keep_mask
 
 
 def test_identity_in_eval_and_at_zero():

@@ -6,6 +6,7 @@ from conftest import tiny_config
 
 import txl
 from txl.generation import FINISHED, IncrementalDecoder, generate_stream, inference_context
+from txl.model.attention import attn_types
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -228,7 +229,7 @@ def test_kv_cache_rejected_where_it_would_be_wrong():
         model.layers[0].attn.qkv.weight.add_(0.1)
         with pytest.raises(ValueError, match="other weights"):
             model(ids, memory=first.memory, kv_cache=first.kv_cache)
-    for attn_type in ("absolute", "al_rfou"):
+    for attn_type in attn_types(cacheable=False):
         other = tiny_model(vocab_size=61, attn_type=attn_type).eval()
         with torch.no_grad(), pytest.raises(ValueError, match=f"attn_type='{attn_type}'"):
             other(ids, kv_cache=txl.KVCache())
@@ -238,7 +239,7 @@ def test_kv_cache_rejected_where_it_would_be_wrong():
 
 # -- ragged batches, stopping, repetition penalty ----------------------------------------------------------
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
+@pytest.mark.parametrize("attn_type", attn_types(relative=True))
 @pytest.mark.parametrize("segment_len", [2, 64])
 def test_left_padded_batch_equals_one_prompt_at_a_time(attn_type, segment_len):
     """Prompts of lengths 7, 2 and 4 read as one left-padded batch: every step's log-probabilities equal

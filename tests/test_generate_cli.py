@@ -24,15 +24,20 @@ WORDS = ("<eos> <unk> the . , cat sat on mat a dog It 's state @-@ of art model 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A random TransfoXLLMHeadModel saved by transformers, with a vocabulary in the HF plain format."""
-    transformers = pytest.importorskip("transformers")
+    """A random transfo-xl in the Hugging Face layout, with a vocabulary in the HF plain format: saved by
+    transformers where the oracle is installed (.ci/run's oracle environment), else by txl.save_hf, whose
+    files test_checkpoints.py proves transformers reads."""
     torch.manual_seed(0)
-    config = transformers.TransfoXLConfig(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32,
-                                          d_embed=32, n_head=4, d_head=8, d_inner=64, n_layer=2, mem_len=8,
-                                          clamp_len=1000, same_length=True, dropout=0.0, dropatt=0.0)
-    model = transformers.TransfoXLLMHeadModel(config)
+    shape = dict(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32, d_embed=32, n_head=4, d_head=8,
+                 d_inner=64, n_layer=2, mem_len=8, clamp_len=1000, same_length=True, dropout=0.0)
     directory = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(directory)
+    try:
+        import transformers
+    except ImportError:
+        txl.save_hf(txl.TransformerXL(txl.ModelConfig(**shape)), directory)
+    else:
+        config = transformers.TransfoXLConfig(**shape, dropatt=0.0)
+        transformers.TransfoXLLMHeadModel(config).save_pretrained(directory)
     write_vocab_txt(WORDS, directory / "vocab.txt")
     return directory
 

@@ -9,7 +9,7 @@ with TF32 the products keep 10 mantissa bits and 1e-5 cannot hold.
 
 import pytest
 import torch
-from conftest import assert_training_equal
+from conftest import ATTN_TYPES, assert_training_equal
 from hf_oracle import hf_model, ours_from_hf
 
 import txl
@@ -43,6 +43,7 @@ def tiny(**changes) -> txl.ModelConfig:
     return txl.ModelConfig(**fields)
 
 
+@pytest.mark.oracle
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("overrides", [dict(), dict(same_length=True, clamp_len=4), dict(div_val=2, d_embed=48,
@@ -71,7 +72,6 @@ def test_hf_parity_on_cuda(exact, overrides):
             memory, hf_mems = out.memory, ref.mems
 
 
-ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou", "rotary"]
 
 
 def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:

@@ -65,21 +65,19 @@ def test_json_map_with_gaps_is_rejected(tmp_path):
         read_vocab(tmp_path / "bad.json")
 
 
-def test_pickle_refused_without_opt_in(tmp_path):
+def test_pickle_read_by_default_refused_on_request(tmp_path):
     path = tmp_path / "vocab.pkl"
     path.write_bytes(pickle.dumps(original_vocab_dict()))
-    with pytest.raises(ValueError, match="allow_pickle=True"):
-        read_vocab(path)
-    assert read_vocab(path, allow_pickle=True) == EXPECTED
+    assert read_vocab(path) == EXPECTED  # the restricted unpickler: safe by default
+    with pytest.raises(ValueError, match="allow_pickle=False refuses pickles"):
+        read_vocab(path, allow_pickle=False)
 
 
 @pytest.mark.parametrize("zip_format", [False, True])
 def test_torch_saved_vocab_like_the_published_one(tmp_path, zip_format):
     path = tmp_path / "vocab.bin"
     torch.save(original_vocab_dict(), path, _use_new_zipfile_serialization=zip_format)
-    with pytest.raises(ValueError, match="allow_pickle"):
-        read_vocab(path)
-    assert read_vocab(path, allow_pickle=True) == EXPECTED
+    assert read_vocab(path) == EXPECTED
 
 
 class _RunsCommand:
@@ -101,7 +99,7 @@ def test_restricted_unpickler_rejects_malicious_pickles(tmp_path):
     path = tmp_path / "vocab.pkl"
     path.write_bytes(payload)
     with pytest.raises(ValueError, match=r"global (os|posix)\.system is not allowed"):
-        read_vocab(path, allow_pickle=True)
+        read_vocab(path)
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"builtins\.eval"):
         restricted_unpickle(pickle.dumps(_CallsEval()))
@@ -123,7 +121,7 @@ def test_pickle_with_inconsistent_indices_is_rejected(tmp_path):
     path = tmp_path / "vocab.pkl"
     path.write_bytes(pickle.dumps(state))
     with pytest.raises(ValueError, match="disagree"):
-        read_vocab(path, allow_pickle=True)
+        read_vocab(path)
 
 
 def _fake_sacremoses() -> types.ModuleType:
@@ -143,6 +141,7 @@ def _fake_sacremoses() -> types.ModuleType:
     return module
 
 
+@pytest.mark.oracle
 def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
     hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
     if "sacremoses" not in sys.modules:
@@ -159,9 +158,7 @@ def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
     (saved,) = tokenizer.save_vocabulary(str(tmp_path))
     assert saved.endswith("vocab.pkl")
 
-    with pytest.raises(ValueError, match="allow_pickle"):
-        read_vocab(saved)
-    vocab = read_vocab(saved, allow_pickle=True)
+    vocab = read_vocab(saved)
     assert vocab == EXPECTED
     assert list(vocab.symbols) == tokenizer.idx2sym
 
@@ -186,4 +183,4 @@ def test_non_vocab_pickle_is_rejected(tmp_path):
     path = tmp_path / "vocab.pkl"
     path.write_bytes(pickle.dumps(["just", "a", "list"]))
     with pytest.raises(ValueError, match="idx2sym"):
-        read_vocab(path, allow_pickle=True)
+        read_vocab(path)

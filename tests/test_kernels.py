@@ -9,14 +9,12 @@ import os
 
 import pytest
 import torch
-from conftest import assert_training_equal
+from conftest import ATTN_TYPES, assert_training_equal
 
 import txl
-from txl.model.attention import Positions, relative_distances, sinusoid
-from txl.model.transformer import attention_mask
+from txl.model.positions import attention_mask
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-ATTN_TYPES = ["relative", "shaw", "absolute", "al_rfou", "rotary"]
 CONTEXTS = {"plain": dict(), "same_length": dict(same_length=True), "clamp_len": dict(clamp_len=3)}
 
 
@@ -67,7 +65,7 @@ def test_evaluation_kernels_equal_the_reference(attn_type, context):
 
 
 @pytest.mark.parametrize("keep", ["recompute_attention=False", "dropatt"])
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "rotary"])
+@pytest.mark.parametrize("attn_type", ATTN_TYPES)
 def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
     """The kernel that keeps the probabilities (by choice, or because dropatt drops them): with dropout and dropatt
     on, the same seed draws the same masks (nn.Dropout over the same number of elements, in the same order)."""
@@ -88,14 +86,16 @@ def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
         torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "rotary"])
+@pytest.mark.parametrize("attn_type", ATTN_TYPES)
 def test_attention_input_gradients_equal_the_reference(attn_type):
     """One attention layer: the gradients of its inputs (segment and memory rows) and of its parameters."""
     fused, reference = pair(attn_type, pre_ln=True)
     B, T, M, d = 2, 4, 3, 32
     K = M + T
     mask = attention_mask(T, M, mem_len=M, same_length=True, style="tensorflow")
-    positions = Positions(encodings=sinusoid(relative_distances(K, 5), d)) if attn_type == "relative" else None
+    shared = {name: getattr(fused, name) for name in fused.encoding.shared_parameters(fused.config)}
+    positions = fused.encoding.build_positions(fused.config, shared, K, 5, dtype=torch.float32, device=None,
+                                               drop=torch.nn.Identity())[0]  # the first layer's
     u, v = getattr(fused, "u", None), getattr(fused, "v", None)
     x0, m0, weight = torch.randn(B, T, d), torch.randn(B, M, d), torch.randn(B, T, d)
     results = []

@@ -13,7 +13,7 @@ BASE = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_inner=48, dropout=
     (dict(cutoffs=[20, 10]), r"cutoffs=\[20, 10\] must be strictly increasing"),
     (dict(cutoffs=[10, 50]), r"cutoffs=\[10, 50\] must all be below vocab_size=50"),
     (dict(cutoffs=[10], tie_projs=[True]), r"tie_projs has 1 entries but there are 2 clusters"),
-    (dict(attn_type="rotary"), r"attn_type='rotary' is unknown; choose one of relative, shaw"),
+    (dict(attn_type="nope"), r"attn_type='nope' is unknown; choose one of relative, shaw"),
     (dict(same_length_style="jax"), r"same_length_style='jax' is unknown"),
     (dict(dropout=1.5), r"dropout=1.5 must be in \[0, 1\)"),
     (dict(mem_len=-1), r"mem_len=-1 must be an integer >= 0"),

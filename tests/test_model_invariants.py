@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import ATTN_TYPES
 
 import txl
 from txl.model import kernels
-from txl.model.attention import Positions, rel_shift, relative_distances, sinusoid
 from txl.model.kernels import realign
-from txl.model.transformer import attention_mask
+from txl.model.positions import Positions, attention_mask, rel_shift, relative_distances, sinusoid
 
 SMALL = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, dropout=0.0)
 
@@ -78,7 +78,7 @@ def test_relative_scores_use_R_of_the_true_distance():
     positions = Positions(encodings=sinusoid(relative_distances(K, -1), 32))
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
     reference = rel_shift(attn.position_scores(q, K, positions, model.v))  # (B, H, T, K)
-    inputs, bias_fn = kernels.positional_inputs(attn, q, K, positions, model.v)
+    inputs, bias_fn = attn.positional_inputs(q, K, positions, model.v)
     fused = bias_fn(*inputs, mask_bias=kernels.mask_to_bias(mask, q.dtype)) / attn.scale  # (B, H, T, K)
     r = attn.r_proj(sinusoid(torch.arange(K), 32)).view(K, H, D)  # row n: distance n
     for i in range(T):
@@ -165,7 +165,7 @@ def test_no_gradient_reaches_memory_and_memory_is_not_modified():
     assert all(not m.requires_grad for m in out.memory)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute", "al_rfou", "rotary"])
+@pytest.mark.parametrize("attn_type", ATTN_TYPES)
 @pytest.mark.parametrize("mem_len", [0, 8])
 def test_ablation_variants_forward_and_backward(attn_type, mem_len):
     model = model_of(attn_type=attn_type, mem_len=mem_len, learned_positions=12, dropout=0.1).train()

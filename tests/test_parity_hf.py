@@ -4,6 +4,8 @@ import pytest
 import torch
 from hf_oracle import hf_model, ours_from_hf
 
+pytestmark = pytest.mark.oracle  # against transformers==4.37.2 (see hf_oracle.py)
+
 CONFIGS = {
     "div1_cutoffs": dict(),
     "div4_cutoffs": dict(div_val=4, d_embed=64, cutoffs=[20, 50, 80], tie_projs=[False, True, False, True]),

@@ -1,16 +1,22 @@
 """From a published checkpoint: loading by Hugging Face Hub repo id, and evaluating it on a corpus.
 
 Loading by Hub repo id is tested offline: the test builds the Hub cache layout on disk
-(models--ORG--NAME/{refs/main, snapshots/<hash>/...}) holding a tiny model as the Hub repo
-transfo-xl/transfo-xl-wt103 holds it (config.json, pytorch_model.bin, vocab.json), and reads it with
-HF_HUB_OFFLINE=1 and HF_HUB_CACHE pointed at it. Nothing touches the network."""
+(models--ORG--NAME/{refs/main, snapshots/<hash>/...}) and reads it with HF_HUB_OFFLINE=1 and HF_HUB_CACHE
+pointed at it. Nothing touches the network. Its repos hold the files Hugging Face's own ``save_pretrained``
+writes (tests/golden/hf_transfo_xl_tiny, recorded from ``transformers`` 4.37.2 by
+tests/golden/make_hf_transfo_xl.py): ``org/saved`` is that directory byte for byte; ``org/tiny`` has its
+tokenizer files (vocab.pkl, the pickle the Hub's tokenizer map points at, and the JSON beside it) with txl
+weights in pytorch_model.bin at two revisions."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +32,8 @@ hub_constants = pytest.importorskip("huggingface_hub.constants")
 WORDS = "<eos> <unk> the cat sat on a mat . dog = Valkyria".split()
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "hf_transfo_xl_tiny"  # save_pretrained's files
+TOKENIZER_FILES = ("vocab.pkl", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def tiny_model(seed: int) -> txl.TransformerXL:
@@ -37,11 +45,24 @@ def tiny_model(seed: int) -> txl.TransformerXL:
 
 
 def write_hf_snapshot(folder, model) -> None:
-    """The files of a Hugging Face transfo-xl repo: config.json, pytorch_model.bin, vocab.json."""
+    """A Hugging Face transfo-xl repo: config.json, pytorch_model.bin and the tokenizer files as
+    ``TransfoXLTokenizer.save_pretrained`` writes them (vocab.pkl and its JSON files)."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config_to_hf(model.config)))
     torch.save(state_dict_to_hf(dict(model.state_dict())), folder / "pytorch_model.bin")
-    (folder / "vocab.json").write_text(json.dumps(WORDS))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(GOLDEN / name, folder / name)
+
+
+def add_repo(cache, name: str, files) -> Path:
+    """Repo org/NAME at main in the Hub cache, holding ``files`` (paths); its snapshot directory."""
+    snapshot = cache / f"models--org--{name}" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for f in files:
+        shutil.copyfile(f, snapshot / f.name)
+    (cache / f"models--org--{name}" / "refs").mkdir()
+    (cache / f"models--org--{name}" / "refs" / "main").write_text(COMMIT)
+    return snapshot
 
 
 @pytest.fixture
@@ -54,6 +75,7 @@ def offline_cache(tmp_path, monkeypatch):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     (repo / "refs" / "v0").write_text(OTHER)
+    add_repo(cache, "saved", sorted(GOLDEN.iterdir()))  # exactly what save_pretrained wrote
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
@@ -225,3 +247,99 @@ def test_finetune_refuses_what_would_break_the_checkpoint(offline_cache, tmp_pat
     assert main(["train", "--init-from", "org/tiny", *FINETUNE, "--data.corpus", corpus_dir, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(match, err), err
+
+
+# -- the Hub repo as Hugging Face writes it ----------------------------------------------------------
+
+def test_hub_repo_as_save_pretrained_writes_it_works_with_every_command(offline_cache, tmp_path, capsys,
+                                                                       monkeypatch):
+    """org/saved holds only what transformers' save_pretrained wrote: its vocabulary is vocab.pkl, read by the
+    restricted unpickler by default, by the library and by every command that takes a checkpoint."""
+    from txl.data.tokenizer import load_model_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert load_model_tokenizer("org/saved").vocab.symbols == WORDS
+    model = txl.from_pretrained("org/saved")
+    assert model.config.vocab_size == len(WORDS) and model.config.mem_len == 1600
+    assert main(["generate", "--checkpoint", "org/saved", "--prompt", "the cat", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert set(capsys.readouterr().out.replace(".", " . ").split()) <= set(WORDS)
+    fake_wt103(tmp_path / "wt103")
+    assert main(["eval", "--checkpoint", "org/saved", "--corpus", "wt103", "--data-dir", str(tmp_path / "wt103"),
+                 "--eval.batch_size", "1", "--max-batches", "1", "--no-progress"]) == 0
+    assert "with the checkpoint's vocabulary (12 symbols" in capsys.readouterr().out
+    assert main(["score", "--checkpoint", "org/saved", "--pretokenized", str(tmp_path / "wt103" / "wikitext-103" /
+                 "wiki.valid.tokens")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main(["train", "--init-from", "org/saved", *FINETUNE, "--max-steps", "2", "--data.corpus",
+                 new_corpus(tmp_path / "mine"), "--out", str(out)]) == 0
+    assert load_model_tokenizer(out).vocab.symbols == WORDS  # a run directory, as every command takes
+
+
+def test_hub_fetch_patterns_cover_what_save_pretrained_writes():
+    """Online, hub_snapshot fetches by pattern: the vocabulary and config files of a real save are among them."""
+    from fnmatch import fnmatch
+
+    from txl.pretrained import _HUB_SMALL_FILES
+
+    fetched = {f.name for f in GOLDEN.iterdir() if any(fnmatch(f.name, p) for p in _HUB_SMALL_FILES)}
+    assert fetched == {f.name for f in GOLDEN.iterdir()} - {"model.safetensors"}  # weights: one at a time
+
+
+def hostile_pickle(path) -> None:
+    import os
+    import pickle
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    path.write_bytes(pickle.dumps({"idx2sym": Exploit()}))
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--checkpoint", "org/evil", "--prompt", "the cat"],
+    ["score", "--checkpoint", "org/evil", "{text}"],
+    ["eval", "--checkpoint", "org/evil", "--corpus", "{corpus}"],
+    ["train", "--init-from", "org/evil", *FINETUNE, "--data.corpus", "{corpus}"],
+    ["generate", "--checkpoint", "org/saved", "--vocab", "{evil}", "--prompt", "the cat"],
+    ["eval", "--checkpoint", "org/saved", "--corpus", "{corpus}", "--vocab", "{evil}"],
+    ["train", "--init-from", "org/saved", *FINETUNE, "--data.corpus", "{corpus}", "--vocab", "{evil}"],
+], ids=["generate", "score", "eval", "train-init-from", "generate-vocab", "eval-vocab", "train-vocab"])
+def test_hostile_vocab_pickle_is_refused_in_one_line(offline_cache, tmp_path, capsys, command):
+    snapshot = add_repo(offline_cache, "evil", [GOLDEN / n for n in ("config.json", "model.safetensors")])
+    hostile_pickle(snapshot / "vocab.pkl")
+    hostile_pickle(tmp_path / "evil.pkl")
+    corpus = new_corpus(tmp_path / "mine")
+    args = [a.format(text=f"{corpus}/test.txt", corpus=corpus, evil=tmp_path / "evil.pkl") for a in command]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.endswith("vocab.pkl: refusing or unable to read the pickle: global posix.system is not allowed in "
+                        "a vocabulary pickle") or err.endswith("evil.pkl: refusing or unable to read the pickle: "
+                                                                 "global posix.system is not allowed in a vocabulary "
+                                                                 "pickle"), err
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_recorded_hub_repo_is_what_the_oracle_writes(tmp_path):
+    """tests/golden/hf_transfo_xl_tiny regenerated by transformers 4.37.2 is byte for byte the checked-in one,
+    and txl's model of it equals TransfoXLLMHeadModel's."""
+    transformers = pytest.importorskip("transformers")
+    maker = GOLDEN.parent / "make_hf_transfo_xl.py"
+    result = subprocess.run([sys.executable, str(maker), str(tmp_path / "repo")], capture_output=True, text=True,
+                            timeout=300, env={**__import__("os").environ, "PYTHONHASHSEED": "0"})
+    assert result.returncode == 0, result.stderr
+    for f in GOLDEN.iterdir():
+        assert (tmp_path / "repo" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == sorted(p.name for p in GOLDEN.iterdir())
+    hf = transformers.TransfoXLLMHeadModel.from_pretrained(GOLDEN).eval()
+    x = torch.tensor([[2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = hf(x).prediction_scores  # log-probabilities (B, T, V), after Hugging Face's zero memory
+        ours = txl.from_pretrained(GOLDEN)
+        got = ours(x, memory=ours.init_memory(1, ours.config.mem_len)).log_probs
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

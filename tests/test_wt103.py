@@ -145,6 +145,7 @@ NUMBER_CASES = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("tokens", NUMBER_CASES)
 def test_number_splitting_matches_hf_functions(tokens):
     hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
@@ -159,6 +160,7 @@ def test_number_splitting_examples():
     assert detokenize_numbers("$ 5 @,@ 000 1 @.@ 73 m") == "$ 5,000 1.73 m"
 
 
+@pytest.mark.oracle
 def test_against_live_sacremoses_if_installed():
     sm = pytest.importorskip("sacremoses")
     hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")

@@ -96,7 +96,7 @@ class ModelConfig:
     whose dropped probabilities are kept."""
     dropout_impl: DropoutImpl = "torch"
     """'torch': ``nn.Dropout`` (exactly p, torch's RNG stream). 'fast16': a cheaper mask
-    (``txl.model.kernels.FastDropout``): 16 random bits per element kept as one byte, p rounded to a
+    (``txl.model.dropout.FastDropout``): 16 random bits per element kept as one byte, p rounded to a
     multiple of 2**-16 (0.1 -> 0.1000061), the masks a different draw of torch's generator."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).

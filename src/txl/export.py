@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from txl.model import TransformerXL
+from txl.model.attention import attn_types, either
 
 Format = Literal["torch-export", "onnx"]
 FORMATS: tuple[str, ...] = ("torch-export", "onnx")
@@ -40,9 +41,9 @@ class SegmentStep(nn.Module):
 
     def __init__(self, model: TransformerXL) -> None:
         super().__init__()
-        if model.config.attn_type not in ("relative", "shaw", "rotary"):
-            raise ValueError(f"attn_type={model.config.attn_type!r} cannot be exported as a segment step: its "
-                             "absolute positions shift with the empty memory rows; use 'relative', 'shaw' or 'rotary'")
+        if not model.encoding.relative:
+            raise ValueError(f"attn_type={model.config.attn_type!r} cannot be exported as a segment step: its absolute "
+                             f"positions shift with the empty memory rows; use {either(attn_types(relative=True))}")
         if model.config.mem_len < 1:
             raise ValueError("mem_len=0: the model has no memory to carry; export needs mem_len >= 1")
         self.model = model

@@ -49,14 +49,15 @@ class Init:
     tokenizer: Tokenizer
 
 
-def load_init(path: str | os.PathLike, *, revision: str | None = None) -> Init:
-    """The model and tokenizer of a txl checkpoint / run directory or a Hugging Face directory / Hub repo."""
+def load_init(path: str | os.PathLike, *, revision: str | None = None, vocab: str | os.PathLike | None = None) -> Init:
+    """The model and tokenizer of a txl checkpoint / run directory or a Hugging Face directory / Hub repo
+    (``vocab``: a vocabulary file instead of the checkpoint's)."""
     from txl.pretrained import from_pretrained, resolve_model_dir
 
     directory = resolve_model_dir(path, revision=revision)
     model = from_pretrained(directory)
     # A txl checkpoint's saved tokenizer, or a Hugging Face vocabulary with the WikiText-103 rules.
-    tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size)
+    tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=vocab)
     return Init(directory=directory, model=model, tokenizer=tokenizer)
 
 

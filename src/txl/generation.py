@@ -39,6 +39,7 @@ import torch
 from txl import sampling
 from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
+from txl.model.attention import attn_types, either
 from txl.model.kv_cache import weights_version
 from txl.model.memory import memory_length
 from txl.runtime import compile_model
@@ -194,10 +195,11 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     if stops.numel() and (int(stops.min()) < 0 or int(stops.max()) >= model.config.vocab_size):
         raise ValueError(f"stop_tokens {stops.tolist()} must be ids in 0..{model.config.vocab_size - 1}")
     prompt, padding = _as_prompt(prompt_ids, model)  # (B, T), (B, T) or None
-    if padding is not None and model.config.attn_type not in ("relative", "shaw", "rotary"):
-        raise ValueError(f"prompts of different lengths need relative positions (attn_type 'relative', 'shaw' or "
-                         f"'rotary'): with attn_type={model.config.attn_type!r} left padding would shift every "
-                         "position; generate for each length separately")
+    if padding is not None and not model.encoding.relative:
+        raise ValueError("prompts of different lengths need relative positions (attn_type "
+                         f"{either(attn_types(relative=True))}): with attn_type={model.config.attn_type!r} left "
+                         "padding would shift every position; "
+                         "generate for each length separately")
     if mem_len is not None:
         _positive_int("mem_len", mem_len)
     _positive_int("segment_len", segment_len)

@@ -129,9 +129,10 @@ def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
 # A Hub repo id: "name" or "org/name" of letters, digits, '-', '_', '.' (huggingface_hub's own rule).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Small files fetched with a whole snapshot: the config and any vocabulary or tokenizer files. The
-# weights are fetched one file at a time below, so a repo holding both formats is not downloaded twice;
-# pickled vocabularies (vocab.bin, vocab.pkl) are never fetched.
-_HUB_SMALL_FILES = ["*.json", "*.txt", "tokenizer/*"]
+# weights are fetched one file at a time below, so a repo holding both formats is not downloaded twice.
+# vocab.pkl is what TransfoXLTokenizer.save_pretrained writes (and the published tokenizer map points at):
+# it is read with txl's restricted unpickler, never with pickle (txl.data.tokenizer.hf_vocab).
+_HUB_SMALL_FILES = ["*.json", "*.txt", "tokenizer/*", "vocab.pkl"]
 
 
 def _hub():

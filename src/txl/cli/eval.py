@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from txl.cli.generate import add_vocab_argument
 from txl.cli.options import add_config_arguments, overrides_from
 
 
@@ -33,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", dest="checkpoint_opt", metavar="DIR|REPO_ID", default=None,
                    help="the same, as an option")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
+    add_vocab_argument(p)  # a checkpoint without a training run: its vocabulary, else this file
     p.add_argument("--corpus", dest="data.corpus", default=argparse.SUPPRESS, metavar="NAME|PATH",
                    help="shortcut for --data.corpus (needed for a model directory without a run)")
     p.add_argument("--data-dir", dest="data.data_dir", default=argparse.SUPPRESS, metavar="DIR",
@@ -69,7 +71,7 @@ PRETRAINED_TGT_LEN = 128
 PRETRAINED_BATCH_SIZE = 10
 
 
-def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str):
+def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str, vocab: str | None = None):
     """The split of a named corpus (or a train/valid/test folder) encoded with the checkpoint's vocabulary."""
     from pathlib import Path
 
@@ -78,7 +80,7 @@ def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str)
     from txl.data.corpora import get_spec, resolve_sources
     from txl.data.tokenizer import load_model_tokenizer
 
-    codec = load_model_tokenizer(directory, pretokenized=True)
+    codec = load_model_tokenizer(directory, vocab_file=vocab, pretokenized=True)
     spec, _ = get_spec(corpus)
     folder = Path(data_dir) if data_dir else (Path(corpus) if Path(corpus).is_dir() else Path("data") / spec.name)
     ids: list[int] = []
@@ -110,7 +112,8 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
         raise ValueError("--sweep-mem needs a run directory; evaluate a model directory one --eval.mem_len at "
                          "a time")
     model = txl.from_pretrained(directory, device=device)
-    tokens, spec, codec, n_unk = _pretrained_tokens(directory, data["corpus"], data.get("data_dir"), args.split)
+    tokens, spec, codec, n_unk = _pretrained_tokens(directory, data["corpus"], data.get("data_dir"), args.split,
+                                                    args.vocab)
     if codec.vocab_size != model.config.vocab_size:
         raise ValueError(f"the vocabulary in {directory} has {codec.vocab_size} symbols but the model has "
                          f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")
@@ -161,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     directory = resolve_model_dir(args.checkpoint, revision=args.revision, which=args.which)
     if not (directory / RUN_FILE).is_file():
         return run_pretrained(args, directory, device)
+    if args.vocab is not None:
+        raise ValueError(f"--vocab {args.vocab}: {directory} belongs to a training run, which is evaluated with its "
+                         "own saved tokenizer; drop --vocab")
     loaded = load(directory, which=args.which, with_state=False, device=device)
     run_cfg, model = loaded.run, loaded.model
     cfg = RunConfig.from_dict(apply_overrides(run_cfg.to_dict(), overrides_from(args)))
@@ -170,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
     tgt = e.tgt_len or cfg.train.tgt_len
     same = e.same_length if e.same_length is not None else m.same_length
     clamp = e.clamp_len if e.clamp_len is not None else m.clamp_len
-    if clamp is not None and clamp > 0 and m.attn_type in ("shaw", "absolute", "al_rfou", "rotary"):
+    if clamp is not None and clamp > 0 and not model.encoding.clamps_distances:
         logging.getLogger(__name__).warning(
             "eval.clamp_len=%d does not apply to attn_type=%r: %s", clamp, m.attn_type,
-            "Shaw attention clamps distances at its own model.learned_positions" if m.attn_type == "shaw"
-            else "rotary positions rotate by the distance itself" if m.attn_type == "rotary"
-            else "absolute positions have no relative distance to clamp")
+            "its distances are not clamped (Shaw's learned table stops at model.learned_positions; rotary angles "
+            "grow with the distance)" if model.encoding.relative
+            else "its learned positions have no distance to clamp")
     mems = [e.mem_len if e.mem_len is not None else m.mem_len]
     if args.sweep_mem:
         try:

@@ -12,13 +12,18 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="a txl checkpoint or training run directory (its best checkpoint), a Hugging "
                    "Face transfo-xl directory, or a Hub repo id (e.g. transfo-xl/transfo-xl-wt103)")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
-    p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none "
-                   "(Hugging Face plain text: one word per line, or JSON)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
+    add_vocab_argument(p)
     p.add_argument("--pretokenized", action="store_true",
                    help="word-level text is already split into tokens (e.g. WikiText files): split on spaces only")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+
+
+def add_vocab_argument(p: argparse.ArgumentParser, flag: str = "--vocab") -> None:
+    """The one vocabulary option of every command that reads a checkpoint's vocabulary (generate, score,
+    eval --checkpoint, train --init-from)."""
+    p.add_argument(flag, metavar="FILE", default=None, help="vocabulary file to use instead of the checkpoint's "
+                   "(Hugging Face plain text: one word a line, JSON, or vocab.pkl, read with a restricted "
+                   "unpickler that builds only plain containers)")
 
 
 def add_shortcut(p: argparse.ArgumentParser, flag: str, field: str, **kwargs) -> None:
@@ -41,22 +46,17 @@ def run_section(directory, section: str) -> dict:
 
 def load_model_and_tokenizer(args: argparse.Namespace):
     """The model, its tokenizer and the directory they were read from (a checkpoint or model directory)."""
-    from pathlib import Path
-
     import txl
     from txl.data.tokenizer import load_model_tokenizer
     from txl.distributed import resolve_device
     from txl.pretrained import resolve_model_dir
 
     device = resolve_device(args.device)
-    if args.vocab is not None and not Path(args.vocab).is_file():
-        raise FileNotFoundError(f"--vocab {args.vocab} is not a file: pass the vocabulary (vocab.txt, one word a "
-                                "line, or JSON)")
     # A run directory: its best, else latest, checkpoint; a Hub repo id: its snapshot in the Hub cache.
     directory = resolve_model_dir(args.checkpoint, revision=args.revision)
     model = txl.from_pretrained(directory, device=device)
     tokenizer = load_model_tokenizer(directory, vocab_size=model.config.vocab_size, vocab_file=args.vocab,
-                                     allow_pickle=args.allow_pickle, pretokenized=args.pretokenized)
+                                     pretokenized=args.pretokenized)
     return model, tokenizer, directory
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from txl.cli.generate import add_vocab_argument
 from txl.cli.options import add_config_arguments, overrides_from
 from txl.config import SECTIONS
 from txl.presets import load_preset
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fine-tune: start from a txl checkpoint / run directory or a Hugging Face transfo-xl "
                    "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
     p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
+    add_vocab_argument(p)  # --init-from: the checkpoint's vocabulary, else this file
     p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
     p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
     p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
@@ -66,6 +68,27 @@ def list_presets() -> list[str]:
     return lines
 
 
+def min_lr_follows_lr(base: dict, overrides: dict) -> None:
+    """``--optim.lr`` without ``--optim.min_lr`` scales the config's min_lr with it (their ratio kept), so a
+    small fine-tuning rate (the README's 2.5e-5) is not refused for lying below the preset's floor (1e-4)."""
+    import logging
+
+    from txl.config import OptimConfig
+
+    if "optim.lr" not in overrides or "optim.min_lr" in overrides:
+        return
+    optim = {"lr": OptimConfig().lr, "min_lr": OptimConfig().min_lr, **base.get("optim", {})}
+    try:
+        lr, old_lr, old_min = float(overrides["optim.lr"]), float(optim["lr"]), float(optim["min_lr"])
+    except (TypeError, ValueError):
+        return  # the config's own check names the bad value
+    if old_min and old_lr > 0 and lr != old_lr:
+        overrides["optim.min_lr"] = repr(old_min / old_lr * lr)
+        logging.getLogger(__name__).info("optim.lr %g without optim.min_lr: min_lr follows it at the config's ratio "
+                                         "(%g / %g), %g; give --optim.min_lr to set it", lr, old_min, old_lr,
+                                         old_min / old_lr * lr)
+
+
 def build_config(args: argparse.Namespace):
     """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD."""
     import logging
@@ -89,6 +112,7 @@ def build_config(args: argparse.Namespace):
                              "(override single fields with --SECTION.FIELD instead)")
         base = read_run(find_checkpoint(args.resume)).to_dict()
         overrides.setdefault("train.out_dir", str(run_dir_of(args.resume)))
+        min_lr_follows_lr(base, overrides)
     else:
         base = load_preset(args.config or DEFAULT_PRESET)
         # The user's step count wins over a preset's time budget (a budget only if asked for with it).
@@ -97,6 +121,7 @@ def build_config(args: argparse.Namespace):
             logging.getLogger(__name__).info("train.max_steps given: the preset's %s-minute time budget is off "
                                              "(add --train.minutes to keep one)", base["train"]["minutes"])
             overrides["train.minutes"] = 0
+        min_lr_follows_lr(base, overrides)
         if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
             from txl.finetune import run_config
 
@@ -112,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         from txl.finetune import load_init
 
-        args.init = load_init(args.init_from, revision=args.revision)
+        args.init = load_init(args.init_from, revision=args.revision, vocab=args.vocab)
+    elif args.vocab is not None:
+        raise ValueError(f"--vocab {args.vocab} is the vocabulary of an --init-from checkpoint; a new run builds its "
+                         "own from the corpus (--data.level, --data.vocab_size): add --init-from DIR or drop --vocab")
     cfg = build_config(args)
     from txl.cli.options import is_main_process
     from txl.distributed import OtherRankFailed

@@ -1,7 +1,7 @@
-"""Multi-head attention over memory + segment, with the paper's relative positions and its ablations.
+"""Multi-head attention over memory + segment: the paper's reference, and one class per encoding.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
-H heads, D head width (d_head), d d_model, P learned positions.
+H heads, D head width (d_head), d d_model, P learned positions, L layers.
 
 Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encoding of the distance,
 
@@ -13,79 +13,72 @@ Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encod
 
 ``Attention.reference`` computes exactly this: the first sum is one product against the keys; the
 second one against the K encodings, realigned from "encoding index" to "key index" by ``rel_shift``.
-Shaw et al.'s ablation has its own positional term (a learned embedding and bias per distance); the
-absolute ablations (Vaswani, Al-Rfou) have none here: their positions are added to the layer inputs.
-Rotary positions (Su et al. 2021, ``txl.model.rotary``) have none either: they rotate q and k instead.
 Queries are only computed for the T segment rows: memory rows need keys and values alone.
 
-``ModelConfig.attn_impl`` chooses who computes it: 'reference' (this file), or 'fused' (the default,
-``txl.model.kernels``: the same numbers from the fused attention kernel, tested against the reference).
+Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
+positional inputs; everything else (the model, the cache, export, generation, the CLI, experiments,
+tests) asks it through ``encoding(attn_type)``:
+
+=========================  ============  ===========  =================  ===========================
+class (attn_type)          relative      cacheable    clamps_distances   positions
+=========================  ============  ===========  =================  ===========================
+RelativeAttention          yes           yes          yes                sinusoid R, projected W_kR
+ShawAttention              yes           yes          no (its own P)     learned E, b per distance
+AbsoluteAttention          no            no           yes                sinusoid added to inputs
+AlRfouAttention            no            no           no                 learned, added per layer
+RotaryAttention            yes           yes          no                 q, k rotated by window index
+=========================  ============  ===========  =================  ===========================
+
+A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
+
+``ModelConfig.attn_impl`` chooses who computes the attention: 'reference' (this file), or 'fused' (the
+default, ``txl.model.kernels``: the same numbers from the fused attention kernel, tested against the
+reference). The kernels take tensors; the classes here hand them their positional inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import NamedTuple
+import typing
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl.config import ModelConfig
+from txl.config import AttnType, ModelConfig
 from txl.model import kernels, rotary
+from txl.model.dropout import dropout
+from txl.model.kv_cache import position_table
+from txl.model.positions import Positions, rel_shift, relative_distances, sinusoid
 
-
-def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
-    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
-                               / d_model))  # (d/2,)
-    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
-    return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
-
-
-def relative_distances(klen: int, clamp_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """The distances K-1, ..., 1, 0 of key index 0..K-1 from the last query; clamped beyond clamp_len."""
-    dist = torch.arange(klen - 1, -1, -1, device=device)  # (K,)
-    return dist.clamp(max=clamp_len) if clamp_len > 0 else dist
-
-
-def rel_shift(x: torch.Tensor) -> torch.Tensor:
-    """Realign (..., T, K) scores from "encoding index p" to "key index j" (the original's pad-and-view form).
-
-    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
-    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column
-    in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the padded
-    row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
-    ``kernels.realign`` is the same shift without the padded copy.
-    """
-    *lead, T, K = x.shape
-    padded = F.pad(x, (1, 0)).reshape(*lead, T * (K + 1))  # (..., T*(K+1))
-    return padded[..., T:].view(*lead, T, K)  # (..., T, K)
-
-
-class Positions(NamedTuple):
-    """The relative encodings of one forward pass, for key index 0..K-1 (distances K-1 .. 0, clamped).
-
-    Exactly one is set: the sinusoids R, which each layer projects by its W_kR, or W_kR R already projected
-    for this layer (read from a KVCache's table).
-    """
-
-    encodings: torch.Tensor | None = None
-    """(K, d) R, dropout applied."""
-    projected: torch.Tensor | None = None
-    """(K, H, D) W_kR R of this layer."""
+Shared = dict[str, torch.Tensor]
+"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
 
 
 class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
-    Plain attention (the absolute ablations); subclasses add a positional term (``position_scores``)
-    and a content bias (``content_bias``). Parameters mirror the original layout: one fused q/k/v
-    projection (W_q, W_kE, W_v), an output projection, one layer norm.
+    The base class has no positional term of its own; each encoding subclass adds what it has: a
+    positional score (``position_scores`` for the reference, ``positional_inputs`` for the kernels), a
+    content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
+    Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
+    projection, one layer norm.
     """
 
-    kind = "plain"
-    """Which positional term the kernels build: 'plain' (none), 'relative' or 'shaw'."""
+    attn_type: ClassVar[str] = ""
+    """The ``ModelConfig.attn_type`` this class implements."""
+    title: ClassVar[str] = ""
+    """Its name in tables and plots (the paper's Table 6 names the ablations by their authors)."""
+    relative: ClassVar[bool] = False
+    """The scores depend on the distance i - j alone, never on a key's absolute index: a left-padded batch
+    reads each row as it would alone, and a segment step can be exported with memory in and out."""
+    cacheable: ClassVar[bool] = False
+    """The memory rows' keys and values do not change from step to step, so a ``KVCache`` may keep them
+    (absolute encodings add to each memory row a position that shifts every step)."""
+    clamps_distances: ClassVar[bool] = False
+    """``Context.clamp_len`` applies to its positions (Shaw's learned table clamps at its own size)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -98,19 +91,43 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = kernels.dropout(config, config.dropout)
-        self.dropatt = kernels.dropout(config, config.dropatt)
+        self.drop = dropout(config, config.dropout)
+        self.dropatt = dropout(config, config.dropatt)
 
+    # -- what an encoding declares at the model level -------------------------------------------------
+    @classmethod
+    def shared_parameters(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of the parameters the model holds for this encoding (shared by, or indexed by,
+        the layers); initialised normal(0, init_std)."""
+        return {}
+
+    @classmethod
+    def build_positions(cls, config: ModelConfig, shared: Shared, klen: int, clamp_len: int, *,
+                        dtype: torch.dtype, device: torch.device, drop: nn.Module,
+                        table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
+        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none).
+
+        ``drop``: the model's embedding dropout, for encodings applied like an embedding; ``table``: a
+        KVCache's per-layer positional table (``grow_table``), when there is one."""
+        return [None] * config.n_layer
+
+    @classmethod
+    def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
+                   d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
+        return ()
+
+    # -- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
         (B, 1, T, K) when rows hide different keys: padding);
-        positions: the relative encodings (relative attention), else None; u, v: the model's shared
-        biases (None: this layer's own, untie_r).
+        positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
+        this layer's own, untie_r).
 
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected
-        (``kernels.cached_keys_values``); memory is then None and only the query is projected here.
+        (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
@@ -126,9 +143,15 @@ class Attention(nn.Module):
             q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
-        attend = self.reference if self.impl == "reference" else kernels.fused_attention
-        args = (q, k, val) if self.impl == "reference" else (self, q, k, val)
-        attn = attend(*args, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
+        if self.impl == "reference":
+            attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
+        else:
+            query = (q + self.content_bias(u)) * self.scale  # (B, T, H, D): scale the query, not the scores
+            made = self.positional_inputs(q, k.size(1), positions, v)
+            inputs, bias_fn = made if made is not None else ((), None)
+            attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
+                                           dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
+                                           recompute=self.recompute)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
@@ -148,18 +171,24 @@ class Attention(nn.Module):
         return torch.einsum("bhtk,bkhd->bhtd", self.dropatt(prob), val)  # (B, H, T, D)
 
     def place(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries (B, T, H, D) and keys (B, K, H, D) as the scores read them: unchanged here; rotary
-        attention rotates them by their place in the window."""
+        """Queries (B, T, H, D) and keys (B, K, H, D) as the scores read them: unchanged here; rotary attention
+        rotates them by their index in the window (keys are stored and cached unrotated)."""
         return q, k
 
     def content_bias(self, u: torch.Tensor | None) -> torch.Tensor | float:
-        """What the query is shifted by against the keys, term (c): u (H, D), or 0 for plain attention."""
+        """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
-        """The positional scores (B, H, T, K), column p against distance K-1-p (before ``rel_shift``), unscaled;
-        None: no positional term (absolute encodings live in the inputs)."""
+        """The reference's positional scores (B, H, T, K), column p against distance K-1-p (before
+        ``rel_shift``), unscaled; None: no positional term in the scores."""
+        return None
+
+    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None
+                          ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
+        """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
+        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
         return None
 
     def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +207,11 @@ class Attention(nn.Module):
 class RelativeAttention(Attention):
     """The paper's relative attention, terms (a) + (b) + (c) + (d)."""
 
-    kind = "relative"
+    attn_type = "relative"
+    title = "Ours (relative)"
+    relative = True
+    cacheable = True
+    clamps_distances = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -187,6 +220,25 @@ class RelativeAttention(Attention):
         if config.untie_r:  # one pair of global biases per layer
             self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
             self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+
+    @classmethod
+    def shared_parameters(cls, config):
+        # u, v shared by all layers (section 3.3), unless each layer has its own (untie_r)
+        return {} if config.untie_r else {"u": (config.n_head, config.d_head), "v": (config.n_head, config.d_head)}
+
+    @classmethod
+    def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
+        dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
+        if table:  # W_kR R depends on the distance alone: index the cache's table
+            return [Positions(projected=t[dist]) for t in table]  # (K, H, D) each
+        r = Positions(encodings=drop(sinusoid(dist, config.d_model).to(dtype)))  # (K, d), shared by the layers
+        return [r] * config.n_layer
+
+    @classmethod
+    def grow_table(cls, attns, table, klen, clamp_len, *, d_model, dtype, device):
+        farthest = min(klen - 1, clamp_len) if clamp_len > 0 else klen - 1  # dist[0], without a sync
+        return position_table([a.project_positions for a in attns], table, farthest + 1, clamp_len=clamp_len,
+                              d_model=d_model, dtype=dtype, device=device)
 
     def global_bias(self, shared: torch.Tensor | None, name: str) -> torch.Tensor:
         """u or v (H, D): the model's shared one, or this layer's own (untie_r) when ``shared`` is None."""
@@ -209,6 +261,12 @@ class RelativeAttention(Attention):
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
+    def positional_inputs(self, q, klen, positions, v):
+        B, T, H, D = q.shape
+        r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
+        qv = ((q + self.global_bias(v, "v")) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
+        return (qv, r), kernels.relative_bias
+
 
 class ShawAttention(Attention):
     """Shaw et al. 2018 (the paper's Table 6 ablation): a learned embedding per relative distance.
@@ -217,14 +275,17 @@ class ShawAttention(Attention):
     b (P, H) indexed like R (row P-1 is distance 0); distances of P or more share row 0.
     """
 
-    kind = "shaw"
+    attn_type = "shaw"
+    title = "Shaw et al. (2018)"
+    relative = True
+    cacheable = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         P = config.learned_positions
+        self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))  # first: the initialisation's order
         self.r_emb = nn.Parameter(torch.zeros(P, config.n_head, config.d_head))
         self.r_bias = nn.Parameter(torch.zeros(P, config.n_head))
-        self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
     def content_bias(self, u):
         return self.u  # (H, D): its own, never the model's shared one
@@ -242,23 +303,92 @@ class ShawAttention(Attention):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
+    def positional_inputs(self, q, klen, positions, v):
+        emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
+        return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
+
+
+class AbsoluteAttention(Attention):
+    """Vaswani et al. 2017 (the paper's Table 6 ablation): one sinusoid added to the first layer's input,
+    positions K-1 .. 0 (memory rows get the earlier ones); the attention itself has no positional term."""
+
+    attn_type = "absolute"
+    title = "Vaswani et al. (2017)"
+    clamps_distances = True
+
+    @classmethod
+    def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
+        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model).to(dtype)  # (K, d)
+        return [Positions(absolute=drop(r))] + [None] * (config.n_layer - 1)
+
+
+class AlRfouAttention(Attention):
+    """Al-Rfou et al. 2018 (the paper's Table 6 ablation): a learned absolute position embedding added to
+    every layer's input (row P-1 the newest position; older than P positions repeat row 0)."""
+
+    attn_type = "al_rfou"
+    title = "Al-Rfou et al. (2018)"
+
+    @classmethod
+    def shared_parameters(cls, config):
+        return {"pos_embed": (config.n_layer, config.learned_positions, config.d_model)}
+
+    @classmethod
+    def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
+        out = []
+        for emb in shared["pos_embed"]:  # (P, d) per layer
+            P = emb.size(0)
+            if klen > P:  # older than learned: repeat the oldest
+                emb = torch.cat([emb[:1].expand(klen - P, -1), emb])  # (K, d)
+            out.append(Positions(absolute=drop(emb[-klen:])))  # (K, d)
+        return out
+
 
 class RotaryAttention(Attention):
-    """Rotary positions (Su et al. 2021): queries and keys rotated by their index in [memory; segment]
-    (``txl.model.rotary``), so the content score q_i . k_j depends on the distance i - j alone. No
-    positional term of its own and no parameters beyond plain attention's; keys are rotated here, at
-    attention time, so memory rows and cached keys are stored unrotated and stay valid as they move back."""
+    """Rotary positions (RoFormer, Su et al. 2021; the default of modern models), beside the paper's: queries
+    and keys rotated by their index in [memory; segment] (``txl.model.rotary``), so q_i . k_j depends on the
+    content and the distance i - j alone. No positional term in the scores and no parameters beyond plain
+    attention's. The rotation happens here, at attention time, so memory rows and cached keys hold unrotated
+    W_k h and take the positions of the current window: they keep their distances to the current queries as
+    they move back (the coherence the paper's relative encoding gives, section 3.3), and a longer memory at
+    evaluation only adds keys at larger distances."""
+
+    attn_type = "rotary"
+    title = "Rotary (Su et al. 2021)"
+    relative = True
+    cacheable = True
 
     def place(self, q, k):
         return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
 
 
+def encoding(attn_type: str) -> type[Attention]:
+    """The class of ``attn_type``: ask it for the encoding's traits (``relative``, ``cacheable``,
+    ``clamps_distances``, ``title``) instead of listing attention types by hand."""
+    found = {}
+    todo = [Attention]
+    while todo:  # every subclass, however deep
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.attn_type:
+            found.setdefault(cls.attn_type, cls)
+    if attn_type not in found:
+        raise ValueError(f"attn_type={attn_type!r} has no attention class; known: {', '.join(sorted(found))}")
+    return found[attn_type]
+
+
+def attn_types(**traits: bool) -> tuple[str, ...]:
+    """The attention types (in ``AttnType``'s order) whose class has these traits, e.g.
+    ``attn_types(cacheable=True)``; all of them without arguments."""
+    return tuple(t for t in typing.get_args(AttnType) if all(getattr(encoding(t), k) == v for k, v in traits.items()))
+
+
+def either(names: tuple[str, ...]) -> str:
+    """'a', 'a' or 'b', 'a', 'b' or 'c': attention types in a message."""
+    quoted = [repr(n) for n in names]
+    return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+
 def build_attention(config: ModelConfig) -> Attention:
-    """The attention module for config.attn_type; absolute encodings are added to the layer inputs."""
-    if config.attn_type == "relative":
-        return RelativeAttention(config)
-    if config.attn_type == "shaw":
-        return ShawAttention(config)
-    if config.attn_type == "rotary":
-        return RotaryAttention(config)
-    return Attention(config)  # 'absolute', 'al_rfou': positions live in the inputs
+    """The attention module of one layer for ``config.attn_type``."""
+    return encoding(config.attn_type)(config)

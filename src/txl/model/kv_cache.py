@@ -16,19 +16,22 @@ Like the memory, the cache goes into ``TransformerXL.forward(..., kv_cache=)`` a
 * with the weights it was built with (checked through the parameters' version counters);
 * next to the memory it was returned with: same length and alignment, truncated in the same place
   (``update_memory``);
-* for 'relative', 'shaw' and 'rotary' attention ('rotary' caches unrotated keys and rotates them by
-  their place in each window). 'absolute' and 'al_rfou' add to every memory row a position that shifts
-  each step, so its keys change and cannot be cached.
+* for the encodings that declare themselves ``cacheable`` (``txl.model.attention``: 'relative' and
+  'shaw'). 'absolute' and 'al_rfou' add to every memory row a position that shifts each step, so its keys
+  change and cannot be cached.
+
+``position_table`` and ``cached_keys_values`` are the cache's projections: they take the layers'
+projection functions and tensors, not the attention modules, so this module sits below attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-CACHEABLE_ATTN_TYPES = ("relative", "shaw", "rotary")
-"""Attention types whose memory-row keys do not change from step to step (see the module docstring)."""
+from txl.model.positions import sinusoid
 
 
 @dataclass(frozen=True)
@@ -61,4 +64,38 @@ def weights_version(module: torch.nn.Module) -> int:
     return sum(0 if p.is_inference() else p._version for p in module.parameters())
 
 
-__all__ = ["CACHEABLE_ATTN_TYPES", "KVCache", "weights_version"]
+def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]], table: tuple[torch.Tensor, ...],
+                   need: int, *, clamp_len: int, d_model: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per layer (N, H, D), row n = W_kR R(n), with N >= need (the largest distance + 1).
+
+    ``projections``: each layer's W_kR, (N, d) -> (N, H, D). W_kR R depends on the distance alone, so a
+    cache projects each distance once. Grown by doubling, so a stream of (B, 1) steps projects each
+    distance once; clamp_len caps it.
+    """
+    have = table[0].size(0) if table else 0
+    if have >= need:
+        return table
+    cap = clamp_len + 1 if clamp_len > 0 else None
+    size = max(need, 2 * have) if cap is None else min(max(need, 2 * have), cap)
+    r = sinusoid(torch.arange(have, size, device=device), d_model).to(dtype)  # (size-have, d)
+    new = [project(r) for project in projections]  # (size-have, H, D) each
+    return tuple(new) if not table else tuple(torch.cat([old, n]) for old, n in zip(table, new))
+
+
+def cached_keys_values(keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                       memory: torch.Tensor | None, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache``.
+
+    ``keys_values``: the layer's projection of (B, N, d) rows to keys and values (B, N, H, D). Only the T
+    new rows are projected; an empty cache projects the memory rows once, here.
+    """
+    rows = x if cache.keys or memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, T or K, d)
+    k, val = keys_values(rows)  # (B, T or K, H, D) each
+    if cache.keys:
+        k = torch.cat([cache.keys[layer].to(k.dtype), k], dim=1)  # (B, K, H, D)
+        val = torch.cat([cache.values[layer].to(val.dtype), val], dim=1)  # (B, K, H, D)
+    return k, val
+
+
+__all__ = ["KVCache", "cached_keys_values", "position_table", "weights_version"]

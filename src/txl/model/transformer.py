@@ -20,19 +20,12 @@ from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import (
-    Attention,
-    Positions,
-    RelativeAttention,
-    ShawAttention,
-    build_attention,
-    relative_distances,
-    sinusoid,
-)
-from txl.model.kv_cache import CACHEABLE_ATTN_TYPES, KVCache, weights_version
+from txl.model.attention import Attention, build_attention, encoding
+from txl.model.dropout import dropout
+from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
+from txl.model.positions import Positions, attention_mask, padding_mask
 
 
 class FeedForward(nn.Module):
@@ -44,8 +37,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = kernels.dropout(config, config.dropout)
-        self.relu_drop = kernels.dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
+        self.drop = dropout(config, config.dropout)
+        self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if self.pre_ln else x
@@ -83,24 +76,6 @@ class LMOutput:
     """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
 
 
-def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
-                   device: torch.device | None = None) -> torch.Tensor:
-    """(T, K) bool, True where query i may not see key j.
-
-    Causal: query i (key index M+i) sees keys j <= M+i. With same_length every query sees the same
-    number of keys, the far ones hidden: mem_len keys in the original PyTorch / Hugging Face convention,
-    mem_len + 1 in the original TensorFlow / NVIDIA one (which also keeps the query's own position).
-    """
-    klen = mlen + qlen
-    ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
-    mask = torch.triu(ones, diagonal=1 + mlen)
-    if same_length:
-        mask_len = klen - mem_len - (1 if style == "tensorflow" else 0)
-        shift = qlen - mask_len if mask_len > 0 else qlen
-        mask = mask | torch.tril(ones, diagonal=-shift)
-    return mask
-
-
 class TransformerXL(nn.Module):
     """Transformer-XL language model: segment in, loss or log-probabilities and new memory out."""
 
@@ -109,12 +84,12 @@ class TransformerXL(nn.Module):
         self.config = config
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = kernels.dropout(c, c.dropout)
-        if c.attn_type == "relative" and not c.untie_r:  # u, v shared by all layers (section 3.3)
-            self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-            self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-        if c.attn_type == "al_rfou":  # a learned absolute position embedding per layer
-            self.pos_embed = nn.Parameter(torch.zeros(c.n_layer, c.learned_positions, c.d_model))
+        self.drop = dropout(c, c.dropout)
+        self.encoding = encoding(c.attn_type)  # the layers' attention class: its traits and its positions
+        # Parameters of the encoding the layers share: the relative attention's u and v (section 3.3,
+        # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
+        for name, shape in self.encoding.shared_parameters(c).items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
         self.tie_weights()
@@ -154,13 +129,11 @@ class TransformerXL(nn.Module):
                 if isinstance(module, AdaptiveLogSoftmax) and module.n_clusters:
                     nn.init.normal_(module.cluster_weight, 0.0, c.init_std)
                     nn.init.zeros_(module.cluster_bias)
-            elif isinstance(module, (RelativeAttention, ShawAttention)):
-                for name in ("u", "v", "r_emb", "r_bias"):
-                    if isinstance(getattr(module, name, None), nn.Parameter):
-                        nn.init.normal_(getattr(module, name), 0.0, c.init_std)
-        for name in ("u", "v", "pos_embed"):
-            if hasattr(self, name):
-                nn.init.normal_(getattr(self, name), 0.0, c.init_std)
+            elif isinstance(module, Attention):  # an encoding's own parameters: u, v, Shaw's E and b
+                for p in module._parameters.values():
+                    nn.init.normal_(p, 0.0, c.init_std)
+        for name in self.encoding.shared_parameters(c):
+            nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
@@ -172,7 +145,7 @@ class TransformerXL(nn.Module):
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
         cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
-        return KVCache() if self.config.attn_type in CACHEABLE_ATTN_TYPES else None
+        return KVCache() if self.encoding.cacheable else None
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -212,31 +185,31 @@ class TransformerXL(nn.Module):
             if padding.shape != (B, M + T) or padding.dtype != torch.bool:
                 raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
                                  f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
-            # A real query never sees a pad key; a pad query keeps its causal keys (pads, being on the left).
-            hide = padding[:, None, :] & ~padding[:, M:, None]  # (B, T, K)
-            mask = (mask | hide)[:, None]  # (B, 1, T, K)
+            mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
 
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         table = ()
-        if c.attn_type == "relative" and kv_cache is not None:
-            table = self._position_table(kv_cache.positions, M + T, ctx.clamp_len, h.dtype)
-        positions = self._relative_positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
-        absolute = self._absolute_positions(M + T, ctx.clamp_len, h.dtype, input_ids.device)
+        if kv_cache is not None:  # the cache's positional table (relative attention's W_kR R), grown to K
+            table = self.encoding.grow_table([layer.attn for layer in self.layers], kv_cache.positions, M + T,
+                                             ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
+        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(c)}
+        positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
+                                                  device=input_ids.device, drop=self.drop, table=table)
 
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
         hiddens, keys, values = [], [], []
         for l, layer in enumerate(self.layers):
             hiddens.append(h)  # memory caches each layer's input, before any absolute positions
-            x, mem = h, mems[l]
-            if absolute[l] is not None:  # (K, d): memory rows get the earlier positions
-                x = x + absolute[l][M:]
-                mem = None if mem is None else mem + absolute[l][:M]
+            x, mem, pos = h, mems[l], positions[l]
+            if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
+                x = x + pos.absolute[M:]
+                mem = None if mem is None else mem + pos.absolute[:M]
             kv = None
             if kv_cache is not None:
-                kv, mem = kernels.cached_keys_values(layer.attn, x, mem, kv_cache, l), None  # (B, K, H, D) each
+                kv, mem = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l), None  # (B, K, H, D) each
                 keys.append(kv[0])
                 values.append(kv[1])
-            h = layer(x, mem, mask, positions[l], u, v, kv=kv)
+            h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
         new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
 
@@ -254,48 +227,6 @@ class TransformerXL(nn.Module):
         if return_log_probs or (return_log_probs is None and labels is None):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
-
-    def _relative_positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
-                            table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
-        """Per layer, the relative encodings of key index 0..K-1: R (dropout applied, shared by the layers),
-        or each layer's projected W_kR R read from a KVCache table; None for the other attention types."""
-        if self.config.attn_type != "relative":
-            return [None] * self.config.n_layer
-        dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
-        if table:  # W_kR R depends on the distance alone: index the cache's table
-            return [Positions(projected=t[dist]) for t in table]  # (K, H, D) each
-        r = Positions(encodings=self.drop(sinusoid(dist, self.config.d_model).to(dtype)))  # (K, d)
-        return [r] * self.config.n_layer
-
-    def _absolute_positions(self, klen: int, clamp_len: int, dtype: torch.dtype,
-                            device: torch.device) -> list[torch.Tensor | None]:
-        """Per layer, the (K, d) absolute encodings added to its input, or None.
-
-        'absolute' (Vaswani et al.): one sinusoid at the first layer's input, positions K-1 .. 0.
-        'al_rfou': a learned embedding at every layer's input (row P-1 the newest position).
-        """
-        c = self.config
-        if c.attn_type == "absolute":
-            r = sinusoid(relative_distances(klen, clamp_len, device), c.d_model).to(dtype)  # (K, d)
-            return [self.drop(r)] + [None] * (c.n_layer - 1)
-        if c.attn_type != "al_rfou":
-            return [None] * c.n_layer
-        out = []
-        for emb in self.pos_embed:  # (P, d) per layer
-            P = emb.size(0)
-            if klen > P:  # older than learned: repeat the oldest
-                emb = torch.cat([emb[:1].expand(klen - P, -1), emb])  # (K, d)
-            out.append(self.drop(emb[-klen:]))  # (K, d)
-        return out
-
-    def _position_table(self, table: tuple[torch.Tensor, ...], klen: int, clamp_len: int,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The cache's per-layer W_kR R table, grown to the farthest distance of K keys."""
-        farthest = min(klen - 1, clamp_len) if clamp_len > 0 else klen - 1  # dist[0], without a sync
-        p = next(self.parameters())
-        return kernels.position_table([layer.attn for layer in self.layers], table, farthest + 1,
-                                      clamp_len=clamp_len, d_model=self.config.d_model, dtype=dtype,
-                                      device=p.device)
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
@@ -322,7 +253,7 @@ class TransformerXL(nn.Module):
         c = self.config
         if not isinstance(cache, KVCache):
             raise ValueError(f"kv_cache must be a KVCache (KVCache() to start one), got {type(cache).__name__}")
-        if c.attn_type not in CACHEABLE_ATTN_TYPES:
+        if not self.encoding.cacheable:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
         if self.training or torch.is_grad_enabled():

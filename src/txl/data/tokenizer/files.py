@@ -16,7 +16,8 @@ Where a model's tokenizer is found (:func:`load_model_tokenizer`):
 
 * a txl checkpoint directory holds the tokenizer saved by training, directly or in ``tokenizer/``;
 * a Hugging Face ``transfo-xl`` directory holds its word vocabulary: ``vocab.txt`` or ``vocab.json``
-  (plain formats), or the pickled ``vocab.pkl`` / ``vocab.bin``, read only with ``allow_pickle=True``.
+  (plain formats), or the pickled ``vocab.pkl`` / ``vocab.bin`` (what ``TransfoXLTokenizer.save_pretrained``
+  writes), read with a restricted unpickler that builds only plain containers (``hf_vocab``).
   Its text follows the WikiText-103 conventions: prompts are tokenised with them, unless
   ``pretokenized``, and output is detokenised with them.
 
@@ -235,20 +236,36 @@ def find_txl_tokenizer(directory: str | Path) -> Path | None:
     return None
 
 
-def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = None,
-                         vocab_file: str | Path | None = None, allow_pickle: bool = False,
-                         pretokenized: bool = False) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (see the module docstring), or of ``vocab_file`` when given.
+def _holds_vocabulary(directory: Path) -> bool:
+    return find_txl_tokenizer(directory) is not None or any(
+        (directory / n).is_file() for n in HF_VOCAB_FILES + HF_PICKLED_VOCAB_FILES)
 
+
+def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = None,
+                         vocab_file: str | Path | None = None, allow_pickle: bool = True,
+                         pretokenized: bool = False, revision: str | None = None) -> Tokenizer:
+    """The tokenizer of a model directory (see the module docstring), or of ``vocab_file`` when given.
+
+    ``checkpoint`` is what every command takes: a checkpoint or model directory, a training run directory
+    (its best checkpoint, else its latest) or a Hugging Face Hub repo id (at ``revision``).
     ``vocab_size``: the model's, checked against the vocabulary's. ``pretokenized``: word-level text is
     already split into tokens (WikiText files): split on whitespace only, and join with spaces.
+    ``allow_pickle=False`` refuses a pickled vocabulary even though it is read with a restricted unpickler.
     """
-    directory = Path(checkpoint)
     rules = "whitespace" if pretokenized else "wt103"
     tok: Tokenizer
     if vocab_file is not None:
-        tok = WordTokenizer.from_hf_vocab(vocab_file, allow_pickle=allow_pickle, rules=rules)
-    elif (where := find_txl_tokenizer(directory)) is not None:
+        if not Path(vocab_file).is_file():
+            raise FileNotFoundError(f"--vocab {vocab_file} is not a file: pass the vocabulary (vocab.txt, one word "
+                                    "a line, JSON, or the vocab.pkl that TransfoXLTokenizer.save_pretrained writes)")
+        return _checked(WordTokenizer.from_hf_vocab(vocab_file, allow_pickle=allow_pickle, rules=rules), vocab_size)
+    directory = Path(checkpoint)
+    if not (directory.is_dir() and _holds_vocabulary(directory)):
+        from txl.pretrained import resolve_model_dir  # txl.pretrained imports the model: only when needed
+
+        # A run directory, a Hub repo id, or a missing path: one line each, as every command says it.
+        directory = resolve_model_dir(checkpoint, revision=revision)
+    if (where := find_txl_tokenizer(directory)) is not None:
         tok = load_tokenizer(where)
         if pretokenized and isinstance(tok, WordTokenizer):
             tok = tok.with_rules("whitespace")
@@ -257,14 +274,13 @@ def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = Non
         if not found:
             raise ValueError(
                 f"{directory} has no vocabulary: a txl checkpoint holds {META_FILE} (saved by training), a "
-                f"Hugging Face transfo-xl directory holds {' or '.join(HF_VOCAB_FILES)}; add one, or pass a "
-                "vocabulary file (--vocab FILE)")
-        if found[0].name in HF_PICKLED_VOCAB_FILES and not allow_pickle:
-            raise ValueError(
-                f"{found[0]} is a pickled vocabulary and pickles can run code, so it is not read by default; "
-                "if you trust it pass --allow-pickle (allow_pickle=True), or convert it once to vocab.txt with "
-                "txl.data.tokenizer.hf_vocab.write_vocab_txt")
+                f"Hugging Face transfo-xl directory holds {', '.join(HF_VOCAB_FILES + HF_PICKLED_VOCAB_FILES)}; "
+                "add one, or pass a vocabulary file (--vocab FILE)")
         tok = WordTokenizer.from_hf_vocab(found[0], allow_pickle=allow_pickle, rules=rules)
+    return _checked(tok, vocab_size)
+
+
+def _checked(tok: Tokenizer, vocab_size: int | None) -> Tokenizer:
     if vocab_size is not None and tok.vocab_size != vocab_size:
         raise ValueError(f"the vocabulary has {tok.vocab_size} symbols but the model has vocab_size={vocab_size}; "
                          "this vocabulary does not belong to this checkpoint")

@@ -7,17 +7,18 @@ Supported inputs (the format is detected from the file's content, not its name):
   in the original ``Vocab._build_from_file`` and Hugging Face's ``TransfoXLTokenizer``. Empty lines
   are skipped; a repeated symbol keeps its first index (what both of those implementations do).
 * **JSON**: a list of symbols in index order, or a ``{symbol: id}`` map whose ids are 0..n-1.
-* **pickle** (only with ``allow_pickle=True``): the published ``vocab.pkl`` / ``vocab.bin`` of
-  ``transfo-xl-wt103`` (``torch.save`` of the original ``Vocab.__dict__``, legacy or zip format) or
-  a file written by ``TransfoXLTokenizer.save_vocabulary`` (``pickle.dump(tokenizer.__dict__)``).
+* **pickle**: the published ``vocab.pkl`` / ``vocab.bin`` of ``transfo-xl-wt103`` (``torch.save`` of
+  the original ``Vocab.__dict__``, legacy or zip format) or a file written by
+  ``TransfoXLTokenizer.save_vocabulary`` / ``save_pretrained`` (``pickle.dump(tokenizer.__dict__)``).
 
-Unpickling runs code named by the file, so pickles are refused unless the caller opts in, and even
-then they are read with a restricted unpickler: it resolves only builtin containers and scalars
+Unpickling with :mod:`pickle` runs code named by the file, so a pickle is never given to it: it is read
+with a restricted unpickler that resolves only builtin containers and scalars
 and ``collections.Counter`` / ``OrderedDict``. A few names that Hugging Face stores alongside the
 vocabulary (its Moses tokenizer objects, compiled regular expressions, ``AddedToken``, ``Trie``) are
 replaced by inert placeholders that only record their arguments: none of those modules is imported
-and none of their code runs. Any other global (``os.system``, ``builtins.eval``, ...) is an error.
-Convert once with :func:`write_vocab_txt` and keep the plain-text file.
+and none of their code runs. Any other global (``os.system``, ``builtins.eval``, ...) is an error naming
+it. So the published vocabulary reads by default; ``allow_pickle=False`` refuses every pickle outright.
+:func:`write_vocab_txt` converts one to the plain-text file.
 
 These readers are the Hugging Face loader of the word tokenizer (``txl.data.tokenizer.WordTokenizer.from_hf_vocab``);
 they return the one :class:`~txl.data.tokenizer.vocab.Vocab` of the package.
@@ -186,22 +187,25 @@ def _load_pickle(raw: bytes) -> Any:
     return first
 
 
-def read_vocab(path: str | Path, *, allow_pickle: bool = False) -> Vocab:
-    """Read a Transformer-XL vocabulary file (plain text, JSON, or, with ``allow_pickle``, a pickle).
+def read_vocab(path: str | Path, *, allow_pickle: bool = True) -> Vocab:
+    """Read a Transformer-XL vocabulary file (plain text, JSON, or a pickle, with the restricted unpickler).
 
-    Returns the ordered symbols and the special tokens. A pickled vocabulary raises ``ValueError``
-    unless ``allow_pickle=True``; see the module docstring for what is then allowed.
+    Returns the ordered symbols and the special tokens. A pickle that holds anything but a vocabulary
+    raises ``ValueError`` naming what it refused (see the module docstring); ``allow_pickle=False``
+    refuses every pickle.
     """
     path = Path(path)
     raw = path.read_bytes()
     if raw[:1] == b"\x80" or raw[:4] == b"PK\x03\x04":  # pickle protocol >= 2, or a torch zip archive
         if not allow_pickle:
             raise ValueError(
-                f"{path} is a pickle: unpickling can execute arbitrary code, so it is refused by default. "
-                "If you trust its origin, pass allow_pickle=True (it is then read with a restricted "
-                "unpickler that only builds plain containers), and store it as text with write_vocab_txt."
-            )
-        return vocab_from_pickled_dict(_load_pickle(raw))
+                f"{path} is a pickle and allow_pickle=False refuses pickles; pass allow_pickle=True (the "
+                "default: a restricted unpickler that only builds plain containers), or store it as text with "
+                "write_vocab_txt")
+        try:
+            return vocab_from_pickled_dict(_load_pickle(raw))
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

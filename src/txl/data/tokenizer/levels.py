@@ -291,13 +291,14 @@ class WordTokenizer(Tokenizer):
         self._split, self._join = _rules(spec)
 
     @classmethod
-    def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = False, rules: str = "wt103",
+    def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = True, rules: str = "wt103",
                       wt103_backend: str = "builtin") -> WordTokenizer:
         """The word tokenizer of a Hugging Face / original Transformer-XL vocabulary file.
 
-        ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` only with
-        ``allow_pickle`` (``txl.data.tokenizer.hf_vocab``). Its text follows the WikiText-103 conventions, so
-        ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in WikiText form.
+        ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` read with a restricted
+        unpickler (``txl.data.tokenizer.hf_vocab``; ``allow_pickle=False`` refuses pickles). Its text follows the
+        WikiText-103 conventions, so ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in
+        WikiText form.
         """
         from txl.data.tokenizer.hf_vocab import read_vocab
 
