@@ -363,6 +363,11 @@ def longrange_section(g: dict[str, Any] | None, img: str) -> list[str]:
             f"segment ({lim['segment']}), one hop back through memory ({lim['mem_plus_segment']}), n_layer x "
             f"mem_len ({lim['n_layer_x_mem_len']}) and n_layer x (mem_len + segment) "
             f"({lim['n_layer_x_attention']}), the farthest any cached state can reach.", ""]
+    asked = [n for n in a["variants"].split(",") if n.strip()] if a["variants"] != "all" else []
+    missing = [n for n in asked if n not in g["runs"]]
+    if missing:
+        out += [f"**Not finished:** {', '.join(f'`{n}`' for n in missing)} (asked for by the command, not trained "
+                "to the end when these results were written; the same command resumes them).", ""]
     out.append(Path(g["_md"]).read_text(encoding="utf-8"))
     out += [f"![answer accuracy and loss against distance]({img})", "",
             "Accuracy (%) by region of distance, at the training memory:", ""]
