@@ -6,6 +6,9 @@
     python -m benchmarks.run --device cuda          # base and NVIDIA's WikiText-103 base, bf16 and TF32,
                                                     # the speed-up at the paper's L = 800 .. 3800
 
+This module is the driver (the phases and the tables); the FLOP model and the shapes are ``benchmarks.flops``,
+the clocks, matmul peak, profiler and memory readings ``benchmarks.instruments``.
+
 Run from the repository root (``benchmarks`` is a package beside ``src``; the library is the installed
 ``txl``, ``pip install -e .`` of this checkout). Every measured phase (train or eval, per shape, dtype and
 compile setting; the speed-up sweep) runs in a fresh subprocess, so its peak memory is its own: the
@@ -43,20 +46,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import txl
+from benchmarks.flops import (  # noqa: F401 (Shape, SHAPES, ... are this driver's vocabulary: bench.SHAPES)
+    NVIDIA_A100,
+    SHAPES,
+    Shape,
+    attention_flops,
+    flops_per_token,
+    matmul_params,
+    softmax_params,
+    speedup_flop_ratio,
+    token_probs,
+)
+from benchmarks.instruments import Bracket, MatmulPeak, Profile, device_name, make_clock, peak_rss_mb
 from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
 from txl.config import OptimConfig
 from txl.data import Batch
@@ -70,68 +82,6 @@ from txl.train import train_step as library_train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclass(frozen=True)
-class Shape:
-    n_layer: int
-    d_model: int
-    n_head: int
-    d_head: int
-    d_inner: int
-    tgt_len: int
-    mem_len: int
-    batch: int
-    vocab_size: int = 204  # byte-level: 256 bytes less the unused, as enwik8's 204 symbols
-    dropout: float = 0.1
-    cutoffs: tuple[int, ...] = ()
-    """Adaptive softmax cluster boundaries (empty: one full softmax)."""
-    div_val: int = 1
-    zipf: bool = False
-    """Draw the tokens Zipf-distributed (p(rank r) ~ 1/r, as words in running text) instead of uniformly, so
-    an adaptive softmax sees the share of head and tail tokens a word-level corpus gives it."""
-    eval_tgt_len: int | None = None
-    """Evaluation segment length (None: tgt_len)."""
-    eval_mem_len: int | None = None
-    """Evaluation memory length (None: mem_len)."""
-    eval_batch: int | None = None
-    """Evaluation batch (None: batch)."""
-    model: tuple[tuple[str, object], ...] = ()
-    """ModelConfig fields set with ``--model.FIELD VALUE`` (e.g. dropout_impl, attn_impl), for every phase."""
-
-    def for_phase(self, phase: str) -> Shape:
-        """The shape a phase runs: evaluation may read shorter segments against a longer memory."""
-        if phase.startswith("train"):
-            return self
-        return dataclasses.replace(self, tgt_len=self.eval_tgt_len or self.tgt_len,
-                                   mem_len=self.eval_mem_len or self.mem_len, batch=self.eval_batch or self.batch)
-
-    def resized(self, *, batch: int | None = None, tgt_len: int | None = None, mem_len: int | None = None) -> Shape:
-        """The shape with batch, segment or memory length overridden for training and evaluation alike
-        (a reduced smoke run of a shape too large for the machine)."""
-        changes: dict[str, int] = {}
-        if batch:
-            changes.update(batch=batch, eval_batch=batch)
-        if tgt_len:
-            changes.update(tgt_len=tgt_len, eval_tgt_len=tgt_len)
-        if mem_len:
-            changes.update(mem_len=mem_len, eval_mem_len=mem_len)
-        return dataclasses.replace(self, **changes)
-
-    def with_model(self, fields: dict[str, object]) -> Shape:
-        """The shape with ModelConfig fields overridden (``--model.FIELD VALUE``)."""
-        return dataclasses.replace(self, model=tuple(sorted({**dict(self.model), **fields}.items())))
-
-
-SHAPES = {
-    "tiny": Shape(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, tgt_len=16, mem_len=16, batch=2),
-    "small": Shape(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128, batch=8),
-    "base": Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=256, mem_len=256, batch=4),
-    # NVIDIA DeepLearningExamples, Transformer-XL PyTorch, WikiText-103 base (wt103_base.yaml), per GPU.
-    "nvidia": Shape(n_layer=16, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=192, mem_len=192, batch=32,
-                    vocab_size=267735, cutoffs=(20000, 40000, 200000), div_val=1, zipf=True,
-                    eval_tgt_len=64, eval_mem_len=640, eval_batch=32),
-}
-# NVIDIA's published figures for that shape, one A100 80GB, AMP (DeepLearningExamples Transformer-XL README).
-NVIDIA_A100 = {"train": 59961, "eval": 91654, "eval_torchscript": 107082}
 # Phase dtypes: fp32 is exact fp32 products; tf32 is fp32 with TF32 tensor-core matmuls (CUDA only); bf16
 # and fp16 are autocast, fp16 with the gradient scaler (CUDA only).
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +89,6 @@ PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # 
 PHASES = ("train", "train-keep", "eval")
 # Dai et al. 2019, Table 9: evaluation speed-up over Al-Rfou et al. (2018) on a GPU, by attention length.
 PAPER_SPEEDUP = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}
-PEAK_N = {"cpu": 2048, "cuda": 8192}
 CPU = torch.device("cpu")
 
 
@@ -150,147 +99,6 @@ def model_config(shape: Shape, **changes) -> txl.ModelConfig:
     fields.update(shape.model)  # --model.FIELD overrides, then the phase's own changes
     fields.update(changes)
     return txl.ModelConfig(**fields)
-
-
-# -- token distribution and FLOP counts ---------------------------------------------------------------
-def token_probs(shape: Shape) -> torch.Tensor:
-    """(V,) float64 probabilities of the benchmark's tokens: uniform, or Zipf (1/rank) for word-level shapes."""
-    if not shape.zipf:
-        return torch.full((shape.vocab_size,), 1.0 / shape.vocab_size, dtype=torch.float64)
-    p = 1.0 / torch.arange(1, shape.vocab_size + 1, dtype=torch.float64)
-    return p / p.sum()
-
-
-def matmul_params(shape: Shape) -> int:
-    """N: non-embedding matmul parameters (q/k/v, output projection, feed-forward) of all layers."""
-    hd = shape.n_head * shape.d_head
-    return shape.n_layer * (3 * shape.d_model * hd + hd * shape.d_model + 2 * shape.d_model * shape.d_inner)
-
-
-def softmax_params(shape: Shape) -> float:
-    """S: output-layer matmul parameters per token, in expectation over the benchmark's tokens.
-
-    Every token meets the head (the shortlist plus one logit per tail cluster); tail cluster i (its
-    projection d -> d_embed / div_val^i, if any, and its words) only the tokens whose label falls in it.
-    """
-    bounds = [0, *shape.cutoffs, shape.vocab_size]
-    probs = token_probs(shape)
-    total = 0.0
-    for i in range(len(bounds) - 1):
-        width = shape.d_model // shape.div_val ** i
-        rows = bounds[i + 1] - bounds[i] + (len(shape.cutoffs) if i == 0 else 0)
-        params = rows * width + (shape.d_model * width if width != shape.d_model else 0)
-        share = 1.0 if i == 0 else float(probs[bounds[i]:bounds[i + 1]].sum())
-        total += share * params
-    return total
-
-
-def attention_flops(shape: Shape, klen: int, positional: bool = True) -> int:
-    """Forward FLOPs per query of the K-long products: score, positional score (if any), values."""
-    products = 3 if positional else 2
-    return products * 2 * shape.n_layer * shape.n_head * shape.d_head * klen
-
-
-def flops_per_token(shape: Shape, phase: str) -> float:
-    shape = shape.for_phase(phase)
-    klen = shape.mem_len + shape.tgt_len
-    n, attn = matmul_params(shape) + softmax_params(shape), attention_flops(shape, klen)
-    return 6 * n + 3 * attn if phase.startswith("train") else 2 * n + attn
-
-
-def speedup_flop_ratio(shape: Shape, length: int) -> float:
-    """Executed forward FLOPs per predicted token: a vanilla model slid over L-token windows against
-    Transformer-XL with T = M = L, counting here W_kR R as well (the memory rows' keys and values come from
-    the key/value cache of the previous segment, as in ``txl.evaluate``). The softmax is left out of both
-    (the vanilla model scores one position per window, XL every position: a constant per predicted token)."""
-    hd = shape.n_head * shape.d_head
-    n = matmul_params(shape)
-    vanilla = 2 * n * length + length * attention_flops(shape, length, positional=False)  # one window
-    klen = 2 * length
-    xl = (2 * n + attention_flops(shape, klen)  # per segment token
-          + shape.n_layer * 2 * shape.d_model * hd * klen / length)  # W_kR R, once per segment (batch 1)
-    return vanilla / xl
-
-
-# -- measurement helpers -------------------------------------------------------------------------------
-class Profile:
-    """torch.profiler around one step; ``table`` is its top operators by self time (device time on a GPU)."""
-
-    def __init__(self, device: torch.device, rows: int = 18) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.prof, self.rows, self.device, self.table = profile(activities=activities), rows, device, ""
-
-    def __enter__(self) -> Profile:
-        self.prof.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.prof.__exit__(*exc)
-        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        self.table = self.prof.key_averages().table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
-
-
-def make_clock(device: torch.device):
-    """perf_counter, after waiting for the device's queued kernels on a GPU (they run asynchronously)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return clock
-
-
-class MatmulPeak:
-    """This machine's matmul FLOP/s: an n-cubed mm in one dtype on one device, timed on demand.
-
-    The phases sample it around every timed step (``Bracket``), so each step's FLOP/s is divided by a peak
-    measured on the same (shared, noisy) machine moments before and after; the operands stay allocated
-    (``nbytes``; a GPU phase subtracts them from its peak memory). On a GPU one sample is ``reps`` mms
-    (a single 8192-cubed one takes about a millisecond, close to the launch and sync overhead). TF32 is
-    whatever ``matmul_precision`` allows around the caller.
-    """
-
-    def __init__(self, dtype: torch.dtype, clock=time.perf_counter, n: int | None = None,
-                 device: torch.device = CPU) -> None:
-        self.clock, self.n = clock, n or PEAK_N[device.type]
-        self.reps = 1 if device.type == "cpu" else 10
-        g = torch.Generator().manual_seed(0)
-        self.a = torch.randn(self.n, self.n, generator=g).to(device=device, dtype=dtype)
-        self.b = torch.randn(self.n, self.n, generator=g).to(device=device, dtype=dtype)
-        self.c = torch.mm(self.a, self.b)  # also the warm-up
-        self.nbytes = 3 * self.a.numel() * self.a.element_size()
-
-    def sample(self) -> float:
-        t0 = self.clock()
-        for _ in range(self.reps):
-            torch.mm(self.a, self.b, out=self.c)
-        return 2 * self.n**3 * self.reps / (self.clock() - t0)
-
-
-class Bracket:
-    """Peak samples around the timed steps: one before the first, one after each; a step gets their mean."""
-
-    def __init__(self, peak: MatmulPeak) -> None:
-        self.peak, self.last = peak, None
-
-    def around(self) -> float:
-        """Call right after a timed step: the mean of the samples before and after it."""
-        after = self.peak.sample()
-        before, self.last = self.last, after
-        return (before + after) / 2
-
-    def start(self) -> None:
-        """Call right before the first timed step."""
-        self.last = self.peak.sample()
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def batches(shape: Shape, n: int, generator: torch.Generator, device: torch.device | None = None):
@@ -527,25 +335,6 @@ def run_worker(args) -> None:
         record["peak_mem_mb"] = (torch.cuda.max_memory_allocated(device) - peak.nbytes) / 2**20
         record["mfu_vs_bf16_peak"] = record["achieved_flops"] / peaks["peak_bf16_flops"]
     print(json.dumps(record))
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_model()
-
-
-def cpu_model() -> str:
-    """The CPU's model name and whether it has AVX-512 and AMX (what bf16 and fp32 speed depend on)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    has = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(has) or 'no AVX2'}; {'no ' if 'avx512f' not in flags else ''}AVX-512, " \
-           f"{'no ' if 'amx_bf16' not in flags else ''}AMX)"
 
 
 # -- driver --------------------------------------------------------------------------------------------

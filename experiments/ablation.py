@@ -164,14 +164,10 @@ FIXED = {"model.attn_type": "each run's encoding is its variant's; choose runs w
 """Fields the grid sets per run: an override of one would make the variants the same run."""
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the ``--SECTION.FIELD`` options taken (``common.take_config_overrides``) and every flag
-    left unset taken from its corpus's full budget (CORPUS_DEFAULTS)."""
-    common.take_config_overrides(args, SHORTCUTS, FIXED)
-    for key, value in CORPUS_DEFAULTS[args.corpus].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    return args
+def resolve(args: argparse.Namespace) -> common.Settings:
+    """The settings of ``args``: the ``--SECTION.FIELD`` options taken (``common.resolve_settings``) and every
+    flag left unset taken from its corpus's full budget (CORPUS_DEFAULTS)."""
+    return common.resolve_settings(args, SHORTCUTS, FIXED, CORPUS_DEFAULTS[args.corpus])
 
 
 def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -240,7 +236,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
                           ckpt_interval=max(1, args.steps // checkpoints),
                           loss_positions="last_half" if v.loss == "Half" else "all",
                           keep_last=1, log_interval=max(1, args.steps // 50), tensorboard=False, plot=True,
-                          progress=False)), getattr(args, "config", {}))
+                          progress=False)), args.config)
 
 
 def collect(args: argparse.Namespace, *, exact: bool = False, available_only: bool = False) -> dict[str, Any]:

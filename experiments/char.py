@@ -58,13 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_config_overrides(p)
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the ``--SECTION.FIELD`` options taken and the short flags left unset at their defaults."""
-    common.take_config_overrides(args, SHORTCUTS, FIXED)
-    for key, value in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+def resolve(args: argparse.Namespace) -> common.Settings:
+    """The settings of ``args``: the ``--SECTION.FIELD`` options taken and the short flags left unset at their
+    defaults."""
+    return common.resolve_settings(args, SHORTCUTS, FIXED, DEFAULTS)
 
 
 def run_config(args: argparse.Namespace, vocab_size: int) -> RunConfig:
@@ -77,7 +74,7 @@ def run_config(args: argparse.Namespace, vocab_size: int) -> RunConfig:
         train=TrainConfig(out_dir=args.out, max_steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           tgt_len=args.tgt_len, seed=args.seed, device="cpu", precision="fp32", eval_interval=0,
                           ckpt_interval=max(1, args.steps // 4), keep_last=1, log_interval=max(1, args.steps // 50),
-                          tensorboard=False, plot=True, progress=False)), getattr(args, "config", {}))
+                          tensorboard=False, plot=True, progress=False)), args.config)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Shape legend: S streams, L tokens per stream, T segment length, P scored positio
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -85,19 +86,38 @@ def parse_known(parser: Any, argv: Sequence[str]) -> Any:
     return args
 
 
-def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str, str]) -> None:
-    """Move the ``--SECTION.FIELD`` options out of ``args`` into ``args.config`` (what ``with_overrides``
-    applies to each run), after checking them once.
+class Settings(argparse.Namespace):
+    """A driver's flags, resolved once (shortcut options applied, unset flags at their defaults) and then
+    read-only, so every run and every report reads the same values. ``config``: the ``--SECTION.FIELD``
+    overrides applied to every run's config (``with_overrides``)."""
 
-    A field with a driver shortcut (``shortcuts``: flag attribute -> 'section.field') sets that flag, so the
-    driver's grid logic (segment lengths, schedule) sees it; giving both forms with different values is an
-    error (call this before the flags left unset are given their defaults). Fields the driver sets per run
-    (``fixed``: 'section.field' -> why) are refused, naming the flag to use. Everything else is applied to
-    every run's config as given.
+    config: dict[str, str]
+
+    def __init__(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the driver's settings are read-only once resolved (tried to set {name}); "
+                             "make a changed copy with .replace()")
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some settings changed (e.g. one grid worker's variants); this one is unchanged."""
+        return Settings(**{**vars(self), **changes})
+
+
+def resolve_settings(args: Any, shortcuts: dict[str, str], fixed: dict[str, str],
+                     defaults: dict[str, Any]) -> Settings:
+    """The parsed ``args`` as a driver's ``Settings`` (``args`` itself is not changed).
+
+    The ``--SECTION.FIELD`` options are checked once. A field with a driver shortcut (``shortcuts``: flag
+    attribute -> 'section.field') sets that flag, so the driver's grid logic (segment lengths, schedule)
+    sees it; giving both forms with different values is an error. Fields the driver sets per run
+    (``fixed``: 'section.field' -> why) are refused, naming the flag to use. Everything else goes into
+    ``config``, applied to every run's config as given. Flags still unset take ``defaults``.
     """
     given = overrides_from(args)
-    for key in given:
-        delattr(args, key)
+    values = {k: v for k, v in vars(args).items() if k not in given}
     typed = apply_overrides({}, given)  # an unknown field or a bad value: the same one-line error as txl train
     for flag, dotted in shortcuts.items():
         if dotted not in given:
@@ -106,16 +126,19 @@ def take_config_overrides(args: Any, shortcuts: dict[str, str], fixed: dict[str,
         value = typed[section][name]
         if isinstance(value, list):  # the drivers keep lists as their flags' comma-separated text
             value = ",".join(map(str, value))
-        current = getattr(args, flag, None)
+        current = values.get(flag)
         if current is not None and current != value:  # shortcuts default to None until resolved
             raise SystemExit(f"--{dotted} {given[dotted]} and --{flag.replace('_', '-')} {current} disagree: "
                              "give one of them")
-        setattr(args, flag, value)
+        values[flag] = value
         del given[dotted]
     for dotted in given:
         if dotted in fixed:
             raise SystemExit(f"--{dotted}: {fixed[dotted]}")
-    args.config = dict(given)
+    for key, value in defaults.items():
+        if values.get(key) is None:
+            values[key] = value
+    return Settings(**values, config=dict(given))
 
 
 def with_overrides(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -136,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if not args.report_only:
         for v in ablation.variants_of(args)[i::n]:
-            one = copy.copy(args)
-            one.variants = v.name
+            one = args.replace(variants=v.name)
             with claim(Path(args.out) / v.name) as mine:
                 if not mine:
                     log.info("%s: another worker is on it, skipped", v.name)

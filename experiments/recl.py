@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging()
     start = time.perf_counter()
     if args.variants == "all" and args.corpus in GROUPS:
-        args.variants = ",".join(GROUPS[args.corpus])  # train and score only the group
+        args = args.replace(variants=",".join(GROUPS[args.corpus]))  # train and score only the group
     runs = ablation.collect(args, exact=True)
     report(runs, args, argv, time.perf_counter() - start)
     print(Path(args.results, f"{ablation.stem('recl', args.corpus)}.md").read_text(encoding="utf-8"))

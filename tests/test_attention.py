@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATTN_TYPES
+from conftest import ATTN_TYPES, tiny_config
 
 import txl
 from txl.model.attention import Attention, attn_types, encoding
@@ -19,8 +19,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def tiny(attn_type: str, **changes) -> txl.TransformerXL:
-    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6,
-                             dropout=0.0, attn_type=attn_type, learned_positions=16, **changes)
+    config = tiny_config(vocab_size=50, attn_type=attn_type, learned_positions=16, **changes)
     model = txl.TransformerXL(config)
     with torch.no_grad():
         for p in model.parameters():

@@ -11,6 +11,7 @@ start; argparse's own errors are matched on their last line. Everything runs in 
 import io
 import json
 import shutil
+import socket
 import tarfile
 import urllib.error
 import zipfile
@@ -120,7 +121,7 @@ class _Evil:
 
 def offline(monkeypatch):
     def refuse(*a, **k):
-        raise urllib.error.URLError(OSError(-3, "Temporary failure in name resolution"))
+        raise urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
     monkeypatch.setattr(txl.data.download.urllib.request, "urlopen", refuse)
 
 
@@ -343,10 +344,10 @@ CASES = [
      "unknown corpus 'wikipedia'; corpora that can be downloaded: enwik8, text8, wt103, wt2, ptb, pennchar, "
      "lm1b, stdlib, recall", 2),
     ("data-download-offline", ["data", "download", "ptb", "--dir", "{root}/ptb"],
-     "could not download http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz: <urlopen error "
-     "[Errno -3] Temporary failure in name resolution> (tried 4 times, nothing was received). Check "
-     "the network connection, or fetch simple-examples.tgz another way and run: txl data download ptb "
-     "--dir {root}/ptb --from-file FILE", 1, offline),
+     "could not download http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz: cannot resolve the host "
+     "name www.fit.vutbr.cz ([Errno -3] Temporary failure in name resolution). Check the network connection, "
+     "or fetch simple-examples.tgz another way and run: txl data download ptb --dir {root}/ptb --from-file FILE",
+     1, offline),
     ("data-from-file-missing", ["data", "download", "ptb", "--dir", "{root}/ptb2", "--from-file", "{root}/nope.tgz"],
      "--from-file {root}/nope.tgz is not a file: pass the archive you downloaded", 2),
     ("data-from-file-junk", ["data", "download", "ptb", "--dir", "{root}/ptb3", "--from-file", "{root}/junk.tar.gz"],

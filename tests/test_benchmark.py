@@ -112,6 +112,7 @@ def test_cuda_device_is_refused_in_one_line_without_cuda(monkeypatch):
         bench.main(["--dtypes", "tf32"])
 
 
+@pytest.mark.slow  # a real subprocess
 def test_run_as_a_module_times_the_tiny_shape(tmp_path):
     """python -m benchmarks.run end to end (its workers are `-m benchmarks.run` subprocesses), one step each."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--shapes", "tiny", "--dtypes", "fp32", "--phases",
@@ -138,6 +139,7 @@ def test_compare_pairs_phases_and_shows_the_spread():
     assert "| 128 | 0.200 | 15.0 | 75x | 0.100 | 10.0 | 100x | 98x |  |" in compare.speedup_table(before, after)
 
 
+@pytest.mark.slow  # a real subprocess
 def test_changes_measures_every_change_on_the_tiny_shape():
     """python -m benchmarks.changes end to end (its page-reuse workers are subprocesses): every change off and on."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.changes", "--shape", "tiny", "--threads", "1"], cwd=ROOT,
@@ -145,3 +147,16 @@ def test_changes_measures_every_change_on_the_tiny_shape():
     record = json.loads(out.splitlines()[-1])
     assert record["kind"] == "changes" and len(record["ms"]) == 4  # --compile (minutes) adds a fifth
     assert all(v["off"] > 0 and v["on"] > 0 for v in record["ms"].values())
+
+
+@pytest.mark.oracle
+def test_oracle_benchmark_times_the_same_model_side_by_side():
+    """benchmarks.oracle gives the oracle txl's weights and refuses to time two models that compute different
+    numbers; one interleaved step of each is timed."""
+    pytest.importorskip("transformers")
+    from benchmarks import oracle
+
+    ours, hf = oracle.build_pair(bench.SHAPES["tiny"])  # raises unless both give the same per-token NLL
+    r = oracle.measure(bench.SHAPES["tiny"], "train", "fp32", warmup=0, steps=1)
+    assert r["txl_step_s"] > 0 and r["oracle_step_s"] > 0 and r["speedup"] == r["oracle_step_s"] / r["txl_step_s"]
+

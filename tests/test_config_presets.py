@@ -114,6 +114,7 @@ def test_train_help_lists_every_field_with_its_docstring_and_default():
     assert "on the TEST split by default" in _help(["eval", "--help"])
 
 
+@pytest.mark.slow  # a real subprocess
 def test_help_does_not_import_torch():
     """`txl --help` and `txl train --help` parse without importing torch (it costs over a second)."""
     import subprocess

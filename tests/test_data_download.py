@@ -7,6 +7,7 @@ import http.server
 import io
 import tarfile
 import threading
+import urllib.request
 import zipfile
 
 import pytest
@@ -207,6 +208,36 @@ def test_mirrors_are_tried_in_order_until_one_serves_the_right_bytes(server, tmp
     assert [e["path"] for e in server.log] == ["/wrong.zip", "/good.zip"]  # /gone.zip: a 404, not logged
     assert "HTTP Error 404" in caplog.text and "checksum mismatch" in caplog.text
     assert "trying the next mirror" in caplog.text
+
+
+def test_an_unresolvable_host_moves_to_the_next_mirror_at_once(server, tmp_path, caplog, monkeypatch):
+    """A host name that does not resolve (RFC 6761: .invalid never does) is asked once, not retries + 1 times:
+    offline, every mirror is one line and the error comes at once."""
+    server.files["/good.zip"] = PAYLOAD
+    asked = []
+    real = urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, **kw: asked.append(req.full_url) or real(req, **kw))
+    urls = ["http://txl-mirror-a.invalid/f.zip", "http://txl-mirror-b.invalid/f.zip", f"{server.url}/good.zip"]
+    with caplog.at_level("WARNING"):
+        dest = download(urls, tmp_path / "f.zip", sha256=_sha(PAYLOAD), retries=3)
+    assert dest.read_bytes() == PAYLOAD
+    assert asked == urls  # each mirror once: no retry of a name that does not resolve
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("trying the next mirror" in line for line in lines)
+    assert "cannot resolve the host name txl-mirror-a.invalid" in lines[0]
+    assert "cannot resolve the host name txl-mirror-b.invalid" in lines[1]
+
+
+def test_offline_every_mirror_fails_at_once_with_one_line_each(tmp_path, caplog, monkeypatch):
+    asked = []
+    real = urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen", lambda req, **kw: asked.append(req.full_url) or real(req, **kw))
+    urls = ["http://txl-mirror-a.invalid/f.zip", "http://txl-mirror-b.invalid/f.zip"]
+    with caplog.at_level("WARNING"), pytest.raises(ConnectionError, match=r"every mirror of f.zip failed .*"
+                                                   r"cannot resolve the host name txl-mirror-a.invalid.*"
+                                                   r"cannot resolve the host name txl-mirror-b.invalid"):
+        download(urls, tmp_path / "f.zip", sha256=None, retries=3)
+    assert asked == urls and len(caplog.records) == 1  # the second mirror's line is the error itself
 
 
 def test_md5_pin_alone_is_checked(server, tmp_path):

@@ -8,6 +8,7 @@ from conftest import tiny_config
 import txl
 from txl.data import IGNORE_INDEX, eval_iterator
 from txl.evaluate import evaluate
+from txl.model.attention import attn_types
 
 
 def uncached_mean_nll(model, tokens, *, batch_size, tgt_len, ext_len):
@@ -22,22 +23,50 @@ def uncached_mean_nll(model, tokens, *, batch_size, tgt_len, ext_len):
     return total / count, count
 
 
-@pytest.mark.parametrize("changes", [dict(attn_type="relative"), dict(attn_type="relative", same_length=True),
-                                     dict(attn_type="relative", ext_len=2, pre_ln=True, untie_r=True),
-                                     dict(attn_type="shaw"), dict(attn_type="al_rfou"),
-                                     dict(attn_type="rotary")])
-def test_evaluate_with_cached_keys_equals_recomputing_them(changes):
-    torch.manual_seed(0)
+def perturbed(**changes) -> txl.TransformerXL:
     config = tiny_config(vocab_size=40, mem_len=9, learned_positions=64, **changes)
     model = txl.TransformerXL(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def caches_seen(model, monkeypatch) -> list:
+    """Record the kv_cache argument of every forward call of ``model``."""
+    seen, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: seen.append(kw.get("kv_cache")) or forward(*a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("changes", [dict(attn_type="relative"), dict(attn_type="relative", same_length=True),
+                                     dict(attn_type="relative", ext_len=2, pre_ln=True, untie_r=True),
+                                     dict(attn_type="shaw"), dict(attn_type="rotary")])
+def test_evaluate_with_cached_keys_equals_recomputing_them(changes, monkeypatch):
+    torch.manual_seed(0)
+    model = perturbed(**changes)
     tokens = np.random.default_rng(0).integers(0, 40, 301)
+    seen = caches_seen(model, monkeypatch)
     result = evaluate(model, tokens, metric="ppl", batch_size=3, tgt_len=7)
-    want, count = uncached_mean_nll(model, tokens, batch_size=3, tgt_len=7, ext_len=config.ext_len)
+    assert all(c is not None for c in seen) and all(c.keys for c in seen[1:])  # the cache is carried, filled
+    monkeypatch.undo()
+    want, count = uncached_mean_nll(model, tokens, batch_size=3, tgt_len=7, ext_len=model.config.ext_len)
     assert result.tokens == count > 250
     assert result.loss == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("attn_type", attn_types(cacheable=False))
+def test_evaluate_without_a_cache_where_keys_shift(attn_type, monkeypatch):
+    """Absolute encodings add to each memory row a position that shifts every segment: evaluate carries the
+    memory alone (no cache) and reads the same loss as the walk written out."""
+    model = perturbed(attn_type=attn_type)
+    tokens = np.random.default_rng(0).integers(0, 40, 301)
+    seen = caches_seen(model, monkeypatch)
+    result = evaluate(model, tokens, metric="ppl", batch_size=3, tgt_len=7)
+    assert seen and all(c is None for c in seen)
+    monkeypatch.undo()
+    want, count = uncached_mean_nll(model, tokens, batch_size=3, tgt_len=7, ext_len=0)
+    assert result.tokens == count and result.loss == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("max_batches", [0, 4])

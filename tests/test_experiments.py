@@ -319,6 +319,8 @@ def test_drivers_take_config_fields_as_txl_train_does():
                                 "--model.dropatt", "0.2", "--optim.weight_decay", "0.01"])
     assert args.n_layer == 2 and args.steps == 30 and args.config == {"model.dropatt": "0.2",
                                                                        "optim.weight_decay": "0.01"}
+    with pytest.raises(AttributeError, match="read-only once resolved"):
+        args.steps = 1  # every run reads the settings as resolved: no driver changes them on the way
     cfg = ablation.run_config(ablation.Variant("shaw", False, "Half"), args, vocab_size=20000)
     assert (cfg.model.n_layer, cfg.train.max_steps, cfg.model.dropatt, cfg.optim.weight_decay) == (2, 30, 0.2, 0.01)
     assert (cfg.model.attn_type, cfg.model.mem_len, cfg.train.loss_positions) == ("shaw", 0, "last_half")

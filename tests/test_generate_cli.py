@@ -182,6 +182,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     assert np.array_equal(tok.encode_prompt("hé"), list("hé".encode()))
 
 
+@pytest.mark.slow  # a real subprocess
 def test_readme_generation_example_runs(tmp_path):
     import re
     import subprocess

@@ -9,7 +9,7 @@ with TF32 the products keep 10 mantissa bits and 1e-5 cannot hold.
 
 import pytest
 import torch
-from conftest import ATTN_TYPES, assert_training_equal
+from conftest import ATTN_TYPES, assert_training_equal, tiny_config
 from hf_oracle import hf_model, ours_from_hf
 
 import txl
@@ -76,8 +76,7 @@ def test_hf_parity_on_cuda(exact, overrides):
 
 def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
     """The default attention kernel and the reference attention (``attn_impl``) with the same perturbed weights."""
-    config = txl.ModelConfig(**{**dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64,
-                                       mem_len=6, dropout=0.0, attn_type=attn_type, learned_positions=16), **changes})
+    config = tiny_config(**{**dict(vocab_size=50, attn_type=attn_type, learned_positions=16), **changes})
     torch.manual_seed(0)
     fast = txl.TransformerXL(config)
     with torch.no_grad():

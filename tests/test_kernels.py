@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import ATTN_TYPES, assert_training_equal
+from conftest import ATTN_TYPES, assert_training_equal, tiny_config
 
 import txl
 from txl.model.positions import attention_mask
@@ -20,8 +20,7 @@ CONTEXTS = {"plain": dict(), "same_length": dict(same_length=True), "clamp_len":
 
 def pair(attn_type: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
     """A fused model and a reference one with the same (perturbed, so that every bias matters) weights."""
-    config = txl.ModelConfig(**{**dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64,
-                                       mem_len=6, dropout=0.0, attn_type=attn_type, learned_positions=8), **changes})
+    config = tiny_config(**{**dict(vocab_size=50, attn_type=attn_type, learned_positions=8), **changes})
     fused = txl.TransformerXL(config)
     with torch.no_grad():
         for p in fused.parameters():

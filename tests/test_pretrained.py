@@ -156,7 +156,7 @@ def test_eval_pretrained_repo_on_wt103_uses_its_vocabulary_and_context(offline_c
     ids = torch.tensor([[WORDS.index(w) for line in text.splitlines() for w in [*line.split(), "<eos>"]]])
     n_unk = int((ids == WORDS.index("<unk>")).sum())  # WikiText's own <unk> tokens: every other word is known
     assert f"wt103 test: {ids.shape[1]:,} tokens with the checkpoint's vocabulary (12 symbols, {n_unk} <unk>)" in out[0]
-    assert out[0].endswith("tgt_len 128, mem_len 1600, clamp_len 1000, same_length True")
+    assert out[0].endswith("tgt_len 128, mem_len 1600, clamp_len 1000, same_length")
     model = tiny_model(0)
     with torch.no_grad():
         nll = model(ids[:, :-1], labels=ids[:, 1:]).nll.double().mean()
@@ -221,9 +221,11 @@ def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline
         first = float(model(batch.input_ids, labels=batch.labels).loss)
     assert train_loss[1] == pytest.approx(first, abs=1e-5)  # step 1 is the pretrained model's loss
 
-    before = evaluate(model, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    before = evaluate(model, corpus.valid, metric="ppl", batch_size=2, tgt_len=8,
+                      context=model.config.context(mem_len=8))
     tuned = txl.from_pretrained(out)
-    after = evaluate(tuned, corpus.valid, metric="ppl", batch_size=2, tgt_len=8, mem_len=8)
+    after = evaluate(tuned, corpus.valid, metric="ppl", batch_size=2, tgt_len=8,
+                     context=tuned.config.context(mem_len=8))
     assert after.loss < before.loss - 0.5  # fine-tuning learnt the new corpus
     assert np.isclose(train_loss[12], min(train_loss.values()), atol=0.5)
     # The fine-tuned checkpoint keeps the pretrained architecture and vocabulary.

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow  # a real subprocess
 def test_readme_api_example_runs(tmp_path):
     block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     src = str(README.parent / "src")

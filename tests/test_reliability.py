@@ -84,6 +84,7 @@ def wait_for_steps(proc, out, n, timeout=60.0):
 
 # -- the run directory --------------------------------------------------------------------------------
 
+@pytest.mark.slow  # real training
 def test_used_run_directory_refused_and_left_unchanged(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
@@ -100,6 +101,7 @@ def test_used_run_directory_refused_and_left_unchanged(corpus, tmp_path, capsys)
     assert snapshot(out) == before
 
 
+@pytest.mark.slow  # real training
 def test_overwrite_starts_afresh_and_spares_foreign_files(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "6")]) == 0
@@ -159,6 +161,7 @@ def test_signal_checkpoints_at_step_boundary_and_resumes_exactly(corpus, tmp_pat
     assert losses(out) == losses(tmp_path / "straight")  # exact continuation, every float equal
 
 
+@pytest.mark.slow  # real training
 def test_forced_interrupt_without_checkpoint_prints_no_resume_command(corpus, tmp_path, monkeypatch, capsys):
     def interrupted(*a, **k):
         raise KeyboardInterrupt  # a second Ctrl-C during the first step: no checkpoint exists
@@ -172,6 +175,7 @@ def test_forced_interrupt_without_checkpoint_prints_no_resume_command(corpus, tm
 
 # -- divergence ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # real training
 def test_nan_validation_loss_is_never_checkpointed(corpus, tmp_path, monkeypatch, capsys):
     real = txl.train.evaluate
     calls = {"n": 0}
@@ -195,6 +199,7 @@ def test_nan_validation_loss_is_never_checkpointed(corpus, tmp_path, monkeypatch
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
 
 
+@pytest.mark.slow  # real training
 def test_non_finite_weights_are_never_checkpointed(corpus, tmp_path, monkeypatch, capsys):
     real = txl.train.train_step
     calls = {"n": 0}
@@ -234,6 +239,7 @@ def file_size_limit():
     signal.signal(signal.SIGXFSZ, previous)
 
 
+@pytest.mark.slow  # real training
 @pytest.mark.parametrize("writer", ["_write_state", "save_pretrained"])  # torch.save, safetensors
 def test_failed_checkpoint_write_is_one_line(corpus, tmp_path, monkeypatch, capsys, file_size_limit, writer):
     real = getattr(txl.checkpoint, writer)
@@ -268,6 +274,7 @@ def test_safetensors_disk_full_message_is_named():
         "No space left on device"
 
 
+@pytest.mark.slow  # real training
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_every_file_has_the_umask_mode(corpus, tmp_path, umask, mode):
     previous = os.umask(umask)
@@ -281,6 +288,7 @@ def test_every_file_has_the_umask_mode(corpus, tmp_path, umask, mode):
     assert modes == dict.fromkeys(modes, mode)
 
 
+@pytest.mark.slow  # real training
 def test_files_are_fsynced_before_and_after_rename(corpus, tmp_path, monkeypatch):
     events = []
     real_fsync, real_replace = os.fsync, os.replace

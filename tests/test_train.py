@@ -57,6 +57,7 @@ def test_time_budget_sets_the_schedule_horizon():
     assert lr_at(200, cos, 200) == pytest.approx(0.1)  # the decay completes at the horizon
 
 
+@pytest.mark.slow  # real training
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch, capsys):
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "6", "--train.grad_accum", "2")]) == 0
     calls = {"n": 0}
@@ -78,6 +79,7 @@ def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch, capsys):
     assert sorted(b) == list(range(1, 7)) and a == b  # exact equality of every float
 
 
+@pytest.mark.slow  # real training
 def test_resume_from_a_flat_train_state_of_an_older_version(corpus, tmp_path):
     """Checkpoints written before the stateful parts had their own keys still resume, bit-identically."""
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "5")]) == 0
@@ -94,6 +96,7 @@ def test_resume_from_a_flat_train_state_of_an_older_version(corpus, tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
+@pytest.mark.slow  # real training
 def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
@@ -102,7 +105,7 @@ def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
                  "--eval.tgt_len", "4", "--max-batches", "3"]) == 0
     printed, err = capsys.readouterr()
     assert "test:" in err and "/3 " in err and "segment" in err  # the evaluation's own bar, on stderr
-    assert "test (first 3 segments, 2 streams, tgt_len 4, clamp_len 16, same_length;" in printed
+    assert "test (first 3 segments, 2 streams, tgt_len 4, mem_len 24, clamp_len 16, same_length;" in printed
     assert "mem_len 24, tgt_len 4, keys/query 24: loss" in printed
     assert main(["eval", str(out), "--sweep-mem", "0,8,16", "--max-batches", "2", "--no-progress"]) == 0
     table, err = capsys.readouterr()
@@ -114,6 +117,7 @@ def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
     assert rows[1].split("\t")[:2] == ["0", "1-8"]  # without same_length query t sees mem_len + t + 1 keys
 
 
+@pytest.mark.slow  # real training
 def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "1")]) == 0
@@ -123,6 +127,7 @@ def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
     assert "same_length with mem_len 0 masks every key" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # real training
 def test_eval_says_clamp_len_does_not_apply_to_shaw(corpus, tmp_path, capsys, caplog):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "1", "--model.attn_type", "shaw")]) == 0
@@ -146,12 +151,14 @@ def test_default_job_runs_for_seconds(tmp_path, monkeypatch, capsys):
     assert model.config.vocab_size == 256
 
 
+@pytest.mark.slow  # real training
 def test_tensorboard_events(corpus, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install 'txl[tb]')")
     assert main(["train", *args(corpus, tmp_path / "r", "--max-steps", "2", "--train.tensorboard", "true")]) == 0
     assert any((tmp_path / "r" / "tb").iterdir())
 
 
+@pytest.mark.slow  # real training
 def test_nan_loss_stops_with_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
     real = txl.train.train_step
     calls = {"n": 0}
@@ -172,6 +179,7 @@ def test_nan_loss_stops_with_last_good_checkpoint(corpus, tmp_path, monkeypatch,
     txl.checkpoint.load(out)
 
 
+@pytest.mark.slow  # real training
 def test_killed_mid_checkpoint_keeps_previous(corpus, tmp_path, monkeypatch):
     real = txl.checkpoint._write_state
 
@@ -189,6 +197,7 @@ def test_killed_mid_checkpoint_keeps_previous(corpus, tmp_path, monkeypatch):
     assert txl.checkpoint.load(out).state["train"]["step"] == 3
 
 
+@pytest.mark.slow  # real training
 def test_disk_full_is_one_clear_line(corpus, tmp_path, monkeypatch, capsys):
     real = txl.checkpoint._write_state
 
@@ -205,6 +214,7 @@ def test_disk_full_is_one_clear_line(corpus, tmp_path, monkeypatch, capsys):
     assert txl.checkpoint.load(out).state["train"]["step"] == 3
 
 
+@pytest.mark.slow  # real training
 def test_corrupt_and_truncated_checkpoints(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
@@ -219,6 +229,7 @@ def test_corrupt_and_truncated_checkpoints(corpus, tmp_path, capsys):
     assert "model.safetensors is corrupt or truncated" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # real training
 def test_vocabulary_must_match_checkpoint(corpus, tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "1", "--data.level", "char")]) == 0
@@ -276,6 +287,7 @@ def test_ddp_two_processes_match_single(corpus, tmp_path):
     assert proc.stderr.count("test of the best checkpoint") == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # real training
 def test_best_checkpoint_compares_like_with_like(corpus, tmp_path, monkeypatch):
     """Periodic validation reads 2 segments, the end of training the whole split. Here the partial estimate
     ranks the final model first and the full one ranks it worse than step 3's partial figure: the best
@@ -362,10 +374,12 @@ if __name__ == "__main__":  # python tests/test_train.py: record the golden loss
 
 
 def test_checkpoints_from_before_the_training_state_key_are_read():
-    """Old checkpoints kept step, tokens, ... at the top level with one RNG state and memory list per process."""
+    """Old checkpoints kept step, tokens, ... at the top level with one RNG state and memory list per process;
+    checkpoint.load reads them into today's parts (the one converter)."""
     old = {"optimizer": {}, "scaler": {}, "step": 6, "tokens": 96, "best_valid": 1.5, "horizon": 0,
            "iterator": {"pos": 3}, "rng": ["r0", "r1"], "memories": [[None], [None]], "world_size": 2}
-    part = txl.train.train_part(old)
-    assert part == {"step": 6, "tokens": 96, "best_valid": 1.5, "horizon": 0, "iterator": {"pos": 3},
-                    "ranks": [{"rng": "r0", "memories": [None]}, {"rng": "r1", "memories": [None]}]}
-    assert txl.train.train_part({"train": part}) is part
+    state = txl.checkpoint._from_flat(old)
+    assert state["train"] == {"step": 6, "tokens": 96, "best_valid": 1.5, "horizon": 0, "iterator": {"pos": 3},
+                              "ranks": [{"rng": "r0", "memories": [None]}, {"rng": "r1", "memories": [None]}]}
+    assert (state["optimizer"], state["scaler"]) == ({}, {})
+    assert txl.checkpoint._from_flat(state) is state  # today's layout passes through

@@ -232,6 +232,19 @@ class Context:
             raise ValueError(f"Context.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                              "or 'tensorflow'")
 
+    def describe(self, *, mem_len: str | None = None) -> str:
+        """The context as printed beside a figure: 'mem_len 192, clamp_len 128, same_length' (a longer memory
+        lowers the loss, Dai et al. 2019 section 4.3, so a figure without its context is not comparable).
+        ``mem_len``: shown instead of the field (a sweep's lengths)."""
+        parts = [f"mem_len {self.mem_len if mem_len is None else mem_len}"]
+        if self.clamp_len > 0:
+            parts.append(f"clamp_len {self.clamp_len}")
+        if self.same_length:
+            parts.append("same_length" + (" (tensorflow)" if self.same_length_style == "tensorflow" else ""))
+        if self.ext_len:
+            parts.append(f"ext_len {self.ext_len}")
+        return ", ".join(parts)
+
 
 # -- training and evaluation ---------------------------------------------------------------------------
 
@@ -412,6 +425,16 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None:
                 _check("EvalConfig", name, value >= 0, "must be >= 0", value)
+
+    def context(self, model: ModelConfig) -> Context:
+        """The attention context evaluation runs in, the one rule every command and the trainer apply: each
+        field left unset (None) is the model's, as in training; the model's config is never changed."""
+        return model.context(mem_len=self.mem_len, clamp_len=self.clamp_len, same_length=self.same_length,
+                             ext_len=self.ext_len)
+
+    def segment_len(self, trained: int) -> int:
+        """Tokens per evaluation segment: tgt_len, or the training segment length ``trained`` when unset."""
+        return self.tgt_len or trained
 
 
 def check_sampling(*, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,

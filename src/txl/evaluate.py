@@ -78,12 +78,12 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 @torch.no_grad()
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
-             mem_len: int | None = None, clamp_len: int | None = None, same_length: bool | None = None,
-             ext_len: int | None = None, max_batches: int = 0, precision: str = "fp32",
+             context: Context | None = None, max_batches: int = 0, precision: str = "fp32",
              info: DistInfo | None = None, compile: bool = False,
              on_segment: Callable[[int, int], None] | None = None) -> EvalResult:
     """Mean NLL of ``tokens`` read as ``batch_size`` streams of ``tgt_len``-token segments carrying memory.
 
+    ``context``: the attention context (``EvalConfig.context(model.config)``); None is the model's own.
     In a process group each rank reads its share of the streams and the sums are all-reduced.
     ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile.
     ``on_segment(done, total)`` is called after each segment (a progress bar: ``txl.metrics.segment_progress``).
@@ -92,15 +92,14 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
 
     device = next(model.parameters()).device
     info = info or DistInfo(rank=0, world_size=1, device=device)
-    ext = model.config.ext_len if ext_len is None else ext_len
-    it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=ext, rank=info.rank,
+    context = model.config.context() if context is None else context
+    it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
                        world_size=info.world_size, device=device)
     forward = compile_model(model, compile)
     total = min(len(it), max_batches) if max_batches else len(it)
     start = time.perf_counter()
     nll_sum, count = 0.0, 0
-    with inference_context(model, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length,
-                           ext_len=ext_len) as context:
+    with inference_context(model):
         # The weights do not change while evaluating, so the memory rows' keys and values are carried from
         # segment to segment (KVCache) instead of being projected again; absolute encodings cannot be cached.
         cache = model.start_kv_cache()

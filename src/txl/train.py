@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from txl import checkpoint as ckpt
-from txl.config import LossPositions, RunConfig, SampleConfig
+from txl.config import Context, LossPositions, RunConfig, SampleConfig
 from txl.data import Batch, Corpus, OrderedIterator
 from txl.distributed import (
     DistInfo,
@@ -142,20 +142,6 @@ def batches(it: OrderedIterator) -> Iterator[Batch]:
         yield from it
 
 
-def train_part(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's training state (``TrainState.state_dict`` with every process's part under "ranks").
-
-    Checkpoints written before the training state had its own key kept its fields at the top level, with
-    one RNG state and one memory list per process; they are read into the same form, so runs started then
-    (e.g. a long experiment grid) resume with this code.
-    """
-    if "train" in state:
-        return state["train"]
-    return {**{k: state[k] for k in ("step", "tokens", "best_valid", "horizon", "iterator")},
-            "ranks": [{"rng": rng, "memories": memories}
-                      for rng, memories in zip(state["rng"], state["memories"], strict=True)]}
-
-
 # -- the time budget ------------------------------------------------------------------------------------
 
 CALIBRATION_STEPS = 20
@@ -199,17 +185,11 @@ def check_run(cfg: RunConfig, info: DistInfo) -> None:
                     "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
 
 
-def eval_settings(*, tgt_len: int, mem_len: int, clamp_len: int | None, same_length: bool | None,
-                  batch_size: int, batches: int) -> str:
-    """The context a figure was computed in, printed beside it: without it two figures look comparable
-    when they are not (a longer memory lowers the loss, Dai et al. 2019 section 4.3)."""
-    parts = [f"tgt_len {tgt_len}", f"mem_len {mem_len}"]
-    if clamp_len is not None and clamp_len > 0:
-        parts.append(f"clamp_len {clamp_len}")
-    if same_length:
-        parts.append("same_length")
-    parts.append(f"{batch_size} streams, {f'first {batches} segments' if batches else 'whole split'}")
-    return ", ".join(parts)
+def eval_settings(*, tgt_len: int, context: Context, batch_size: int, batches: int) -> str:
+    """The settings a figure was computed in, printed beside it: without them two figures look comparable
+    when they are not (``Context.describe``)."""
+    return (f"tgt_len {tgt_len}, {context.describe()}, {batch_size} streams, "
+            f"{f'first {batches} segments' if batches else 'whole split'}")
 
 
 # -- wiring ---------------------------------------------------------------------------------------------
@@ -365,7 +345,7 @@ class Trainer:
         self.model.load_state_dict(loaded.model.state_dict())
         self.optimizer.load_state_dict(loaded.state["optimizer"])
         self.scaler.load_state_dict(loaded.state["scaler"])
-        self.state.load_state_dict(train_part(loaded.state), rank=self.info.rank, world_size=self.info.world_size)
+        self.state.load_state_dict(loaded.state["train"], rank=self.info.rank, world_size=self.info.world_size)
         log.info("resumed from %s at step %d", loaded.path, self.state.step)
 
     # -- evaluation ---------------------------------------------------------------------------------
@@ -383,24 +363,18 @@ class Trainer:
             result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
                               compile=e.compile, on_segment=on_segment)
-        return result, eval_settings(tgt_len=t.tgt_len, mem_len=self.cfg.model.mem_len,
-                                     clamp_len=self.cfg.model.clamp_len, same_length=self.cfg.model.same_length,
-                                     batch_size=e.batch_size, batches=max_batches)
+        return result, eval_settings(tgt_len=t.tgt_len, context=self.cfg.model.context(), batch_size=e.batch_size,
+                                     batches=max_batches)
 
     def test(self) -> tuple[EvalResult, str]:
         """The test loss in the evaluation context (cfg.eval; None fields: as in training)."""
-        t, e, m = self.cfg.train, self.cfg.eval, self.cfg.model
-        tgt = e.tgt_len or t.tgt_len
+        e = self.cfg.eval
+        tgt, context = e.segment_len(self.cfg.train.tgt_len), e.context(self.cfg.model)
         with segment_progress(self.show_progress, "test") as on_segment:
             result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
-                              tgt_len=tgt, mem_len=e.mem_len, clamp_len=e.clamp_len, same_length=e.same_length,
-                              ext_len=e.ext_len, precision=self.precision, info=self.info, compile=e.compile,
-                              on_segment=on_segment)
-        pick = lambda x, y: y if x is None else x  # noqa: E731
-        return result, eval_settings(tgt_len=tgt, mem_len=pick(e.mem_len, m.mem_len),
-                                     clamp_len=pick(e.clamp_len, m.clamp_len),
-                                     same_length=pick(e.same_length, m.same_length), batch_size=e.batch_size,
-                                     batches=0)
+                              tgt_len=tgt, context=context, precision=self.precision, info=self.info,
+                              compile=e.compile, on_segment=on_segment)
+        return result, eval_settings(tgt_len=tgt, context=context, batch_size=e.batch_size, batches=0)
 
     def decide_best(self, metrics: MetricsLog) -> tuple[bool, EvalResult]:
         """Validate on the decision tokens and say whether this is the best model so far.
@@ -517,8 +491,7 @@ class Trainer:
             if t.plot:
                 plot_learning_curve(metrics.path, self.out / PLOT_FILE, self.corpus.metric)
             if t.sample_tokens:
-                e = self.cfg.eval
-                mem = e.mem_len if e.mem_len is not None else self.cfg.model.mem_len
+                mem = self.cfg.eval.context(self.cfg.model).mem_len
                 sample = _sample(self.model, self.corpus, t.sample_tokens, self.cfg.sample, mem_len=mem, seed=t.seed)
         return TrainResult(out_dir=self.out, steps=state.step, valid=valid, test=test, sample=sample, stopped=stopped,
                            valid_context=valid_ctx, test_context=test_ctx, best_step=best_step)

@@ -99,6 +99,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     import json
 
     import txl
+    from txl.config import EvalConfig
     from txl.evaluate import evaluate
     from txl.presets import apply_overrides
     from txl.runtime import resolve_precision
@@ -118,20 +119,16 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
         raise ValueError(f"the vocabulary in {directory} has {codec.vocab_size} symbols but the model has "
                          f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")
     raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    c = model.config
-    tgt_len = ev.get("tgt_len") or raw.get("tgt_len") or PRETRAINED_TGT_LEN
-    mem = ev["mem_len"] if ev.get("mem_len") is not None else c.mem_len
-    clamp = ev["clamp_len"] if ev.get("clamp_len") is not None else c.clamp_len
-    same = ev["same_length"] if ev.get("same_length") is not None else c.same_length
-    streams = ev.get("batch_size") or PRETRAINED_BATCH_SIZE
+    e = EvalConfig(**{"batch_size": PRETRAINED_BATCH_SIZE, **ev})
+    tgt_len, context = e.segment_len(raw.get("tgt_len") or PRETRAINED_TGT_LEN), e.context(model.config)
     print(f"{args.checkpoint} on {spec.name} {args.split}: {len(tokens):,} tokens with the checkpoint's "
-          f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {streams} streams, tgt_len {tgt_len}, "
-          f"mem_len {mem}, clamp_len {clamp}, same_length {same}")
+          f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {e.batch_size} streams, tgt_len {tgt_len}, "
+          f"{context.describe()}")
     from txl.metrics import segment_progress
 
     with segment_progress(args.progress, args.split) as on_segment:
-        r = evaluate(model, tokens, metric=spec.metric, batch_size=streams, tgt_len=tgt_len, mem_len=mem,
-                     clamp_len=clamp, same_length=same, ext_len=ev.get("ext_len"), max_batches=args.max_batches,
+        r = evaluate(model, tokens, metric=spec.metric, batch_size=e.batch_size, tgt_len=tgt_len, context=context,
+                     max_batches=args.max_batches,
                      precision=resolve_precision(args.precision, device), compile=args.compile,
                      on_segment=on_segment)
     print(f"{args.split}: {r.describe()}")
@@ -173,16 +170,15 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_run_corpus(replace(cfg.data))
     check_tokenizer(loaded.path, corpus.tokenizer)
     e, m = cfg.eval, model.config
-    tgt = e.tgt_len or cfg.train.tgt_len
-    same = e.same_length if e.same_length is not None else m.same_length
-    clamp = e.clamp_len if e.clamp_len is not None else m.clamp_len
-    if clamp is not None and clamp > 0 and not model.encoding.clamps_distances:
+    tgt, context = e.segment_len(cfg.train.tgt_len), e.context(m)
+    same, clamp = context.same_length, context.clamp_len
+    if clamp > 0 and not model.encoding.clamps_distances:
         logging.getLogger(__name__).warning(
             "eval.clamp_len=%d does not apply to attn_type=%r: %s", clamp, m.attn_type,
             "its distances are not clamped (Shaw's learned table stops at model.learned_positions; rotary angles "
             "grow with the distance)" if model.encoding.relative
             else "its learned positions have no distance to clamp")
-    mems = [e.mem_len if e.mem_len is not None else m.mem_len]
+    mems = [context.mem_len]
     if args.sweep_mem:
         try:
             mems = [int(x) for x in args.sweep_mem.split(",") if x.strip()]
@@ -191,17 +187,16 @@ def run(args: argparse.Namespace) -> int:
     if same and 0 in mems:
         raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
                          "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
-    kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, clamp_len=clamp, same_length=same,
-                  ext_len=e.ext_len, max_batches=args.max_batches,
+    kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, max_batches=args.max_batches,
                   precision=resolve_precision(args.precision, device), compile=args.compile or e.compile)
     tokens = corpus.split(args.split)
     extent = f"first {args.max_batches} segments" if args.max_batches else "whole split"
-    print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}"
-          f"{f', clamp_len {clamp}' if clamp and clamp > 0 else ''}{', same_length' if same else ''}; "
+    shown = context.describe(mem_len=args.sweep_mem if args.sweep_mem else None)
+    print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}, {shown}; "
           f"trained with tgt_len {run_cfg.train.tgt_len}, mem_len {run_cfg.model.mem_len})")
     if not args.sweep_mem:
         with segment_progress(args.progress, args.split) as on_segment:
-            r = evaluate(model, tokens, mem_len=mems[0], on_segment=on_segment, **kwargs)
+            r = evaluate(model, tokens, context=context, on_segment=on_segment, **kwargs)
         print(f"mem_len {mems[0]}, tgt_len {tgt}, keys/query {keys_per_query(mems[0], tgt, same, m.same_length_style)}"
               f": {r.describe()}")
         return 0
@@ -212,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for mem in mems:
             with segment_progress(args.progress, f"mem_len {mem}") as on_segment:
-                r = evaluate(model, tokens, mem_len=mem, on_segment=on_segment, **kwargs)
+                r = evaluate(model, tokens, context=replace(context, mem_len=mem), on_segment=on_segment, **kwargs)
             results.append(r)
             rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
                         f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")

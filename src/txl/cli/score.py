@@ -90,18 +90,14 @@ def run(args: argparse.Namespace) -> int:
     e = eval_config(args, directory)
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
-    segment_len = e.tgt_len or SEGMENT_LEN
-    mem = e.mem_len if e.mem_len is not None else model.config.mem_len
-    same = e.same_length if e.same_length is not None else model.config.same_length
-    clamp = e.clamp_len if e.clamp_len is not None else model.config.clamp_len
-    context = f"segment_len {segment_len}, mem_len {mem}{', same_length' if same else ''}" + \
-        (f", clamp_len {clamp}" if clamp > 0 else "")
+    segment_len, ctx = e.segment_len(SEGMENT_LEN), e.context(model.config)
+    context = f"segment_len {segment_len}, {ctx.describe()}"
     summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
     out = None if args.output is None else sys.stdout if args.output == "-" else open(args.output, "w",  # noqa: SIM115
                                                                                          encoding="utf-8")
     try:
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=e.batch_size,
-                                mem_len=mem, clamp_len=clamp, same_length=same,
+                                mem_len=ctx.mem_len, clamp_len=ctx.clamp_len, same_length=ctx.same_length,
                                 context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):

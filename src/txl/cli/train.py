@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from txl.cli.generate import add_vocab_argument
 from txl.cli.options import add_config_arguments, overrides_from
 from txl.config import SECTIONS
 from txl.presets import load_preset
+
+if TYPE_CHECKING:
+    from txl.finetune import Init
 
 DEFAULT_PRESET = "default"
 
@@ -89,8 +93,9 @@ def min_lr_follows_lr(base: dict, overrides: dict) -> None:
                                          old_min / old_lr * lr)
 
 
-def build_config(args: argparse.Namespace):
-    """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD."""
+def build_config(args: argparse.Namespace, init: Init | None = None):
+    """The run's config: --config (or the resumed run's), then the shortcuts, then --SECTION.FIELD;
+    ``init``: the checkpoint of --init-from (``txl.finetune.load_init``), whose architecture it keeps."""
     import logging
 
     from txl.checkpoint import read_run
@@ -125,7 +130,7 @@ def build_config(args: argparse.Namespace):
         if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
             from txl.finetune import run_config
 
-            return run_config(base, overrides, args.init)
+            return run_config(base, overrides, init)
     return RunConfig.from_dict(apply_overrides(base, overrides))
 
 
@@ -133,15 +138,15 @@ def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         print("\n".join(list_presets()))
         return 0
-    args.init = corpus = None
+    init = corpus = None
     if args.init_from:
         from txl.finetune import load_init
 
-        args.init = load_init(args.init_from, revision=args.revision, vocab=args.vocab)
+        init = load_init(args.init_from, revision=args.revision, vocab=args.vocab)
     elif args.vocab is not None:
         raise ValueError(f"--vocab {args.vocab} is the vocabulary of an --init-from checkpoint; a new run builds its "
                          "own from the corpus (--data.level, --data.vocab_size): add --init-from DIR or drop --vocab")
-    cfg = build_config(args)
+    cfg = build_config(args, init)
     from txl.cli.options import is_main_process
     from txl.distributed import OtherRankFailed
     from txl.signals import Stopped
@@ -149,13 +154,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume and args.overwrite:
         raise ValueError("--resume continues a run and --overwrite deletes it; give one of them")
-    if args.init is not None:
+    if init is not None:
         from txl.finetune import encode_corpus
 
-        corpus = encode_corpus(cfg, args.init.tokenizer)
+        corpus = encode_corpus(cfg, init.tokenizer)
     try:
         result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
-                       init=None if args.init is None else args.init.model)
+                       init=None if init is None else init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
     except OtherRankFailed:

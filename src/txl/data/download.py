@@ -5,7 +5,8 @@ with an HTTP ``Range`` request (a server that ignores Range sends the whole file
 restarts cleanly from byte 0). Once complete, the sha256 (and the MD5, where a public project pins
 one) is checked and the file renamed to ``dest``, so ``dest`` only ever holds a whole, verified file.
 Given several URLs (mirrors of the same bytes), it tries them in order: a mirror that is down, refuses
-the request or serves other bytes is skipped for the next. A progress bar is shown on stderr when
+the request or serves other bytes is skipped for the next. A host name that does not resolve (offline, or
+a name that no longer exists) is not retried: the next mirror is tried at once. A progress bar is shown on stderr when
 ``tqdm`` is installed (the ``cli`` extra). ``extract`` unpacks zip and tar(.gz)
 archives without letting a member escape the target directory.
 """
@@ -16,8 +17,10 @@ import hashlib
 import http.client
 import logging
 import os
+import socket
 import tarfile
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from collections.abc import Sequence
@@ -73,6 +76,15 @@ class _Interrupted(Exception):
     pass
 
 
+class _Unresolvable(Exception):
+    """The URL's host name does not resolve: not a transient error, so the mirror is not tried again."""
+
+
+def _host_unresolved(err: BaseException) -> bool:
+    """Whether ``err`` (as urllib raises it) is a failed name lookup (socket.gaierror)."""
+    return isinstance(err, socket.gaierror) or isinstance(getattr(err, "reason", None), socket.gaierror)
+
+
 def _fetch_once(url: str, part: Path, timeout: float, progress: bool = False) -> None:
     """One request: resume ``part`` from its current size, or start it. Raises _Interrupted if cut."""
     offset = part.stat().st_size if part.exists() else 0
@@ -87,6 +99,9 @@ def _fetch_once(url: str, part: Path, timeout: float, progress: bool = False) ->
             return
         raise
     except (urllib.error.URLError, OSError) as err:
+        if _host_unresolved(err):
+            host = urllib.parse.urlsplit(url).hostname
+            raise _Unresolvable(f"cannot resolve the host name {host} ({getattr(err, 'reason', err)})") from err
         raise _Interrupted(str(err)) from err
     with resp:
         length = resp.headers.get("Content-Length")
@@ -125,6 +140,8 @@ def _download_one(url: str, dest: Path, part: Path, *, sha256: str | None, md5: 
         try:
             _fetch_once(url, part, timeout, progress)
             break
+        except _Unresolvable as err:  # offline or a dead name: asking again gives the same answer
+            raise ConnectionError(f"could not download {url}: {err}") from None
         except _Interrupted as err:
             size = part.stat().st_size if part.exists() else 0
             if attempt == retries and size == 0:  # never connected (offline, DNS, firewall): nothing kept

@@ -48,7 +48,8 @@ class KVCache:
     positions: tuple[torch.Tensor, ...] = ()
     """Relative attention: one (N, H, D) tensor per layer, row n = W_kR R(n); grown when K needs more."""
     weights_version: int | None = None
-    """Sum of the parameters' version counters when the cache was built: an optimiser step changes it."""
+    """Sum of the parameters' version counters when the cache was built: an optimiser step changes it
+    (None: built under torch.compile, which cannot read them; not checked)."""
 
     @property
     def length(self) -> int:

@@ -218,7 +218,7 @@ class TransformerXL(nn.Module):
             # keys/values cover all K rows, so truncating them as a whole keeps them aligned with new_memory.
             out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
                                    values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=weights_version(self))
+                                   positions=table, weights_version=self._weights_version())
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -227,6 +227,11 @@ class TransformerXL(nn.Module):
         if return_log_probs or (return_log_probs is None and labels is None):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
+
+    def _weights_version(self) -> int | None:
+        """The parameters' version for a KVCache; None under torch.compile, which cannot read version
+        counters (a graph break): a compiled caller checks its cache at its boundary, as it checks inputs."""
+        return None if torch.compiler.is_compiling() else weights_version(self)
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
@@ -270,7 +275,7 @@ class TransformerXL(nn.Module):
             raise ValueError(f"kv_cache holds {cache.length} rows for batch {k.size(0)} but the memory has "
                              f"{mlen} rows for batch {batch_size}: pass the kv_cache returned with this memory "
                              "(both come from the same output), or KVCache() to rebuild it from the memory")
-        if cache.weights_version != weights_version(self):
+        if cache.weights_version not in (None, weights_version(self)):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
 
