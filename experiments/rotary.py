@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.corpus not in ablation.EXTRA_VARIANTS:
         raise SystemExit(f"--corpus {args.corpus}: the rotary row is defined for "
                          f"{', '.join(ablation.EXTRA_VARIANTS)}")
-    args.variants = NAME
+    args = args.replace(variants=NAME)
     common.setup_logging()
     start = time.perf_counter()
     runs = ablation.collect(args)  # train (or resume, or reuse), then the table's losses at every length
