@@ -41,7 +41,7 @@ def caches_seen(model, monkeypatch) -> list:
 
 @pytest.mark.parametrize("changes", [dict(attn_type="relative"), dict(attn_type="relative", same_length=True),
                                      dict(attn_type="relative", ext_len=2, pre_ln=True, untie_r=True),
-                                     dict(attn_type="shaw")])
+                                     dict(attn_type="shaw"), dict(attn_type="rotary")])
 def test_evaluate_with_cached_keys_equals_recomputing_them(changes, monkeypatch):
     torch.manual_seed(0)
     model = perturbed(**changes)

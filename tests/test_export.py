@@ -94,6 +94,30 @@ def test_onnx_of_a_large_model_names_its_weights_file(model_dir, tmp_path, capsy
         "s.onnx" in capsys.readouterr().out
 
 
+def test_rotary_segment_step_exports_and_equals_eager(tmp_path):
+    """Rotary positions rotate by the index in [memory; segment]: the padded memory of the exported step shifts
+    those indices, which relative scores do not see, so the exported program equals eager from memory=None."""
+    torch.manual_seed(0)
+    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=5,
+                             attn_type="rotary", dropout=0.0)
+    model = txl.TransformerXL(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    check_against_eager(model, lambda *a: SegmentStep(model)(*a))
+    directory = txl.save_pretrained(model, tmp_path / "model")
+    assert main(["export", "--checkpoint", str(directory), "--format", "torch-export",
+                 "-o", str(tmp_path / "step.pt2")]) == 0
+    step = load(tmp_path / "step.pt2")
+
+    def run(ids, memory, padding):
+        with torch.no_grad():
+            return step(ids, memory, padding)
+
+    check_against_eager(model, run)
+
+
 def test_absolute_positions_cannot_be_exported():
     model = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=8, n_head=2, d_inner=16,
                                               mem_len=4, attn_type="absolute"))

@@ -151,6 +151,7 @@ KV_CONFIGS = {
     "adaptive_div2_tied": CONFIGS["adaptive_div2_tied"],
     "clamp_pre_ln_untie_r": CONFIGS["clamp_pre_ln_untie_r"],
     "shaw": dict(vocab_size=61, attn_type="shaw", learned_positions=7),
+    "rotary": dict(vocab_size=61, attn_type="rotary"),
     "ext_len": dict(vocab_size=61, ext_len=1),
 }
 

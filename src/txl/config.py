@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AttnType = Literal["relative", "shaw", "absolute", "al_rfou"]
+AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["torch", "fast16"]
@@ -81,7 +81,8 @@ class ModelConfig:
     """'relative': the paper's encoding, terms (a)+(b)+(c)+(d) with sinusoidal R and biases u, v.
     'shaw': Shaw et al. 2018, a learned embedding per relative distance.
     'absolute': Vaswani et al. 2017, sinusoid added to the input.
-    'al_rfou': Al-Rfou et al. 2018, a learned absolute embedding added to every layer's input."""
+    'al_rfou': Al-Rfou et al. 2018, a learned absolute embedding added to every layer's input.
+    'rotary': Su et al. 2021, queries and keys rotated by their index in [memory; segment] (relative)."""
     learned_positions: int = 512
     """Number of learned distances ('shaw') or positions ('al_rfou'); larger ones reuse the last."""
     untie_r: bool = False
@@ -164,6 +165,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attn_type={self.attn_type!r} is unknown; choose one of "
                 f"{', '.join(typing.get_args(AttnType))}")
+        if self.attn_type == "rotary" and self.d_head % 2:
+            raise ValueError(f"ModelConfig.attn_type='rotary' rotates pairs of channels: d_head={self.d_head} must be "
+                             "even; choose n_head so that d_model // n_head is even, or set d_head")
         for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
@@ -283,7 +287,8 @@ class DataConfig:
 
     corpus: str = "stdlib"
     """A corpus name (enwik8, text8, wt103, wt2, ptb, pennchar, lm1b), a text file, a directory with
-    train/valid/test.txt, or 'stdlib': this Python's standard-library source (always available)."""
+    train/valid/test.txt, 'stdlib': this Python's standard-library source (always available), or 'recall':
+    generated key-value recall at known distances (txl.data.recall)."""
     data_dir: str | None = None
     """Folder holding a named corpus's files (default data/<name>)."""
     level: str | None = None
