@@ -138,7 +138,7 @@ def workspace(tmp_path_factory):
     wt103 = root / "data" / "wt103" / "wikitext-103"
     wt103.mkdir(parents=True)
     for k, split in enumerate(("train", "valid", "test")):
-        (wt103 / f"wiki.{split}.tokens").write_text(" = Valkyria = \n\n" + _words(400, 10 + k))
+        (wt103 / f"wiki.{split}.tokens").write_text(" = Valkyria = \n\n" + _words(1500, 10 + k))
     shutil.copyfile(wt103 / "wiki.test.tokens", root / "wiki.test.tokens")
     ptb = root / "data" / "ptb" / "simple-examples" / "data"
     ptb.mkdir(parents=True)
