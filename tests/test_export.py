@@ -66,6 +66,7 @@ def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, caps
 def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capfd):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
+    (tmp_path / "out").mkdir()  # export writes into an existing directory (the output rule) and nothing beside
     assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "out" /
                  "s.onnx")]) == 0
     out, err = capfd.readouterr()

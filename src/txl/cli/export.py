@@ -9,6 +9,10 @@ See txl.export for the program's inputs and outputs.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
     check_output(output, "-o", default)  # before the model is loaded
     model = txl.from_pretrained(resolve_model_dir(args.checkpoint, revision=args.revision))
     c = model.config
-    path = write_output(output, lambda tmp: export(model, tmp, format=args.format))
+    if args.format == "onnx":
+        path = _write_onnx(model, Path(output))
+    else:
+        path = write_output(output, lambda tmp: export(model, tmp, format=args.format))
     print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
           f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
           f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "
@@ -43,3 +50,23 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "onnx" and (sidecar := onnx_sidecar(path)) is not None:
         print(f"{sidecar}: the weights (over 1 GiB, too large to keep inside {path.name}); ship it beside {path.name}")
     return 0
+
+
+def _write_onnx(model, output: Path) -> Path:
+    """An ONNX file names its weights sidecar (``NAME.data``, large models) inside itself, so it cannot be written
+    under a temporary name and renamed: it is written under its own name in a temporary directory beside
+    ``output``, then moved into place, the sidecar first and the .onnx last (the output rule: all or nothing)."""
+    from txl.export import export, onnx_sidecar
+    from txl.fileio import WriteError
+
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        written = export(model, tmpdir / output.name, format="onnx")
+        if (sidecar := onnx_sidecar(written)) is not None:
+            os.replace(sidecar, output.parent / sidecar.name)
+        os.replace(written, output)
+    except OSError as err:
+        raise WriteError(output, err, "nothing was written there") from err
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return output
