@@ -12,13 +12,13 @@ import logging
 import sys
 
 from txl import __version__
-from txl.cli import data, generate, score
+from txl.cli import data, generate, score, serve
 from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.cli.options import is_main_process
 
-SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd]
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,92 @@
+"""`txl serve`: aggregate tokens read per second with 1, 2, 4, 8, 16 sessions read concurrently.
+
+A real `txl serve` process (a random small char model, memory 128, segments of 128) and N clients, each
+reading Tiny Shakespeare into a session of its own, a segment per request (the first request 129
+characters, so every later one ends on a segment boundary and costs one forward); or, with
+--mode generate, each generating 32 tokens per request. Requests of different
+sessions that arrive together run as one batched forward (dynamic batching): the figure to read is the
+aggregate tokens/s against N.
+
+    python -m benchmarks.serve_throughput [--sessions 1 2 4 8 16] [--seconds 10] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+async def measure(url: str, n: int, seconds: float, text: str, S: int, mode: str = "read") -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=n + 2)) as c:
+        ids = [(await c.post("/v1/sessions")).json()["id"] for _ in range(n)]
+        for k, sid in enumerate(ids):  # the context token and a first segment, untimed
+            await c.post(f"/v1/sessions/{sid}/text", json={"text": text[k * 1000:k * 1000 + S + 1]})
+        counts = [0] * n
+        deadline = time.monotonic() + seconds
+
+        async def client(k: int) -> None:
+            at = k * 1000 + S + 1
+            while time.monotonic() < deadline:
+                if mode == "read":
+                    r = await c.post(f"/v1/sessions/{ids[k]}/text", json={"text": text[at:at + S]})
+                else:  # generation: one (B, 1) step per token, the sessions' steps batched together
+                    r = await c.post(f"/v1/sessions/{ids[k]}/generate", json={"max_tokens": 32, "seed": at})
+                r.raise_for_status()
+                counts[k] += r.json()["tokens"]
+                at += S
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(client(k) for k in range(n)))
+        elapsed = time.monotonic() - t0
+        for sid in ids:
+            await c.delete(f"/v1/sessions/{sid}")
+    return sum(counts) / elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--durability", default="shutdown", choices=["request", "shutdown"])
+    p.add_argument("--rounds", type=int, default=2, help="passes over --sessions (interleaved; the best is kept)")
+    p.add_argument("--mode", default="read", choices=["read", "generate"],
+                   help="read: tokens read, a segment per request; generate: tokens generated, 32 per request")
+    p.add_argument("--model", default=None)
+    args = p.parse_args()
+    from benchmarks.serve_common import corpus_text, make_model_dir, start_server
+
+    S = 128
+    work = Path(tempfile.mkdtemp(prefix="txl-serve-throughput-"))
+    model = Path(args.model) if args.model else make_model_dir(work / "model")
+    proc, url = start_server(model, work / "serve.log", "--serve.state_dir", str(work / "state"),
+                             "--serve.threads", str(args.threads), "--serve.durability", args.durability,
+                             "--serve.segment_len", str(S), "--serve.max_batch", "16",
+                             "--serve.max_sessions_in_memory", "64")
+    text = corpus_text(1_000_000)
+    best: dict[int, float] = {}
+    try:
+        for _ in range(args.rounds):
+            for n in args.sessions:
+                rate = asyncio.run(measure(url, n, args.seconds, text, S, args.mode))
+                best[n] = max(best.get(n, 0.0), rate)
+                print(f"{n:>3} sessions: {rate:9.0f} tokens/s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    one = best[min(best)]
+    for n in sorted(best):
+        print(f"best of {args.rounds}: {n:>3} sessions {best[n]:9.0f} tokens/s ({best[n] / one:.2f}x one session)")
+    print(json.dumps({"mode": args.mode, "tokens_per_s": best, "threads": args.threads, "durability": args.durability,
+                      "load_average": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""`txl serve MODEL`: an HTTP server whose sessions keep the model's memory (see txl.serve)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from txl.cli.generate import add_shortcut
+    from txl.serve.config import ServeConfig
+
+    p = sub.add_parser(
+        "serve", help="serve a model over HTTP: OpenAI-compatible completions and sessions with memory",
+        allow_abbrev=False,
+        description="Serve a model on 127.0.0.1:8000 (needs pip install 'txl[serve]'). Settings are "
+        "--serve.FIELD VALUE, with --host and --port as shortcuts. The page at / colours a document by surprisal.")
+    p.add_argument("model", metavar="RUN_DIR|MODEL_DIR|HUB_ID",
+                   help="a training run directory (its best checkpoint), a model directory, or a Hub repo id")
+    p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
+    p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
+    p.add_argument("--pretokenized", action="store_true",
+                   help="word-level text is already split into tokens: split on spaces only")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    add_shortcut(p, "--host", "serve.host", metavar="ADDRESS")
+    add_shortcut(p, "--port", "serve.port", metavar="N")
+    add_serve_arguments(p, ServeConfig)
+    p.set_defaults(func=run)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, kind: type) -> None:
+    """``--serve.FIELD`` for each field of ``kind``, its docstring as help (as config.add_config_arguments)."""
+    import dataclasses
+
+    from txl.cli.options import _metavar, _shown, field_docs
+    from txl.presets import field_types
+
+    parser.set_defaults(config_sections=["serve"])
+    group = parser.add_argument_group(f"serve ({kind.__doc__.splitlines()[0].rstrip('.')})")
+    docs, hints = field_docs(kind), field_types(kind)
+    for f in dataclasses.fields(kind):
+        text = docs.get(f.name, "").replace("%", "%%") + f" (default: {_shown(f.default)})"
+        group.add_argument(f"--serve.{f.name}", dest=f"serve.{f.name}", default=argparse.SUPPRESS,
+                           metavar=_metavar(hints[f.name]), help=text)
+
+
+def serve_config(args: argparse.Namespace):
+    """The ``ServeConfig`` of the options given, typed and checked as every config section is."""
+    import os
+
+    from txl.presets import _coerce, field_types
+    from txl.serve.config import ServeConfig
+
+    hints = field_types(ServeConfig)
+    values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("serve.")}
+    if "api_key" not in values and os.environ.get("TXL_SERVE_API_KEY"):
+        values["api_key"] = os.environ["TXL_SERVE_API_KEY"]
+    return ServeConfig(**{k: _coerce("serve", k, v, hints[k]) for k, v in values.items()})
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    try:
+        import uvicorn
+
+        from txl.serve import create_app
+    except ImportError as err:
+        raise ValueError(f"txl serve needs the serve extra ({err.name} is missing): pip install 'txl[serve]'") from None
+    from txl.cli.generate import load_model_and_tokenizer
+    from txl.pretrained import resolve_model_dir
+
+    config = serve_config(args)  # a bad option is refused before anything is loaded
+    resolve_model_dir(args.model, revision=args.revision)  # a missing model: one line now, not a server that 503s
+    args.checkpoint = args.model
+    failed: list[Exception] = []
+
+    def load():
+        model, tokenizer, directory = load_model_and_tokenizer(args)
+        # The name clients see: a Hub id as given, a directory by its last part (never a server path).
+        return model, tokenizer, Path(args.model).name if Path(args.model).exists() else str(args.model)
+
+    def load_error(err: Exception) -> None:  # the server stops and the command says why
+        failed.append(err)
+        server.should_exit = True
+
+    app = create_app(config, load, load_error)
+    logging.getLogger("txl.serve.access").setLevel(logging.INFO)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM and SIGINT drain and exit 0: uvicorn would raise the signal again once stopped.
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    sock = listen(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("txl.serve").info("txl serve: listening on http://%s:%d", host if ":" not in host else
+                                        f"[{host}]", port)
+    server = Server(uvicorn.Config(app, access_log=False, log_level="info", log_config=None,
+                                   timeout_graceful_shutdown=config.drain_seconds))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failed:
+        raise ValueError(f"the model could not be loaded: {failed[0]}")
+    return 0
+
+
+def listen(host: str, port: int):
+    """A listening socket on (host, port), with TCP_NODELAY: uvicorn writes a response's head and body
+    separately, and without it each small response waits ~40 ms for the client's delayed ACK."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by the accepted connections
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port") from None
+    sock.listen(2048)
+    return sock

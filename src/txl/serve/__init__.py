@@ -1,0 +1,17 @@
+"""`txl serve`: a model served with its memory (the ``serve`` extra: FastAPI, uvicorn, prometheus-client).
+
+``create_app(config, load)`` builds the app; ``txl serve MODEL`` runs it on uvicorn. Modules: ``config``
+(ServeConfig, the ``[serve]`` section), ``session`` (a session's state, its text carried over, the store
+that spills to disk), ``engine`` (the worker that batches sessions' model work), ``metrics``, ``app``
+(routes, errors, limits, keys) and ``page.html`` (the page at ``/``).
+"""
+
+from txl.serve.config import ServeConfig
+
+__all__ = ["ServeConfig", "create_app"]
+
+
+def create_app(config, load, on_load_error=None):
+    from txl.serve.app import create_app as _create_app  # FastAPI is imported only when an app is built
+
+    return _create_app(config, load, on_load_error)

@@ -1,0 +1,72 @@
+"""`txl serve`'s settings: the ``[serve]`` config section (``--serve.FIELD VALUE`` on the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _check(name: str, ok: bool, need: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"serve.{name}={value!r} {need}")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """The server: address, reading context, sessions, limits and security."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on; the default accepts local connections only (0.0.0.0: every interface)."""
+    port: int = 8000
+    """TCP port to listen on (0: any free port, printed at start)."""
+    segment_len: int = 128
+    """Tokens read per forward pass: with mem_len, the context of every token, exactly as txl score reads."""
+    mem_len: int | None = None
+    """Memory of a session in positions (none: the model's); a session's state is n_layer x mem_len x d_model."""
+    same_length: bool | None = None
+    """Every query attends to the same number of keys while reading text (none: the model's)."""
+    clamp_len: int | None = None
+    """Relative distances beyond this share one encoding (none: the model's; <= 0: no clamping)."""
+    state_dir: str = "txl-sessions"
+    """Directory of the sessions' saved state (one safetensors file each), read again after a restart."""
+    max_sessions_in_memory: int = 64
+    """Sessions kept in RAM; the least recently used beyond this are written to state_dir and dropped."""
+    session_ttl: float = 86400.0
+    """Seconds an idle session lives; then it is deleted, from RAM and disk."""
+    durability: Literal["request", "shutdown"] = "request"
+    """'request': a request that changed a session returns after its state is on disk (fsynced), so it
+    survives kill -9; 'shutdown': written on eviction and at shutdown only (faster, lost on kill -9)."""
+    api_key: str = ""
+    """Bearer keys, comma-separated (or the TXL_SERVE_API_KEY environment variable); empty: no key needed.
+    A session belongs to the key that created it."""
+    max_body_bytes: int = 1_048_576
+    """Largest request body accepted (413 above)."""
+    max_text_chars: int = 262_144
+    """Longest text (or prompt) in one request, in characters (413 above)."""
+    max_tokens: int = 1024
+    """Most tokens one generate or completion request may ask for."""
+    max_queue: int = 64
+    """Requests waiting for the model beyond this get 429 (backpressure)."""
+    max_batch: int = 16
+    """Most sessions read in one batched forward pass."""
+    drain_seconds: float = 10.0
+    """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
+    threads: int = 0
+    """Torch threads for the forward passes (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        _check("port", 0 <= self.port <= 65535, "must be in 0..65535", self.port)
+        for name in ("segment_len", "max_sessions_in_memory", "max_body_bytes", "max_text_chars", "max_tokens",
+                     "max_queue", "max_batch"):
+            _check(name, getattr(self, name) >= 1, "must be a positive integer", getattr(self, name))
+        if self.mem_len is not None:
+            _check("mem_len", self.mem_len >= 0, "must be >= 0", self.mem_len)
+        _check("session_ttl", self.session_ttl > 0, "must be > 0 seconds", self.session_ttl)
+        _check("drain_seconds", self.drain_seconds >= 0, "must be >= 0 seconds", self.drain_seconds)
+        _check("threads", self.threads >= 0, "must be >= 0", self.threads)
+        _check("durability", self.durability in ("request", "shutdown"), "must be 'request' or 'shutdown'",
+               self.durability)
+
+    @property
+    def keys(self) -> list[str]:
+        return [k.strip() for k in self.api_key.split(",") if k.strip()]

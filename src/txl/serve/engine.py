@@ -1,0 +1,462 @@
+"""The engine: one worker thread that runs every request's model work, batching sessions together.
+
+Shape legend: B rows (sessions) in a batch, T tokens per row, L layers, m a row's memory rows, M the
+longest (rows are left-padded to it), d d_model, H heads, D head width, V vocabulary.
+
+A request is a job: a generator that yields units of model work (read a segment, start a generation,
+one generation step) and receives their results. The worker keeps at most one job per session active,
+the others queued in arrival order, so the requests of one session run in order and never interleave.
+Each round it takes the units of the active jobs, groups those of the same kind and length, and runs a
+group as one forward pass (dynamic batching): rows with shorter memories are left-padded and the pads
+masked as keys (``padding=`` of the model's forward), which relative attention does not notice, so a
+row computes what it would alone (a test proves it).
+
+Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`).
+Generation continues from the memory as `txl generate` does (same_length off, the memory growing with
+the tokens generated, keys and values cached); what it generates is then read into the session like text.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from txl.model.kv_cache import KVCache, weights_version
+from txl.sampling import sample_next
+from txl.serve.session import ClientError, SessionState, SessionStore, take_text
+
+logger = logging.getLogger(__name__)
+
+BIG = 1 << 30
+"""mem_len while generating: nothing read is dropped (as `txl generate` by default)."""
+
+
+@dataclass
+class Unit:
+    """One row of model work. kind 'score': inputs and labels from ``memory`` (L, m, d); 'prefill': inputs
+    from ``memory``, keeping every row (the generation's memory and keys/values); 'step': one input from a
+    generation's ``memory`` and ``kv`` ((L, m, H, D) keys, values)."""
+
+    kind: str
+    inputs: list[int]
+    memory: torch.Tensor | None = None
+    labels: list[int] | None = None
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    with_memory: bool = True
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.kind, len(self.inputs)
+
+
+@dataclass
+class Result:
+    logprobs: list[float] | None = None
+    """'score': log p(labels[t]) for each t."""
+    next_log_probs: torch.Tensor | None = None
+    """'prefill' and 'step': (V,) log-probabilities of the next token."""
+    memory: torch.Tensor | None = None
+    """The row's new memory (L, m', d)."""
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
+              device) -> tuple[torch.Tensor | None, list[int]]:
+    """Stack (L, m_b, *shape) rows into (L, B, M, *shape), left-padded with zeros; and each row's pad count."""
+    lengths = [0 if r is None else r.size(1) for r in rows]
+    M = max(lengths)
+    if M == 0:
+        return None, lengths
+    L = next(r for r in rows if r is not None).size(0)
+    out = torch.zeros(L, len(rows), M, *shape, dtype=dtype, device=device)  # (L, B, M, ...)
+    for b, r in enumerate(rows):
+        if r is not None and r.size(1):
+            out[:, b, M - r.size(1):] = r
+    return out, [M - n for n in lengths]
+
+
+class Model:
+    """The model and the batched forward passes of the three kinds of unit."""
+
+    def __init__(self, model, *, segment_len: int, mem_len: int, same_length: bool, clamp_len: int) -> None:
+        self.model = model.eval()
+        c = model.config
+        self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
+        self.segment_len, self.mem_len = segment_len, mem_len
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.read_ctx = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
+        self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
+        self.cacheable = model.start_kv_cache() is not None
+        self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
+        self.weights_version = weights_version(model)  # a server never changes its weights
+
+    def _memory(self, units: list[Unit], T: int):
+        mem, pads = _left_pad([u.memory for u in units], (self.d_model,), self.dtype, self.device)
+        padding = None
+        if mem is not None and any(pads):
+            M = mem.size(2)
+            padding = torch.zeros(len(units), M + T, dtype=torch.bool, device=self.device)  # (B, M + T)
+            for b, n in enumerate(pads):
+                padding[b, :n] = True
+        return (None if mem is None else tuple(mem.unbind(0))), pads, padding
+
+    @torch.no_grad()
+    def run(self, kind: str, units: list[Unit]) -> list[Result]:
+        T = len(units[0].inputs)
+        x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
+        memory, pads, padding = self._memory(units, T)
+        if kind == "score":
+            y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
+            out = self.model(x, labels=y, memory=memory, context=self.read_ctx, padding=padding,
+                             return_log_probs=False)
+            lp = (-out.nll).double().cpu()  # (B, T)
+            new = torch.stack(out.memory)  # (L, B, M', d)
+            results = []
+            for b, u in enumerate(units):
+                real = (0 if u.memory is None else u.memory.size(1)) + T  # this row's rows: memory and segment
+                keep = min(self.mem_len, real)  # the newest mem_len of them
+                mem = new[:, b, new.size(2) - keep:].clone() if keep and u.with_memory else None
+                results.append(Result(logprobs=lp[b].tolist(), memory=mem))
+            return results
+        # Generation: the memory keeps every row (BIG), keys and values are cached where the attention allows.
+        cache = None
+        if self.cacheable:
+            keys = values = None
+            if kind == "step":
+                keys, _ = _left_pad([u.kv[0] for u in units], (self.n_head, self.d_head), self.dtype, self.device)
+                values, _ = _left_pad([u.kv[1] for u in units], (self.n_head, self.d_head), self.dtype, self.device)
+            cache = KVCache(keys=() if keys is None else tuple(keys.unbind(0)),
+                            values=() if values is None else tuple(values.unbind(0)),
+                            positions=self.table, weights_version=self.weights_version)
+        out = self.model(x, memory=memory, context=self.gen_ctx, padding=padding, kv_cache=cache,
+                         return_log_probs=False)
+        next_lp = self.model.softmax.log_prob(out.hidden[:, -1]).float().cpu()  # (B, V)
+        new = torch.stack(out.memory)  # (L, B, M + T, d)
+        if cache is not None:
+            self.table = out.kv_cache.positions
+            k, v = torch.stack(out.kv_cache.keys), torch.stack(out.kv_cache.values)  # (L, B, M + T, H, D)
+        results = []
+        for b in range(len(units)):
+            kv = (k[:, b, pads[b]:].clone(), v[:, b, pads[b]:].clone()) if cache is not None else None
+            results.append(Result(next_log_probs=next_lp[b], memory=new[:, b, pads[b]:].clone(), kv=kv))
+        return results
+
+
+# -- jobs ------------------------------------------------------------------------------------------------
+
+Work = Generator[Unit, Result, Any]
+
+
+@dataclass
+class Job:
+    """One request: ``work(state)`` is a generator of units; ``emit(event, data)`` reports to the request."""
+
+    session: str | None
+    """The session it works on (None: a temporary one, e.g. a completion without ``session``)."""
+    owner: str
+    work: Callable[[SessionState, Job], Work | Any]
+    """(state, this job) -> a generator of units returning the result, or the result itself."""
+    emit: Callable[[str, Any], None]
+    changes: bool = True
+    """Whether it changes the session (and so is written when durability is 'request')."""
+    create: dict | None = None
+    """Create the session first (with these options: with_memory)."""
+    delete: bool = False
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+    key: str = ""
+    gen: Work | None = None
+    unit: Unit | None = None
+    state: SessionState | None = None
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    """The worker thread, the session store it alone touches, and the queue in front of them."""
+
+    def __init__(self, model: Model, tokenizer, store: SessionStore, *, max_queue: int, max_batch: int,
+                 durable: bool, metrics=None, threads: int = 0) -> None:
+        self.m, self.tokenizer, self.store = model, tokenizer, store
+        self.max_queue, self.max_batch, self.durable = max_queue, max_batch, durable
+        self.metrics, self.threads = metrics, threads
+        self.incoming: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.waiting = 0  # jobs submitted and not yet active
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.queues: dict[str, deque[Job]] = {}
+        self.active: dict[str, Job] = {}
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="txl-serve-engine", daemon=True)
+        self._temp = 0
+        self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
+
+    # -- the request side (any thread) ------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.stopping:
+                raise ClientError(503, None, "the server is shutting down")
+            if self.waiting >= self.max_queue:
+                raise QueueFull
+            self.waiting += 1
+            self._temp += 1
+            job.key = job.session or f"~{self._temp}"
+        self.incoming.put(job)
+        self.wake.set()
+
+    def stop(self, timeout: float) -> None:
+        """Finish the jobs in flight (within ``timeout`` s), then write every changed session."""
+        with self.lock:
+            self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout)
+        if self.thread.is_alive():  # generations stop at their next token, reading at its next segment
+            logger.warning("requests still running after %.0f s of draining: generations cut short", timeout)
+            for job in list(self.active.values()):
+                job.cancelled = True
+            self.thread.join(timeout)
+        busy = set(self.active) if self.thread.is_alive() else set()
+        if busy:
+            logger.error("the worker did not stop: %d sessions in use are not written", len(busy))
+        n = self.store.flush(exclude=busy)
+        logger.info("sessions written: %d", n)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting
+
+    # -- the worker --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        last_sweep = 0.0
+        while True:
+            self._admit()
+            if not self.active:
+                with self.lock:
+                    done = self.stopping and self.waiting == 0 and self.incoming.empty()
+                if done:
+                    return
+                self.wake.wait(0.2)
+                self.wake.clear()
+            else:
+                self._round()
+            now = time.time()
+            if now - last_sweep > min(60.0, self.store.ttl / 4):
+                last_sweep = now
+                busy = set(self.active) | set(self.queues)
+                n = self.store.expire(now, busy)
+                if n:
+                    logger.info("sessions expired: %d", n)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sessions_in_memory.set(len(self.store.ram))
+            self.metrics.sessions_on_disk.set(self.store.on_disk)
+            self.metrics.queue_depth.set(self.waiting)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                job = self.incoming.get_nowait()
+            except queue.Empty:
+                break
+            self.queues.setdefault(job.key, deque()).append(job)
+        for key in list(self.queues):
+            if key in self.active:
+                continue
+            q = self.queues[key]
+            job = q.popleft()
+            if not q:
+                del self.queues[key]
+            with self.lock:
+                self.waiting -= 1
+            self.active[key] = job
+            self._begin(job)
+        evicted = self.store.evict(set(self.active) | set(self.queues))
+        if evicted and self.metrics is not None:
+            self.metrics.evictions.inc(evicted)
+
+    def _begin(self, job: Job) -> None:
+        try:
+            if job.create is not None:
+                state = self.store.create(job.owner, context=self.context_ids, **job.create)
+            elif job.session is None:
+                state = SessionState(id="", owner=job.owner, tokens=list(self.context_ids))
+            else:
+                state = self.store.get(job.session, job.owner)
+            job.state = state
+            if job.changes and state.id:
+                state.requests += 1  # its place in the session's order, reported with its reply
+            if job.delete:
+                self.store.delete(state.id)
+                self._finish(job, job.work(state, job))
+                return
+            job.gen = job.work(state, job)
+            if not isinstance(job.gen, Generator):
+                self._finish(job, job.gen)
+                return
+            job.unit = next(job.gen)
+        except StopIteration as stop:
+            self._finish(job, stop.value)
+        except Exception as err:  # noqa: BLE001 - reported to the request, never kills the worker
+            self._fail(job, err)
+
+    def _round(self) -> None:
+        groups: dict[tuple[str, int], list[Job]] = {}
+        for job in self.active.values():
+            if job.unit is not None:
+                groups.setdefault(job.unit.key, []).append(job)
+        if not groups:
+            return
+        # The group holding the job that has waited longest goes first; up to max_batch rows of it.
+        key = min(groups, key=lambda k: min(j.submitted for j in groups[k]))
+        jobs = sorted(groups[key], key=lambda j: j.submitted)[:self.max_batch]
+        try:
+            results = self.m.run(key[0], [j.unit for j in jobs])
+        except Exception as err:  # noqa: BLE001
+            for job in jobs:
+                self._fail(job, err)
+            return
+        if self.metrics is not None:
+            self.metrics.batch_rows.observe(len(jobs))
+        for job, result in zip(jobs, results):
+            try:
+                job.unit = job.gen.send(result)
+            except StopIteration as stop:
+                self._finish(job, stop.value)
+            except Exception as err:  # noqa: BLE001
+                self._fail(job, err)
+
+    def _finish(self, job: Job, value: Any) -> None:
+        try:
+            if job.changes and job.state is not None and job.state.id and not job.delete:
+                self.store.changed(job.state, durable=self.durable)
+        except OSError as err:
+            logger.error("could not write session %s: %s", job.state.id, err)
+            self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+            return
+        self.active.pop(job.key, None)
+        job.emit("done", value)
+
+    def _fail(self, job: Job, err: Exception) -> None:
+        self.active.pop(job.key, None)
+        if not isinstance(err, ClientError):
+            logger.exception("request failed", exc_info=err)
+        job.emit("error", err)
+
+    # -- the work of requests (generators run by the worker) ----------------------------------------------
+    def read_ids(self, state: SessionState, ids: list[int]) -> Generator[Unit, Result, list[float]]:
+        """Read ``ids`` into the session; the log-probs of those that are scored (all but a document's first
+        token when there is no context token)."""
+        S = self.m.segment_len
+        toks = state.tokens + ids
+        offset = len(state.tokens)  # toks[offset:] are new; label j is toks[j + 1]
+        out: list[float] = []
+        while len(toks) - 1 >= S:  # a complete segment: S labels, its memory kept
+            r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory)
+            out.extend(r.logprobs[max(offset - 1, 0):])
+            state.memory = r.memory
+            toks, offset = toks[S:], max(offset - S, 0)
+        first = max(offset - 1, 0)
+        if len(toks) >= 2 and first <= len(toks) - 2:  # the unfinished segment, read again from the boundary
+            r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory)
+            out.extend(r.logprobs[first:])
+        state.tokens = toks
+        state.n_tokens += len(ids)
+        state.n_scored += len(out)
+        state.nll -= sum(out)
+        if self.metrics is not None:
+            self.metrics.tokens_read.inc(len(ids))
+        return out
+
+    def read_text(self, state: SessionState, data: str | bytes, *, final: bool
+                  ) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+        ids, text, tail, raw = take_text(state, data, self.tokenizer, final=final)
+        lps = yield from self.read_ids(state, ids)
+        state.tail, state.raw = tail, raw
+        state.chars += len(text)
+        return ids, lps
+
+    def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
+                 seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
+                 top_logprobs: int = 0) -> Generator[Unit, Result, dict]:
+        """Continue the session: sample up to ``max_tokens`` tokens, then read them into it."""
+        if state.raw:
+            raise ClientError(400, "session", "the session holds an unfinished UTF-8 character: send its "
+                              "remaining bytes first")
+        if state.tail:  # an unfinished line: generation continues it, so it is read as it stands
+            try:
+                ids = [int(i) for i in self.tokenizer.encode_prompt(state.tail)]
+            except ValueError as err:
+                raise ClientError(400, "text", str(err)) from None
+            state.chars += len(state.tail)
+            state.tail = ""
+            yield from self.read_ids(state, ids)
+        if not state.tokens:
+            raise ClientError(400, "session", "the session has read no text yet: give a prompt or read some text "
+                              "first (generation continues a text)")
+        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        stream = self.tokenizer.stream()
+        hold = max((len(s) for s in stop), default=1) - 1
+        produced: list[int] = []
+        chosen: list[float] = []
+        tops: list[dict[str, float]] = []
+        shown, pending, finish = "", "", "length"
+        if max_tokens:
+            r = yield Unit("prefill", state.tokens, state.memory)
+        for i in range(max_tokens):
+            if job.cancelled:
+                finish = "cancelled"
+                break
+            lp = r.next_log_probs  # (V,)
+            token = int(sample_next(lp[None], temperature=temperature, top_k=top_k, top_p=top_p,
+                                    generator=generator)[0])
+            produced.append(token)
+            chosen.append(float(lp[token]))
+            if top_logprobs:
+                values, idx = lp.topk(min(top_logprobs, lp.numel()))
+                tops.append({self.tokenizer.token_text(int(t)): float(v) for v, t in zip(values, idx)})
+            pending += stream.push(token)
+            cut = min((pending.find(s) for s in stop if s in pending), default=-1)
+            if cut >= 0:
+                pending, finish = pending[:cut], "stop"
+                break
+            n = len(pending) - hold
+            if n > 0:
+                piece, pending = pending[:n], pending[n:]
+                shown += piece
+                if on_text is not None:
+                    on_text(piece)
+            if i + 1 < max_tokens:
+                r = yield Unit("step", [token], r.memory, kv=r.kv)
+        if finish != "stop":
+            pending += stream.finish()
+            cut = min((pending.find(s) for s in stop if s in pending), default=-1)
+            if cut >= 0:
+                pending, finish = pending[:cut], "stop"
+        shown += pending
+        if pending and on_text is not None:
+            on_text(pending)
+        if self.metrics is not None:
+            self.metrics.tokens_generated.inc(len(produced))
+        # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
+        yield from self.read_ids(state, produced)
+        state.generated += len(produced)
+        state.chars += len(self.tokenizer.decode(produced)) if produced else 0
+        return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}

@@ -1,0 +1,263 @@
+"""Sessions: a document's reading state, its text carried over between requests, and where it is kept.
+
+Shape legend: L layers, m memory rows (<= mem_len), d d_model.
+
+A session's state is what Transformer-XL carries from one segment to the next (Dai et al. 2019,
+section 3.2): the memory, (L, m, d), whatever the length of the document, plus the tokens read since
+the last segment boundary (at most segment_len + 1; the first is the input that predicts the next). The
+scores of those tokens are recomputed from the memory at the boundary when more text comes, so a
+document read in any pieces is read in exactly the segments `txl score` reads it in.
+
+Text arrives in arbitrary pieces. What cannot be tokenized yet is carried over: an unfinished UTF-8
+character (raw bodies), and for line-level tokenizers (words, BPE) the unfinished line, whose encoding
+can still change; character and byte tokenizers commit every complete character at once.
+
+The store keeps ``max_in_memory`` sessions in RAM, least recently used first out: spilled sessions are
+written to ``state_dir`` (one safetensors file each, written atomically) and read back on their next request.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from txl.fileio import atomic_write
+
+logger = logging.getLogger(__name__)
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{32}$")
+"""A session id: 24 random bytes from ``secrets``, URL-safe base64 (so never a path)."""
+
+
+class ClientError(Exception):
+    """A request the client must change: HTTP ``status``, the ``field`` at fault (or None) and why."""
+
+    def __init__(self, status: int, field: str | None, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.field, self.reason = status, field, reason
+
+
+def new_id() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def owner_of(key: str) -> str:
+    """What a session records of the key that created it: a hash, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
+
+
+@dataclass
+class SessionState:
+    id: str
+    owner: str = ""
+    with_memory: bool = True
+    """False: each segment is read alone (the page's 'without memory' view)."""
+    memory: torch.Tensor | None = None
+    """(L, m, d) float: every layer's input for the last m positions before ``tokens``; None when empty."""
+    tokens: list[int] = field(default_factory=list)
+    """Tokens since the last segment boundary; tokens[0] is the input that predicts tokens[1]."""
+    tail: str = ""
+    """Text received but not yet tokenized (an unfinished line for line-level tokenizers)."""
+    raw: bytes = b""
+    """An unfinished UTF-8 character at the end of a raw body."""
+    n_tokens: int = 0
+    """Tokens read, text and generated (the context token, if any, not counted)."""
+    n_scored: int = 0
+    nll: float = 0.0
+    """Summed negative log-likelihood (nats) of the scored tokens."""
+    chars: int = 0
+    """Characters tokenized (read and generated)."""
+    generated: int = 0
+    requests: int = 0
+    """Requests that changed the session."""
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+    def info(self, *, n_layer: int, mem_len: int, d_model: int) -> dict:
+        m = 0 if self.memory is None else int(self.memory.size(1))
+        bits = self.nll / 0.6931471805599453
+        return {
+            "id": self.id, "object": "session", "with_memory": self.with_memory,
+            "tokens_read": self.n_tokens, "tokens_generated": self.generated, "tokens_scored": self.n_scored,
+            "nll": self.nll, "bits_per_token": bits / self.n_scored if self.n_scored else None,
+            "chars": self.chars, "bits_per_char": bits / self.chars if self.chars and self.n_scored else None,
+            "pending_chars": len(self.tail), "pending_bytes": len(self.raw), "requests": self.requests,
+            "memory": {"shape": [n_layer, m, d_model], "max_shape": [n_layer, mem_len, d_model],
+                       "bytes": 0 if self.memory is None else self.memory.numel() * self.memory.element_size()},
+            "created": self.created, "last_used": self.last_used,
+        }
+
+    # -- saving ------------------------------------------------------------------------------------
+    def to_file(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        meta = {k: getattr(self, k) for k in ("id", "owner", "with_memory", "tokens", "tail", "n_tokens", "n_scored",
+                                             "nll", "chars", "generated", "requests", "created", "last_used")}
+        meta["raw"] = self.raw.hex()
+        tensors = {"memory": self.memory.contiguous()} if self.memory is not None else {}
+        save_file(tensors, str(path), metadata={"txl_session": json.dumps(meta)})
+
+    @classmethod
+    def from_file(cls, path: Path) -> SessionState:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["txl_session"])
+            memory = f.get_tensor("memory") if "memory" in f.keys() else None
+        meta["raw"] = bytes.fromhex(meta["raw"])
+        return cls(memory=memory, **meta)
+
+
+def _lines(text: str) -> list[str]:
+    """``text`` cut after each '\\n' (each line keeps it; no empty line after a final one), as a file reads."""
+    pieces = text.split("\n")
+    return [p + "\n" for p in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
+
+
+def take_text(state: SessionState, data: str | bytes, tokenizer, *, final: bool) -> tuple[list[int], str, str, bytes]:
+    """The token ids that ``data`` completes, the text they cover, and the new (tail, raw) to carry.
+
+    Nothing in ``state`` is changed (the caller commits once the model has read the ids). Newlines are
+    read as a text file is (universal newlines: '\\r\\n' and '\\r' are '\\n'), so a session equals
+    `txl score` on the same bytes. ``final``: the document ends here (its last line is complete).
+    """
+    raw = state.raw
+    if isinstance(data, bytes):
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        try:
+            text = decoder.decode(raw + data, final=final)
+        except UnicodeDecodeError as err:
+            raise ClientError(400, "text", f"not UTF-8 text (byte {err.start - len(raw)}: {err.reason})") from None
+        raw = decoder.getstate()[0]
+    else:
+        if raw:
+            raise ClientError(400, "text", "the session holds an unfinished UTF-8 character from a raw body; "
+                              "send its remaining bytes as a raw body first")
+        text = data
+    text = state.tail + text
+    hold = ""
+    if text.endswith("\r") and not final:  # perhaps the first half of '\r\n'
+        text, hold = text[:-1], "\r"
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if tokenizer.boundary == "line" and not final:
+        cut = text.rfind("\n") + 1
+        text, tail = text[:cut], text[cut:] + hold
+    else:
+        tail = hold
+    try:
+        ids = [int(i) for i in tokenizer.encode_lines(_lines(text))] if text else []
+    except ValueError as err:  # a character or word the vocabulary cannot encode
+        raise ClientError(400, "text", str(err)) from None
+    return ids, text, tail, raw
+
+
+class SessionStore:
+    """Sessions by id: the most recently used ``max_in_memory`` in RAM, the others in ``state_dir``.
+
+    Used from one thread (the engine's worker); ``pinned`` sessions (with work in progress) are never evicted.
+    """
+
+    SUFFIX = ".safetensors"
+
+    def __init__(self, state_dir: str | os.PathLike, *, max_in_memory: int, ttl: float) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_in_memory, self.ttl = max_in_memory, ttl
+        self.ram: OrderedDict[str, SessionState] = OrderedDict()
+        self.dirty: set[str] = set()
+        self.last_used: dict[str, float] = {}
+        """Every known session, in RAM or on disk -> last use (for the TTL); on disk at start: the file's mtime."""
+        for p in self.dir.glob("*" + self.SUFFIX):
+            if ID_PATTERN.match(p.stem):
+                self.last_used[p.stem] = p.stat().st_mtime
+        self.evictions = 0
+
+    def path(self, sid: str) -> Path:
+        return self.dir / (sid + self.SUFFIX)
+
+    @property
+    def on_disk(self) -> int:
+        return sum(1 for sid in self.last_used if sid not in self.ram or sid not in self.dirty)
+
+    def create(self, owner: str, *, with_memory: bool = True, context: list[int] | None = None) -> SessionState:
+        state = SessionState(id=new_id(), owner=owner, with_memory=with_memory, tokens=list(context or []))
+        self.ram[state.id] = state
+        self.last_used[state.id] = state.last_used
+        self.dirty.add(state.id)
+        return state
+
+    def get(self, sid: str, owner: str) -> SessionState:
+        """The session, read back from disk if it was spilled; 404 when unknown or another key's."""
+        state = self.ram.get(sid) if ID_PATTERN.match(sid) else None
+        if state is None and ID_PATTERN.match(sid) and sid in self.last_used:
+            try:
+                state = SessionState.from_file(self.path(sid))
+            except FileNotFoundError:
+                state = None
+            except Exception as err:  # a damaged file: the session is lost, say so once, server intact
+                logger.error("session file %s is unreadable (%s); the session is dropped", self.path(sid), err)
+                self.last_used.pop(sid, None)
+                state = None
+            if state is not None:
+                self.ram[sid] = state
+        if state is None or state.owner != owner:  # another key's session does not exist for this key
+            raise ClientError(404, "session", "no such session (it was deleted, expired, or belongs to another key)")
+        self.ram.move_to_end(sid)
+        state.last_used = self.last_used[sid] = time.time()
+        return state
+
+    def save(self, state: SessionState) -> None:
+        atomic_write(self.path(state.id), state.to_file)
+        self.dirty.discard(state.id)
+
+    def changed(self, state: SessionState, *, durable: bool) -> None:
+        self.dirty.add(state.id)
+        if durable:
+            self.save(state)
+
+    def delete(self, sid: str) -> None:
+        self.ram.pop(sid, None)
+        self.dirty.discard(sid)
+        self.last_used.pop(sid, None)
+        self.path(sid).unlink(missing_ok=True)
+
+    def evict(self, pinned: set[str]) -> int:
+        """Write the least recently used sessions beyond the budget to disk and drop them from RAM."""
+        if len(self.ram) <= self.max_in_memory:
+            return 0
+        n = 0
+        for sid in list(self.ram):
+            if len(self.ram) <= self.max_in_memory:
+                break
+            if sid in pinned:
+                continue
+            if sid in self.dirty:
+                self.save(self.ram[sid])
+            del self.ram[sid]
+            n += 1
+        self.evictions += n
+        return n
+
+    def expire(self, now: float, busy: set[str]) -> int:
+        old = [sid for sid, t in self.last_used.items() if now - t > self.ttl and sid not in busy]
+        for sid in old:
+            self.delete(sid)
+        return len(old)
+
+    def flush(self, exclude: set[str] = frozenset()) -> int:
+        """Write every session changed since it was last written (at shutdown), but ``exclude``."""
+        dirty = [self.ram[sid] for sid in self.dirty if sid in self.ram and sid not in exclude]
+        for state in dirty:
+            self.save(state)
+        return len(dirty)

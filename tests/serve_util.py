@@ -1,0 +1,85 @@
+"""Shared pieces of the `txl serve` tests: a tiny model directory with its tokenizer, and a real uvicorn
+server on 127.0.0.1 (a free port) in a thread of the test process, stopped by the context manager."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+from conftest import tiny_config
+
+import txl
+from txl.data.sources import Source
+from txl.data.tokenizer import fit_tokenizer, make_spec, save_tokenizer
+
+TEXT = ("The cat sat on the mat. A dog ran to the red house; it was big.\n"
+        "Café, naïve, 日本語 and 😀 are here too: 0123456789 (x + y) * z = ?!\n") * 3
+
+
+def make_model_dir(directory: Path, *, level: str = "char", **overrides) -> Path:
+    """A random tiny model (memory 8) and a tokenizer fitted on TEXT, saved as `txl generate` reads them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    corpus = directory / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    spec = make_spec("char", unk="<unk>") if level == "char" else make_spec(level)
+    tok = fit_tokenizer(spec, [Source(corpus)])
+    corpus.unlink()
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny_config(vocab_size=tok.vocab_size, mem_len=8, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    txl.save_pretrained(model, directory)
+    save_tokenizer(tok, directory)
+    return directory
+
+
+def loader(directory: Path):
+    """The ``load`` of create_app for a model directory (as `txl serve DIR` loads it)."""
+    from txl.data.tokenizer import load_model_tokenizer
+
+    def load():
+        model = txl.from_pretrained(directory)
+        return model, load_model_tokenizer(directory, vocab_size=model.config.vocab_size), "tiny"
+
+    return load
+
+
+@contextlib.contextmanager
+def running(app, *, timeout: float = 30.0, ready: bool = True):
+    """Serve ``app`` with uvicorn on 127.0.0.1 at a free port; yields the base URL once /health is ok
+    (``ready=False``: once it accepts connections, the model perhaps still loading)."""
+    import httpx
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by connections: no 40 ms delayed ACKs
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5, log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == (200 if ready else 503) or (
+                        not ready and server.started):
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the server did not become ready")
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()

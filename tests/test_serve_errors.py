@@ -1,0 +1,156 @@
+"""`txl serve`'s bad requests: each gets a JSON error naming the field and the reason, with the right status
+(400/422/404/405/413/429/503), never a 500, a traceback or a server path."""
+
+import concurrent.futures as futures
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+from serve_util import loader, make_model_dir, running  # noqa: E402
+
+from txl.serve import ServeConfig, create_app  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+UNKNOWN = "A" * 32  # the shape of a session id, but no session
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("serve-errors") / "char")
+
+
+@pytest.fixture(scope="module")
+def client(model_dir, tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    app = create_app(ServeConfig(state_dir=str(state), segment_len=16, max_text_chars=100, max_tokens=50,
+                                 max_body_bytes=2000, durability="shutdown"), loader(model_dir))
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        c.state_dir = str(state)
+        c.empty = c.post("/v1/sessions").json()["id"]
+        c.sid = c.post("/v1/sessions").json()["id"]
+        c.post(f"/v1/sessions/{c.sid}/text", json={"text": "The cat sat."})
+        yield c
+
+
+C, T, G = "/v1/completions", "/v1/sessions/{sid}/text", "/v1/sessions/{sid}/generate"
+OCTET = {"content-type": "application/octet-stream"}
+CASES = [  # (what, method, path, request arguments, status, field)
+    ("malformed JSON", "post", C, dict(content=b'{"prompt": "a",', headers={"content-type": "application/json"}),
+     400, "body"),
+    ("JSON that is not an object", "post", C, dict(json=[1, 2]), 422, "body"),
+    ("non-UTF-8 JSON body", "post", C, dict(content=b'{"prompt": "\xff\xfe"}',
+                                            headers={"content-type": "application/json"}), 400, "body"),
+    ("empty body", "post", C, dict(content=b"", headers={"content-type": "application/json"}), 400, "body"),
+    ("prompt is a number", "post", C, dict(json={"prompt": 5}), 422, "prompt"),
+    ("max_tokens is a string", "post", C, dict(json={"prompt": "a", "max_tokens": "5"}), 422, "max_tokens"),
+    ("max_tokens is a fraction", "post", C, dict(json={"prompt": "a", "max_tokens": 1.5}), 422, "max_tokens"),
+    ("negative max_tokens", "post", C, dict(json={"prompt": "a", "max_tokens": -1}), 400, "max_tokens"),
+    ("huge max_tokens", "post", C, dict(json={"prompt": "a", "max_tokens": 10**9}), 400, "max_tokens"),
+    ("temperature < 0", "post", C, dict(json={"prompt": "a", "temperature": -0.5}), 400, "temperature"),
+    ("temperature NaN", "post", C, dict(content=b'{"prompt": "a", "temperature": NaN}',
+                                        headers={"content-type": "application/json"}), 400, "temperature"),
+    ("temperature is text", "post", C, dict(json={"prompt": "a", "temperature": "hot"}), 422, "temperature"),
+    ("top_p > 1", "post", C, dict(json={"prompt": "a", "top_p": 1.5}), 400, "top_p"),
+    ("top_p 0", "post", C, dict(json={"prompt": "a", "top_p": 0}), 400, "top_p"),
+    ("negative top_k", "post", C, dict(json={"prompt": "a", "top_k": -3}), 400, "top_k"),
+    ("negative seed", "post", C, dict(json={"prompt": "a", "seed": -1}), 400, "seed"),
+    ("five stop texts", "post", C, dict(json={"prompt": "a", "stop": list("abcde")}), 400, "stop"),
+    ("an empty stop text", "post", C, dict(json={"prompt": "a", "stop": [""]}), 400, "stop"),
+    ("stream is a string", "post", C, dict(json={"prompt": "a", "stream": "yes"}), 422, "stream"),
+    ("logprobs 6", "post", C, dict(json={"prompt": "a", "logprobs": 6}), 400, "logprobs"),
+    ("n 2", "post", C, dict(json={"prompt": "a", "n": 2}), 400, "n"),
+    ("presence_penalty", "post", C, dict(json={"prompt": "a", "presence_penalty": 1.0}), 400, "presence_penalty"),
+    ("an unknown field", "post", C, dict(json={"prompt": "a", "temprature": 1}), 422, "temprature"),
+    ("two prompts", "post", C, dict(json={"prompt": ["a", "b"]}), 400, "prompt"),
+    ("empty prompt, no session", "post", C, dict(json={"prompt": ""}), 400, "prompt"),
+    ("unknown session", "post", C, dict(json={"prompt": "a", "session": UNKNOWN}), 404, "session"),
+    ("a session id of the wrong shape", "post", C, dict(json={"prompt": "a", "session": "../x"}), 404, "session"),
+    ("prompt too long", "post", C, dict(json={"prompt": "a" * 101}), 413, "prompt"),
+    ("body too large", "post", C, dict(json={"prompt": "a" * 3000}), 413, "body"),
+    ("body too large, chunked", "post", C, dict(content=iter([b'{"prompt": "', b"a" * 3000, b'"}']),
+                                                headers={"content-type": "application/json"}), 413, "body"),
+    ("empty text", "post", T, dict(json={"text": ""}), 400, "text"),
+    ("text is a number", "post", T, dict(json={"text": 3}), 422, "text"),
+    ("no text", "post", T, dict(json={"logprobs": True}), 400, "text"),
+    ("text field misspelt", "post", T, dict(json={"txt": "a"}), 422, "txt"),
+    ("final is a string", "post", T, dict(json={"text": "a", "final": "yes"}), 422, "final"),
+    ("raw text not UTF-8", "post", T, dict(content=b"ab\xff\xfecd", headers=OCTET), 400, "text"),
+    ("raw text, logprobs=maybe", "post", T + "?logprobs=maybe", dict(content=b"ab", headers=OCTET), 422, "logprobs"),
+    ("text too long", "post", T, dict(json={"text": "a" * 101}), 413, "text"),
+    ("text to an unknown session", "post", T.format(sid=UNKNOWN), dict(json={"text": "a"}), 404, "session"),
+    ("generate on an unknown session", "post", G.format(sid=UNKNOWN), dict(json={}), 404, "session"),
+    ("generate with top_p 2", "post", G, dict(json={"top_p": 2}), 400, "top_p"),
+    ("generate from an empty session", "post", "/v1/sessions/{empty}/generate", dict(json={}), 400, "session"),
+    ("create with memory 'no'", "post", "/v1/sessions", dict(json={"memory": "no"}), 422, "memory"),
+    ("get an unknown session", "get", f"/v1/sessions/{UNKNOWN}", {}, 404, "session"),
+    ("delete an unknown session", "delete", f"/v1/sessions/{UNKNOWN}", {}, 404, "session"),
+    ("an unknown endpoint", "get", "/v1/nothing", {}, 404, None),
+    ("a wrong method", "get", C, {}, 405, None),
+]
+
+
+@pytest.mark.parametrize("what,method,path,kwargs,status,field", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(client, what, method, path, kwargs, status, field):
+    url = path.format(sid=client.sid, empty=client.empty)
+    r = client.request(method.upper(), url, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["field"] == field and error["reason"] and error["code"] == status
+    for leak in ("Traceback", client.state_dir, "/site-packages/", ".py"):
+        assert leak not in r.text
+    # The session the bad requests were aimed at is untouched and usable.
+    assert client.get(f"/v1/sessions/{client.sid}").json()["tokens_read"] == 12
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 30
+
+
+def test_full_queue_gets_429(model_dir, tmp_path):
+    """Twelve generations queued on one session with max_queue=1: some are refused with 429, the rest run."""
+    app = create_app(ServeConfig(state_dir=str(tmp_path), max_queue=1, durability="shutdown"), loader(model_dir))
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        c.post(f"/v1/sessions/{sid}/text", json={"text": "The cat sat."})
+        barrier = threading.Barrier(12)
+
+        def go(_):
+            barrier.wait()
+            return c.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 200})
+
+        with futures.ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(go, range(12)))
+        codes = sorted(r.status_code for r in replies)
+        assert set(codes) == {200, 429}, codes
+        full = next(r for r in replies if r.status_code == 429)
+        assert full.headers["retry-after"] == "1" and "max_queue" in full.json()["error"]["reason"]
+        ok = sum(r.json()["tokens"] for r in replies if r.status_code == 200)
+        assert c.get(f"/v1/sessions/{sid}").json()["tokens_generated"] == ok
+
+
+def test_503_while_the_model_loads(model_dir, tmp_path):
+    gate = threading.Event()
+    load = loader(model_dir)
+
+    def slow():
+        gate.wait(30)
+        return load()
+
+    app = create_app(ServeConfig(state_dir=str(tmp_path)), slow)
+    try:
+        with running(app, ready=False) as url, httpx.Client(base_url=url, timeout=30) as c:
+            r = c.post("/v1/completions", json={"prompt": "a"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["reason"] == "the model is loading"
+            assert c.get("/health").status_code == 503
+            gate.set()
+            for _ in range(600):  # bounded
+                if c.get("/health").status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+    finally:
+        gate.set()
