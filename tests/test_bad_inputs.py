@@ -98,6 +98,20 @@ def world(tmp_path_factory):
         t.addfile(member, io.BytesIO(b"hi"))
     with zipfile.ZipFile(root / "escape.zip", "w") as z:
         z.writestr("../../outside.txt", "hi")
+    with zipfile.ZipFile(root / "link_then_file.zip", "w") as z:  # a symlink entry, then a file under it
+        link = zipfile.ZipInfo("data")
+        link.external_attr = (0o120777 << 16)  # S_IFLNK: zipfile would write it as a plain file
+        z.writestr(link, "/tmp")
+        z.writestr("data/x.txt", "hi")
+    with tarfile.open(root / "good_then_bad.tar", "w") as t:  # a fine member, then an unsafe one
+        good = tarfile.TarInfo("data/ok.txt")
+        good.size = 2
+        t.addfile(good, io.BytesIO(b"ok"))
+        bad = tarfile.TarInfo("data/evil")
+        bad.type, bad.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        t.addfile(bad)
+    broken("run_json_no_d_model", lambda r, c: _edit_json(c / "run.json", lambda d: d["model"].pop("d_model")))
+    broken("run_json_no_eval_tgt", lambda r, c: _edit_json(c / "run.json", lambda d: d["eval"].pop("tgt_len")))
     hf = root / "hf_pickle"  # a Hugging Face-style directory whose only vocabulary is a pickle, of no vocabulary
     shutil.copytree(ckpt, hf)
     shutil.rmtree(hf / "tokenizer")
@@ -218,8 +232,9 @@ CASES = [
      "resume from an earlier checkpoint under checkpoints/", 2),
     ("train-resume-pickled-state", ["train", "--resume", "{pickled_state}"],
      "{root}/pickled_state/checkpoints/step_00000002/train_state.pt holds Python objects other than tensors and "
-     "numbers, and txl never unpickles those (unpickling can run code); it was not written by txl: convert it "
-     "to model.safetensors with a tool you trust, or use a checkpoint txl wrote", 2),
+     "numbers, and txl never unpickles those (unpickling can run code): txl did not write it. Resume from another "
+     "checkpoint under {root}/pickled_state/checkpoints, or start a new run from this checkpoint's weights (its "
+     "model.safetensors holds tensors only) with txl train --init-from {pickled_state_ckpt}", 2),
     ("train-resume-corrupt-run-json", ["train", "--resume", "{bad_run_json}"],
      "{root}/bad_run_json/checkpoints/step_00000002/run.json is not valid JSON (...", 2),
     ("train-resume-other-vocab", ["train", "--resume", "{other_vocab}"],
@@ -367,6 +382,54 @@ CASES = [
     ("data-from-file-many-files", ["data", "download", "lm1b", "--dir", "{root}/lm", "--from-file", "{text}"],
      "lm1b is made of 2 files (1-billion-word-language-modeling-benchmark-r13output.tar.gz, 1b_word_vocab.txt); "
      "put them under those names in --dir and run txl data download lm1b without --from-file", 2),
+    ("data-archive-zip-symlink", ["data", "download", "ptb", "--dir", "{root}/ptb7", "--from-file",
+        "{root}/link_then_file.zip"],
+     "archive member 'data' of {root}/ptb7/simple-examples.tgz is a symbolic link; refusing to extract it: the "
+     "archive is not the expected one", 2),
+    ("data-archive-tar-refused-whole", ["data", "download", "ptb", "--dir", "{root}/ptb8", "--from-file",
+        "{root}/good_then_bad.tar"],
+     "archive member 'data/evil' of {root}/ptb8/simple-examples.tgz is unsafe ('data/evil' is a link to an "
+     "absolute path); refusing to extract it: the archive is not the expected one", 2),
+    # -- contradictory configuration (issue 27)
+    ("train-same-length-no-memory", ["train", *T, "--model.mem_len", "0", "--model.same_length", "true"],
+     "ModelConfig.same_length with mem_len=0 masks every key of a segment's first query (its loss is NaN): set "
+     "mem_len >= 1, or same_length false", 2),
+    ("train-vocab-size-disagrees", ["train", *T, "--model.vocab_size", "300"],
+     "--model.vocab_size 300 disagrees with the corpus 'code', whose vocabulary has 256 symbols (the model's "
+     "vocab_size is always the corpus's); drop --model.vocab_size", 2),
+    ("train-shortcut-and-field", ["train", "--max-steps", "5", "--train.max_steps", "abc"],
+     "--max-steps and --train.max_steps both set train.max_steps; give one of them", 2),
+    ("train-field-then-shortcut", ["train", "--train.out_dir", "a", "--out", "b"],
+     "--out and --train.out_dir both set train.out_dir; give one of them", 2),
+    ("train-shortcut-bad-value", ["train", "--minutes", "soon"],
+     "argument --minutes: invalid float value: 'soon'", 2),
+    ("generate-shortcut-and-field", ["generate", *R, "--prompt", "x", "--top-k", "3", "--sample.top_k", "4"],
+     "--top-k and --sample.top_k both set sample.top_k; give one of them", 2),
+    ("score-shortcut-and-field", ["score", *R, "{text}", "--no-same-length", "--eval.same_length", "true"],
+     "--no-same-length and --eval.same_length both set eval.same_length; give one of them", 2),
+    ("eval-shortcut-and-field", ["eval", "{run}", "--corpus", "x", "--data.corpus", "y"],
+     "--corpus and --data.corpus both set data.corpus; give one of them", 2),
+    # -- a damaged run.json is refused, naming what it lacks (issue 27)
+    ("train-resume-run-json-missing-field", ["train", "--resume", "{run_json_no_d_model}"],
+     "{run_json_no_d_model_ckpt}/run.json lacks the field(s) model.d_model, which every saved run holds: the file "
+     "is damaged and its defaults would change the run or its figures. Restore it from another checkpoint of the "
+     "run (checkpoints/*/run.json, or run.json in the run directory)", 2),
+    ("eval-run-json-missing-eval-field", ["eval", "{run_json_no_eval_tgt}"],
+     "{run_json_no_eval_tgt_ckpt}/run.json lacks the field(s) eval.tgt_len, which every saved run holds: ...", 2),
+    # -- honest evaluation figures, output files (issue 27)
+    ("eval-tgt-len-beyond-split", ["eval", "{run}", "--eval.tgt_len", "100000"],
+     "the test split has 529 tokens, fewer than eval.batch_size x tgt_len + 1 = 2 x 100000 + 1 = 200,001: use a "
+     "smaller --eval.tgt_len or --eval.batch_size, or a corpus with a larger split", 2),
+    ("eval-plot-parent-missing", ["eval", "{run}", "--sweep-mem", "0,4", "--plot", "{root}/nope/sweep.png"],
+     "--plot {root}/nope/sweep.png: the directory {root}/nope does not exist; create it first", 2),
+    ("eval-plot-is-dir", ["eval", "{run}", "--sweep-mem", "0,4", "--plot", "{root}/a_dir"],
+     "--plot {root}/a_dir is a directory; give a file name, e.g. --plot {root}/a_dir/mem_sweep.png", 2),
+    ("export-output-is-dir", ["export", *R, "-o", "{root}/a_dir"],
+     "-o {root}/a_dir is a directory; give a file name, e.g. -o {root}/a_dir/step.pt2", 2),
+    ("export-output-parent-missing", ["export", *R, "-o", "{root}/nope/step.pt2"],
+     "-o {root}/nope/step.pt2: the directory {root}/nope does not exist; create it first", 2),
+    ("export-output-parent-is-file", ["export", *R, "-o", "{text}/step.pt2"],
+     "-o {text}/step.pt2: the directory {text} is a file, not a directory; create it first", 2),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
      "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),

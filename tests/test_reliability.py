@@ -169,8 +169,8 @@ def test_forced_interrupt_without_checkpoint_prints_no_resume_command(corpus, tm
     monkeypatch.setattr(txl.train, "train_step", interrupted)
     out = tmp_path / "r"
     assert main(["train", *args(corpus, out, "--max-steps", "5")]) == 130
-    assert capsys.readouterr().err == (f"txl train: interrupted; no checkpoint was written, nothing to resume; "
-                                       f"start again with --out {out} --overwrite\n")
+    assert capsys.readouterr().err == (f"txl train: interrupted by SIGINT; no checkpoint was written, nothing to "
+                                       f"resume; start again with --out {out} --overwrite\n")
 
 
 # -- divergence ---------------------------------------------------------------------------------------

@@ -164,6 +164,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                 "(original PyTorch / Hugging Face) or 'tensorflow' (original TensorFlow / NVIDIA)")
+        if self.same_length and self.mem_len == 0:  # the first query of every segment would see no key
+            raise ValueError("ModelConfig.same_length with mem_len=0 masks every key of a segment's first query "
+                             "(its loss is NaN): set mem_len >= 1, or same_length false")
 
     @property
     def n_clusters(self) -> int:
@@ -227,6 +230,9 @@ class Context:
         if self.same_length_style not in typing.get_args(SameLengthStyle):
             raise ValueError(f"Context.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                              "or 'tensorflow'")
+        if self.same_length and self.mem_len == 0:
+            raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: use a memory "
+                             "of at least 1, or same_length false")
 
     def describe(self, *, mem_len: str | None = None) -> str:
         """The context as printed beside a figure: 'mem_len 192, clamp_len 128, same_length' (a longer memory
@@ -248,6 +254,7 @@ OptimizerName = Literal["adam", "adamw"]
 Schedule = Literal["cosine", "inv_sqrt", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LossPositions = Literal["all", "last_half"]
+Parallel = Literal["ddp", "fsdp"]
 
 
 def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
@@ -378,6 +385,15 @@ class TrainConfig:
     """Show a tqdm progress bar."""
     sample_tokens: int = 0
     """After training, print a continuation of this many tokens of a test prompt (0: none)."""
+    parallel: Parallel = "ddp"
+    """How a torchrun job of several processes shares the model (txl.parallel): 'ddp' (a full copy per
+    process, gradients all-reduced; checkpoints are model directories) or 'fsdp' (FSDP2 fully_shard per
+    decoder layer, then embedding and softmax, then the root: parameters, gradients and optimiser state
+    sharded; checkpoints are sharded torch.distributed.checkpoint directories that resume at any process
+    count). One process trains the same either way."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (less
+    memory, about one more forward of compute); the result is the same."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "tgt_len", "keep_last", "log_interval"):
@@ -389,6 +405,7 @@ class TrainConfig:
         _check("TrainConfig", "minutes", self.minutes >= 0, "must be >= 0", self.minutes)
         _check_literal("TrainConfig", self, "precision", Precision)
         _check_literal("TrainConfig", self, "loss_positions", LossPositions)
+        _check_literal("TrainConfig", self, "parallel", Parallel)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"TrainConfig.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 

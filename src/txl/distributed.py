@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +18,8 @@ class DistInfo:
     rank: int
     world_size: int
     device: torch.device
+    peers: tuple[tuple[str, int], ...] = ()
+    """(host, pid) of every rank, in rank order (process groups only): which one died, when one does."""
 
     @property
     def is_main(self) -> bool:
@@ -48,6 +54,25 @@ def resolve_device(name: str, local_rank: int = 0, *, flag: str = "--device") ->
     return device
 
 
+def _restart_store(world_size: int) -> dist.Store | None:
+    """The store of a torchrun restart: torchrun's own, under a prefix of its own.
+
+    torchrun's workers share the agent's rendezvous TCPStore, and it outlives a restart: keys the dead
+    attempt wrote (gloo's and NCCL's peer addresses) are still there, and a restarted rank that reads one
+    before its peer rewrote it connects to a process that is gone ("Connection refused", pytorch/pytorch
+    #135712). Each attempt's keys under ``txl/attempt_N`` cannot be read by another. None (torch's
+    env:// default) outside a restart, or where the workers do not use the agent's store.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"txl/attempt_{restart}", store)
+
+
 def init_distributed(device: str) -> DistInfo:
     """Join the process group that torchrun describes in RANK/WORLD_SIZE/LOCAL_RANK (read now, not at
     import); a single process when they are absent."""
@@ -58,8 +83,55 @@ def init_distributed(device: str) -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world_size)
-    return DistInfo(rank=rank, world_size=world_size, device=dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=_restart_store(world_size))
+    peers: list = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    return DistInfo(rank=rank, world_size=world_size, device=dev, peers=tuple(peers) if world_size > 1 else ())
+
+
+class PeerDied(RuntimeError):
+    """A collective failed because another process of the run is gone; the message names it."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (a killed child not yet reaped is a zombie: not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
+def dead_peers(info: DistInfo) -> str:
+    """Which other ranks are gone, in words: those of this host whose process ended, or, when every one
+    here still runs, the ranks on other hosts (which this process cannot see)."""
+    host = socket.gethostname()
+    here = [r for r, (h, _) in enumerate(info.peers) if h == host and r != info.rank]
+    dead: list[int] = []
+    for _ in range(50):  # a killed process closes its sockets just before it is gone: allow it half a second
+        dead = [r for r in here if not _alive(info.peers[r][1])]
+        if dead or not here:
+            break
+        time.sleep(0.01)
+    if dead:
+        return ", ".join(f"rank {r} (pid {info.peers[r][1]})" for r in dead)
+    away = [r for r, (h, _) in enumerate(info.peers) if h != host]
+    return f"a rank on another host (ranks {away[0]}-{away[-1]})" if away else "another rank"
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether a collective failed because another process is gone (gloo's and NCCL's words)."""
+    text = str(err)
+    return type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text \
+        or "Connection closed" in text
 
 
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
@@ -100,3 +172,15 @@ def any_true(flag: bool, info: DistInfo) -> bool:
         return flag
     return all_reduce_sum([float(flag)], info)[0] > 0
 
+
+
+@contextlib.contextmanager
+def naming_dead_peers(info: DistInfo) -> Iterator[None]:
+    """Turn a collective's failure because another process died into ``PeerDied`` naming that rank (one
+    line for the user instead of gloo's or NCCL's words)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if info.enabled and not isinstance(err, PeerDied) and is_peer_failure(err):
+            raise PeerDied(f"{dead_peers(info)} of this distributed run died") from err
+        raise

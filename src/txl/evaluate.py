@@ -76,6 +76,16 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def check_split_fits(split: str, n_tokens: int, *, batch_size: int, tgt_len: int, flag: str) -> None:
+    """Refuse a segment length the split cannot fill once per stream: the evaluation would read shorter
+    segments than it reports (txl train, txl eval and the pretrained path share this rule)."""
+    need = batch_size * tgt_len + 1
+    if n_tokens < need:
+        raise ValueError(f"the {split} split has {n_tokens:,} tokens, fewer than eval.batch_size x tgt_len + 1 "
+                         f"= {batch_size} x {tgt_len} + 1 = {need:,}: use a smaller {flag} or --eval.batch_size, "
+                         "or a corpus with a larger split")
+
+
 @torch.no_grad()
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
              context: Context | None = None, max_batches: int = 0, precision: str = "fp32",

@@ -112,7 +112,8 @@ def export(model: TransformerXL, path: str | os.PathLike, *, format: Format = "t
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is unknown; choose one of {', '.join(FORMATS)}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # the output rule of every command: a missing directory is not created
+        raise FileNotFoundError(f"{path}: the directory {path.parent} does not exist; create it first")
     if format == "onnx":
         return export_onnx(model, path)
     torch.export.save(export_program(model), str(path))

@@ -111,10 +111,110 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")  # NaN is not JSON: raise instead
 
 
+class WriteError(OSError):
+    """A file a command writes could not be written; the message names the file and the OS's reason."""
+
+    def __init__(self, path: str | os.PathLike, err: BaseException, fix: str = "") -> None:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else f"{type(err).__name__}: {err}"
+        errno = err.errno if isinstance(err, OSError) else None
+        super().__init__(errno, f"could not write {path} ({reason}){'; ' + fix if fix else ''}")
+        self.path, self.reason = Path(path), reason
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def check_output(path: str | os.PathLike, flag: str, example: str = "output") -> Path:
+    """The output-path rule every command follows, checked before any work is done: the parent must be an
+    existing directory this process may write in, and ``path`` must not be a directory or a read-only file.
+    Each case is one ValueError/FileNotFoundError naming ``flag``, the path and the fix. The write itself
+    then goes through ``atomic_write`` (a full disk leaves the old file, or none) and reports an OSError
+    as a ``WriteError``."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file name, e.g. {flag} {out / example}")
+    if not out.parent.is_dir():
+        what = "is a file, not a directory" if out.parent.exists() else "does not exist"
+        raise FileNotFoundError(f"{flag} {path}: the directory {out.parent} {what}; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        where = out if out.exists() else out.parent
+        raise ValueError(f"{flag} {path}: {where} is not writable (permission denied); choose another path "
+                         "or change its permissions")
+    return out
+
+
+def write_output(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+    """``atomic_write(path, write)``, with any failure of the write (a full disk, an I/O error) raised as a
+    ``WriteError`` naming ``path``; the temporary is removed and an earlier ``path`` is left as it was."""
+    try:
+        atomic_write(path, write)
+    except OSError as err:
+        raise WriteError(path, err, "nothing was written there") from err
+    return Path(path)
+
+
+# -- JSON Lines: append-safe rows ----------------------------------------------------------------------
+
+def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
+    """Append one row to a JSON Lines file so that a failed write leaves no partial row: the file is cut
+    back to its previous length when the write or flush fails (a full disk), and a process killed mid-write
+    leaves at most one torn last line, which ``read_jsonl`` drops. A failure raises ``WriteError``."""
+    line = memoryview((json.dumps(row) + "\n").encode("utf-8"))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while line:  # unbuffered: nothing is left in a buffer to be written later, after the cut
+                    line = line[os.write(fd, line):]
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise WriteError(path, err) from err
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of a JSON Lines file and a note on its torn last line (None when there is none).
+
+    Only the last line can be torn (a write cut by a kill or a full disk): it is dropped and described. A bad
+    line before the last one means the file was damaged otherwise: ValueError naming the file and line.
+    """
+    lines = Path(path).read_bytes().split(b"\n")
+    rows, torn = [], None
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+        except ValueError as err:
+            if any(rest.strip() for rest in lines[i + 1:]):
+                raise ValueError(f"{path} line {i + 1} is not a JSON object ({err}); the file is damaged: "
+                                 f"delete that line (or the file) and run again") from None
+            torn = f"{path} ended in a torn row (line {i + 1}, {len(raw)} bytes, cut by a crash or a full disk)"
+            break
+        rows.append(row)
+    return rows, torn
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
+    """Replace a JSON Lines file with ``rows`` atomically (a crash keeps the old file whole)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    try:
+        write_text(path, text)
+    except OSError as err:
+        raise WriteError(path, err) from err
+
+
 def remove_partial(directory: str | os.PathLike) -> None:
     """Remove the temporary directories that a writer killed mid-write (SIGKILL, power loss) left behind."""
     for tmp in Path(directory).glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
-__all__ = ["atomic_write", "fsync_dir", "fsync_file", "fsync_tree", "remove_partial", "write_json", "write_text"]
+__all__ = ["WriteError", "append_jsonl", "atomic_write", "check_output", "fsync_dir", "fsync_file", "fsync_tree",
+           "read_jsonl", "remove_partial", "write_json", "write_jsonl", "write_output", "write_text"]

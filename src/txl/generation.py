@@ -15,6 +15,9 @@ ever dropped, so token-by-token generation gives exactly the distribution of one
 over the whole text (tests/test_generate.py proves it). The cost of a step then grows linearly with
 the context; pass a smaller ``mem_len`` to bound it, and each token attends to the last ``mem_len``
 positions (a sliding window, as the paper evaluates with a memory longer than it trains with).
+How memory is bounded: with ``mem_len`` given, the memory and its key/value cache hold at most
+``mem_len`` positions whatever ``N`` is; without it they grow to ``T + N`` positions, and a call whose
+whole context would not fit in the memory available (``context_bytes``) is refused before any work.
 ``same_length`` is off and ``ext_len`` is 0 while generating: both only make sense for fixed-length
 training or evaluation segments. The model's own config is restored after every call.
 
@@ -32,6 +35,7 @@ produced.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -164,6 +168,34 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p
                             repetition_penalty=repetition_penalty)
 
 
+def context_bytes(config, batch_size: int, positions: int, element_size: int = 4) -> int:
+    """Bytes the generation state takes at ``positions`` positions: every layer's memory rows (B, M, d) and,
+    for cacheable attention, their projected keys and values (B, M, H, D) twice."""
+    per_layer = config.d_model + (2 * config.n_head * config.d_head if config.attn_type in ("relative", "shaw") else 0)
+    return batch_size * positions * config.n_layer * per_layer * element_size
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (a CUDA device's free memory, else the host's available pages); None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_whole_context(model: TransformerXL, batch_size: int, prompt_len: int, max_new_tokens: int) -> None:
+    param = next(model.parameters())
+    need = context_bytes(model.config, batch_size, prompt_len + max_new_tokens, param.element_size())
+    free = available_bytes(param.device)
+    if free is not None and need > free:
+        raise ValueError(f"max_new_tokens={max_new_tokens:,} with the whole context kept (mem_len none) would hold "
+                         f"{prompt_len + max_new_tokens:,} positions of memory, about {need / 2**30:,.1f} GiB, more "
+                         f"than the {free / 2**30:,.1f} GiB free: give mem_len (e.g. --mem-len 1024, a sliding window "
+                         "that bounds the memory) or fewer new tokens")
+
+
 def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
                     max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, generator: torch.Generator | None = None,
@@ -205,6 +237,8 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     _positive_int("segment_len", segment_len)
     if seed is not None:
         generator = torch.Generator(prompt.device).manual_seed(int(seed))
+    if mem_len is None:
+        _check_whole_context(model, prompt.size(0), prompt.size(1), max_new_tokens)
     decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len,
                                  compile=compile)
 

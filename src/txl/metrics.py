@@ -8,11 +8,12 @@ methods everywhere.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from txl.fileio import WriteError, append_jsonl, read_jsonl, write_jsonl, write_output
 
 log = logging.getLogger(__name__)
 
@@ -29,39 +30,68 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: int | None) -> None:
         self.path, self.enabled, self.tb = out_dir / METRICS_FILE, enabled, None
+        self.tb_dir = out_dir / "tb"
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            rows = [r for r in self.path.read_text(encoding="utf-8").splitlines()
-                    if r.strip() and json.loads(r).get("step", 0) <= resume_step]
-            self.path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+            rows, torn = read_jsonl(self.path)
+            if torn:
+                log.warning("%s: dropped it", torn)
+            # The resumed steps write their rows again, and the final results (valid_full, test) are
+            # recomputed when the resumed run ends: keep neither twice.
+            write_jsonl(self.path, [r for r in rows if r.get("step", 0) <= resume_step and r.get("kind") in
+                                    ("train", "valid")])
         elif resume_step is None:
-            self.path.write_text("", encoding="utf-8")
+            write_jsonl(self.path, [])
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out_dir / "tb"))
+                self.tb = SummaryWriter(str(self.tb_dir))
+            except OSError as err:  # its first event, written by its thread, failed (a full disk)
+                raise WriteError(self.tb_dir, err) from err
             except ImportError:
                 log.info("tensorboard is not installed (pip install 'txl[tb]'): metrics go to %s only", self.path)
 
     def write(self, kind: str, step: int, **values: Any) -> None:
+        """Append a row (a full disk leaves no partial row: ``txl.fileio.append_jsonl``) and its scalars to
+        TensorBoard; a failure of either raises ``WriteError`` naming the file."""
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        append_jsonl(self.path, {"kind": kind, "step": step, **values})
         if self.tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+            try:
+                for key, value in values.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self.tb.add_scalar(f"{kind}/{key}", value, step)
+            except Exception as err:  # its writer thread's OSError, raised again here
+                self._drop_tb()
+                raise WriteError(self.tb_dir, err) from err
+
+    def _drop_tb(self) -> None:
+        tb, self.tb = self.tb, None
+        with contextlib.suppress(Exception):  # it already failed once; its error has been reported
+            tb.close()
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except Exception as err:
+                self.tb = None
+                raise WriteError(self.tb_dir, err) from err
+            self.tb = None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(r) for r in path.read_text(encoding="utf-8").splitlines() if r.strip()]
+    """The rows of a metrics.jsonl (a torn last row, left by a crash or a full disk, is skipped)."""
+    return read_jsonl(path)[0]
+
+
+def _save_figure(fig: Any, png: str | Path) -> None:
+    """Write a figure atomically: a full disk or a kill leaves the previous png (or none), never a 0-byte
+    file; an OSError is a ``WriteError`` naming the file."""
+    write_output(png, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
 def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
@@ -85,8 +115,10 @@ def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    try:
+        _save_figure(fig, png)
+    finally:
+        plt.close(fig)
     return True
 
 
@@ -107,8 +139,10 @@ def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, key
     ax.set_title(f"{metric} against memory length")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    try:
+        _save_figure(fig, png)
+    finally:
+        plt.close(fig)
     return True
 
 

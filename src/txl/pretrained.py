@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,32 @@ def unsafe_load_message(path: Path, err: Exception) -> str:
     return f"{path} is corrupt or truncated ({type(err).__name__}); restore it or use an earlier checkpoint"
 
 
+def read_sharded_state(shards: Path) -> dict[str, torch.Tensor]:
+    """The whole weights of a sharded (torch.distributed.checkpoint) checkpoint's ``dcp/`` directory, read in
+    this one process whatever the number that wrote it (no process group needed or used)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(shards))
+    try:
+        meta = reader.read_metadata()
+    except Exception as err:
+        raise ValueError(f"{shards / '.metadata'} is corrupt or truncated ({type(err).__name__}); use an earlier "
+                         "checkpoint") from None
+    state = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for key, m in meta.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # (saved as {"model": ...})
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state
+
+
 def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors of a checkpoint directory (safetensors preferred) and the file they came from."""
+    """The tensors of a checkpoint directory (safetensors preferred; a sharded checkpoint's DCP shards read
+    whole) and the file they came from."""
+    if (directory / "dcp" / ".metadata").is_file() and not (directory / WEIGHTS_FILE).is_file():
+        return read_sharded_state(directory / "dcp"), str(directory / "dcp")
     st = directory / WEIGHTS_FILE
     legacy = directory / LEGACY_WEIGHTS_FILE
     if st.exists():

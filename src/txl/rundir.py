@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 
 LOCK_FILE = "train.lock"
-RUN_FILES = ("run.json", "metrics.jsonl", "latest.json", "best.json", "learning_curve.png", "mem_sweep.png")
+RUN_FILES = ("run.json", "metrics.jsonl", "latest.json", "best.json", "learning_curve.png", "mem_sweep.png",
+             "elastic.json")
 CKPT_DIR = "checkpoints"
 RUN_DIRS = (CKPT_DIR, "tb")
 

@@ -1,16 +1,67 @@
-"""Stop training cleanly on SIGTERM (a scheduler's preemption notice) and Ctrl-C (SIGINT).
+"""One rule for SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption notice), at any moment.
 
-The handler only records the request; the training loop looks at it at each step boundary, writes a
-checkpoint there and stops, so the run resumes exactly (a checkpoint written from inside a signal
-handler could catch the optimiser half-way through a step). A second Ctrl-C raises KeyboardInterrupt
-at once, for a user who will not wait for the step to end.
+An interruption is reported as an interruption: one line naming what is intact, exit code 128 + N (130
+for SIGINT, 143 for SIGTERM), never a traceback and never an error about something else (a full disk).
+
+* Outside training (start-up, ``txl generate``, ``score``, ``eval``, ``export``, ``data``), the command
+  line's entry point runs the command under ``terminate_raises()``: SIGTERM raises ``Interrupted`` as
+  Ctrl-C raises KeyboardInterrupt (``Interrupted`` is one), so ``finally`` blocks and atomic writes clean up.
+* In the training loop ``StopRequest`` only records the signal; the loop looks at it at each step
+  boundary, writes a checkpoint there and stops (``Stopped``), so the run resumes exactly (a checkpoint
+  written from inside a signal handler could catch the optimiser half-way through a step). A second
+  Ctrl-C raises ``Interrupted`` at once, for a user who will not wait; ``forced`` records it, so a
+  checkpoint write it cut is reported as the interruption it is.
+* After the final checkpoint nothing is left to save: ``StopRequest.at_once`` makes a signal raise
+  ``Interrupted`` at once (the final validation, test and sample stop), naming what is intact.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM interrupted the work; ``during`` says what was cut and what is intact."""
+
+    def __init__(self, sig: signal.Signals = signal.SIGINT, during: str = "") -> None:
+        super().__init__(sig.name)
+        self.signal, self.during = sig, during
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signal)
+
+
+def exit_code(err: KeyboardInterrupt) -> int:
+    """128 + the signal's number: 130 for a plain KeyboardInterrupt (Ctrl-C), 143 for SIGTERM."""
+    return err.exit_code if isinstance(err, Interrupted) else 128 + int(signal.SIGINT)
+
+
+def signal_name(err: KeyboardInterrupt) -> str:
+    return err.signal.name if isinstance(err, Interrupted) else "SIGINT"
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Within the block SIGTERM raises ``Interrupted(SIGTERM)``, as SIGINT raises KeyboardInterrupt; the
+    previous handler comes back on exit (no-op outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signal.Signals(signum))
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopRequest:
@@ -22,6 +73,9 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
+        self.forced = False
+        """A second Ctrl-C raised Interrupted at once (whatever it cut short is reported as interrupted)."""
+        self._at_once: str | None = None
         self._previous: dict[int, object] = {}
 
     @property
@@ -29,9 +83,19 @@ class StopRequest:
         return self.signal is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._at_once is not None:
+            raise Interrupted(signal.Signals(signum), self._at_once)
         if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
+            self.forced = True
+            raise Interrupted(signal.SIGINT)  # a second Ctrl-C: the user does not want to wait
         self.signal = signal.Signals(signum)
+
+    def at_once(self, during: str) -> None:
+        """From now on a signal raises ``Interrupted(sig, during)`` at once: nothing is left to save.
+        A signal already recorded raises it now."""
+        self._at_once = during
+        if self.signal is not None and self._previous:
+            raise Interrupted(self.signal, during)
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -45,13 +109,28 @@ class StopRequest:
         self._previous.clear()
 
 
+def resume_command(out_dir: object) -> str:
+    """The command that resumes the run in ``out_dir`` with the process count this one has: a run written by
+    W processes resumes with W (the iterator and memories are per process), so under torchrun (its
+    WORLD_SIZE and LOCAL_WORLD_SIZE, read when called) the advice is the torchrun command."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world <= 1:
+        return f"txl train --resume {out_dir}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    nodes = max(world // max(local, 1), 1)
+    launcher = f"torchrun --nproc_per_node {local}"
+    if nodes > 1:
+        launcher += f" --nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+    return f"{launcher} -m txl train --resume {out_dir}"
+
+
 class Stopped(Exception):
     """Training stopped at a step boundary on a signal, after writing a checkpoint."""
 
     def __init__(self, sig: signal.Signals, step: int, checkpoint: object, out_dir: object) -> None:
         self.signal, self.step, self.checkpoint, self.out_dir = sig, step, checkpoint, out_dir
         super().__init__(f"stopped by {sig.name} at step {step}; checkpoint {checkpoint} written. "
-                         f"Resume with: txl train --resume {out_dir}")
+                         f"Resume with: {resume_command(out_dir)}")
 
     @property
     def exit_code(self) -> int:

@@ -27,19 +27,22 @@ import numpy as np
 import torch
 
 from txl import checkpoint as ckpt
+from txl import elastic, parallel
 from txl.config import Context, LossPositions, RunConfig, SampleConfig
 from txl.data import Batch, Corpus, OrderedIterator
 from txl.distributed import (
     DistInfo,
     OtherRankFailed,
+    PeerDied,
     all_reduce_min,
     all_reduce_sum,
     any_true,
     barrier,
     init_distributed,
+    naming_dead_peers,
     shutdown,
 )
-from txl.evaluate import EvalResult, autocast, evaluate, metric_value
+from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, metric_value
 from txl.fileio import remove_partial
 from txl.labels import IGNORE_INDEX
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
@@ -48,7 +51,7 @@ from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
 from txl.rundir import CKPT_DIR, RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
-from txl.signals import Stopped, StopRequest
+from txl.signals import Interrupted, Stopped, StopRequest
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -114,7 +117,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     new_memories, nll_sum = [], 0.0
     for i, ((x, y), memory) in enumerate(zip(chunks, memories)):
         last = i == len(chunks) - 1
-        sync = contextlib.nullcontext() if last or not info.enabled else model.no_sync()
+        sync = contextlib.nullcontext() if last or not info.enabled else parallel.no_sync(model)
         with sync:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
@@ -129,11 +132,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         return StepStats(loss, int(count), lr, float("nan")), new_memories
     scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
+    grad_norm = parallel.clip_grad_norm(params, clip if clip > 0 else math.inf)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, int(count), lr, float(grad_norm)), new_memories
+    return StepStats(loss, int(count), lr, grad_norm), new_memories
 
 
 def batches(it: OrderedIterator) -> Iterator[Batch]:
@@ -207,20 +210,26 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, corpus: Corpus | 
     from txl.data.corpora import load_run_corpus
 
     info = init_distributed(cfg.train.device)
-    lock = None
+    lock, peer_died = None, False
     try:
         check_run(cfg, info)
         lock = _open_run_dir(Path(cfg.train.out_dir), resume is not None, overwrite, info)
+        if info.is_main:
+            elastic.record_job(Path(cfg.train.out_dir))  # a torchrun restart of this job continues it (txl.elastic)
         corpus = corpus or load_run_corpus(cfg.data)
         cfg = cfg.replace(model=cfg.model.replace(vocab_size=corpus.vocab_size))
         check_splits_fit(cfg, corpus)
         with matmul_precision(info.device, tf32=cfg.train.tf32):  # for this run only, restored after
-            with StopRequest() as stop:
+            with StopRequest() as stop, naming_dead_peers(info):  # named while a SIGTERM cannot cut it short
                 result = Trainer(cfg, corpus, info, stop, init=init).run(resume)
             barrier(info)  # no process tears the group down while another still tests, plots or samples
             return result
+    except PeerDied:
+        peer_died = True  # no orderly teardown with a peer gone: exit at once, before torchrun's SIGTERM
+        raise
     finally:
-        shutdown(info)
+        if not peer_died:
+            shutdown(info)
         if lock is not None:
             lock.release()
 
@@ -232,11 +241,7 @@ def check_splits_fit(cfg: RunConfig, corpus: Corpus) -> None:
     for split, tokens, tgt_len, flag in (("validation", corpus.valid, cfg.train.tgt_len, "--train.tgt_len"),
                                          ("test", corpus.test, e.tgt_len or cfg.train.tgt_len,
                                           "--eval.tgt_len" if e.tgt_len else "--train.tgt_len")):
-        need = e.batch_size * tgt_len + 1
-        if len(tokens) < need:
-            raise ValueError(f"the {split} split has {len(tokens):,} tokens, fewer than eval.batch_size x tgt_len + 1 "
-                             f"= {e.batch_size} x {tgt_len} + 1 = {need:,}: use a smaller {flag} or "
-                             "--eval.batch_size, or a corpus with a larger split")
+        check_split_fits(split, len(tokens), batch_size=e.batch_size, tgt_len=tgt_len, flag=flag)
 
 
 def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> RunLock | None:
@@ -254,19 +259,27 @@ def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> R
     return lock
 
 
-def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, latest: Path | None) -> None:
+def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, latest: Path | None,
+                  info: DistInfo) -> None:
     """Raise rather than checkpoint diverged weights or a non-finite validation loss: ``latest`` must
     always name weights a run can resume from (and latest.json stays valid JSON, which has no NaN)."""
     bad = None
     if valid_loss is not None and not math.isfinite(valid_loss):
         bad = f"the validation loss is {valid_loss}"
-    elif not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+    elif not parallel.all_finite(model, info):
         bad = "the weights hold non-finite values"
     if bad is not None:
-        raise TrainingError(
-            f"{bad} at step {step}: training diverged and this step was not saved. The last good checkpoint is "
-            f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or use "
-            "--train.precision fp32, then resume from it or restart")
+        raise TrainingError(f"{bad} at step {step}: training diverged and this step was not saved. "
+                            f"{_divergence_advice(latest, 'resume from it or restart')}")
+
+
+def _divergence_advice(latest: Path | None, then: str) -> str:
+    """What to do after a divergence: resume from the last good checkpoint, or (none yet) start again."""
+    fix = "Lower --optim.lr, add --optim.warmup_steps, or use --train.precision fp32"
+    if latest is None:
+        return (f"No checkpoint was written yet, so there is nothing to resume: {fix[0].lower()}{fix[1:]}, and "
+                "start again with the same command and --overwrite")
+    return f"The last good checkpoint is {latest}. {fix}, then {then}"
 
 
 class Trainer:
@@ -283,31 +296,31 @@ class Trainer:
         if init is not None:  # fine-tuning: the pretrained weights, every process the same
             self.model.load_state_dict(init.state_dict())
         torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process
-        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = resolve_precision(t.precision, info.device)
+        # DDP wraps the model; FSDP shards it in place, so the optimiser is built after, on the shards.
+        self.ddp: torch.nn.Module = parallel.wrap(self.model, info, parallel=t.parallel, precision=self.precision,
+                                                  activation_checkpointing=t.activation_checkpointing)
+        self.sharded = t.parallel == "fsdp"  # DCP checkpoints, at any process count (one process included)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=self.precision == "fp16")
         it = OrderedIterator(corpus.train, batch_size=t.batch_size, tgt_len=t.tgt_len, ext_len=cfg.model.ext_len,
                              var_len=t.var_len, seed=t.seed, rank=info.rank, world_size=info.world_size,
                              device=info.device)
         self.state = TrainState(iterator=it, device=info.device, grad_accum=t.grad_accum)
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
-        self.ddp: torch.nn.Module = self.model
-        if info.enabled:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                find_unused_parameters=bool(cfg.model.cutoffs))  # an unseen cluster gets no gradient
         self.step_model = compile_model(self.ddp, t.compile)  # DDP first, then compile: dynamo splits at buckets
 
     # -- the stateful parts -------------------------------------------------------------------------
 
     def parts(self) -> dict[str, Any]:
-        """Every part besides the model, under the checkpoint's fixed keys (ckpt.STATE_PARTS)."""
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "train": self.state.state_dict()}
+        """Every part besides the model, under the checkpoint's fixed keys (ckpt.STATE_PARTS). A sharded
+        run's optimiser state lives in the checkpoint's DCP shards beside the model's (ckpt.SHARDED)."""
+        optimizer = ckpt.SHARDED if self.sharded else self.optimizer.state_dict()
+        return {"optimizer": optimizer, "scaler": self.scaler.state_dict(), "train": self.state.state_dict()}
 
     def save(self, *, best: bool, info: dict[str, Any] | None = None) -> None:
         _check_finite(self.model, (info or {}).get("valid_loss"), self.state.step,
-                      self.checkpointer.latest() if self.info.is_main else None)
+                      self.checkpointer.latest() if self.info.is_main else None, self.info)
         parts = self.parts()
         local = parts["train"].pop("local")
         if self.info.enabled:  # every process's RNG states and memories, in rank order
@@ -317,11 +330,24 @@ class Trainer:
         else:
             ranks = [local]
         parts["train"]["ranks"] = ranks
-        if self.info.is_main:
+        if self.sharded:  # collective: every process writes its shards of the weights and optimiser state
+            model_state, optim_state = parallel.state_dicts(self.model, self.optimizer)
+            try:
+                self.checkpointer.save_sharded(self.state.step, shards={"model": model_state, "optimizer": optim_state},
+                                               config=self.cfg.model, run=self.cfg, tokenizer=self.corpus.tokenizer,
+                                               parts=parts, best=best, info=info, dist_info=self.info)
+            except ckpt.CheckpointError as err:
+                raise TrainingError(str(err)) from err
+        elif self.info.is_main:
             try:
                 self.checkpointer.save(self.state.step, model=self.model, run=self.cfg, tokenizer=self.corpus.tokenizer,
                                        parts=parts, best=best, info=info)
-            except ckpt.CheckpointError as err:
+            except (KeyboardInterrupt, ckpt.CheckpointError) as err:
+                # A second Ctrl-C cut the write (torch's and safetensors' writers may turn it into their own
+                # error): an interruption, not a full disk. The previous checkpoint is intact.
+                if isinstance(err, KeyboardInterrupt) or self.stop.forced:
+                    raise Interrupted(getattr(err, "signal", signal.SIGINT),
+                                      f"the write of checkpoint step {self.state.step}") from None
                 raise TrainingError(str(err)) from err
         barrier(self.info)
         self.saved_at = self.state.step
@@ -337,6 +363,11 @@ class Trainer:
         raise Stopped(sig, self.state.step, self.checkpointer.latest() if self.info.is_main else None, self.out)
 
     def restore(self, resume: str | Path) -> None:
+        if ckpt.is_sharded(ckpt.find_checkpoint(resume)):
+            return self.restore_sharded(resume)
+        if parallel.is_sharded(self.model):
+            raise ValueError(f"{resume} is a DDP (unsharded) checkpoint; resume it with --train.parallel ddp, or "
+                             "in one process, whose next checkpoints are then sharded ones that FSDP resumes")
         loaded = ckpt.load(resume, device=self.info.device)
         ckpt.check_tokenizer(loaded.path, self.corpus.tokenizer)
         if loaded.model.config.to_dict() | {"mem_len": 0} != self.model.config.to_dict() | {"mem_len": 0}:
@@ -346,7 +377,27 @@ class Trainer:
         self.optimizer.load_state_dict(loaded.state["optimizer"])
         self.scaler.load_state_dict(loaded.state["scaler"])
         self.state.load_state_dict(loaded.state["train"], rank=self.info.rank, world_size=self.info.world_size)
+        self.saved_at = self.state.step  # this step's checkpoint exists: a signal now need not write it again
         log.info("resumed from %s at step %d", loaded.path, self.state.step)
+
+    def restore_sharded(self, resume: str | Path) -> None:
+        """Resume from a DCP checkpoint written at any process count: each process reads the parts of the
+        saved shards its own shards cover (torch.distributed.checkpoint reshards), and its streams' memory."""
+        path = ckpt.find_checkpoint(resume)
+        ckpt.check_tokenizer(path, self.corpus.tokenizer)
+        config, state = ckpt.read_model_config(path), ckpt.read_train_state(path)
+        if config.to_dict() | {"mem_len": 0} != self.model.config.to_dict() | {"mem_len": 0}:
+            raise ValueError(f"the checkpoint {path} was trained with another model config; resume with "
+                             "the run's own config (txl train --resume DIR takes it from the checkpoint)")
+        if not self.sharded:
+            raise ValueError(f"{path} is a sharded (--train.parallel fsdp) checkpoint; resume it with "
+                             "--train.parallel fsdp, or consolidate it first: txl consolidate RUN_DIR -o MODEL_DIR")
+        model_state, optim_state = parallel.state_dicts(self.model, self.optimizer)
+        ckpt.load_shards(path, {"model": model_state, "optimizer": optim_state}, self.info)
+        parallel.load_state_dicts(self.model, self.optimizer, model_state, optim_state)
+        self.scaler.load_state_dict(state["scaler"])
+        self.state.load_state_dict(state["train"], rank=self.info.rank, world_size=self.info.world_size)
+        log.info("resumed from %s at step %d (sharded, %d process(es))", path, self.state.step, self.info.world_size)
 
     # -- evaluation ---------------------------------------------------------------------------------
 
@@ -359,7 +410,7 @@ class Trainer:
         """The validation loss in the training context; periodic checks read the first ``max_batches``
         segments, the same ones every time, so their losses compare like with like."""
         t, e = self.cfg.train, self.cfg.eval
-        with segment_progress(self.show_progress, "valid") as on_segment:
+        with segment_progress(self.show_progress, "valid") as on_segment, parallel.gathered(self.model):
             result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
                               compile=e.compile, on_segment=on_segment)
@@ -370,7 +421,7 @@ class Trainer:
         """The test loss in the evaluation context (cfg.eval; None fields: as in training)."""
         e = self.cfg.eval
         tgt, context = e.segment_len(self.cfg.train.tgt_len), e.context(self.cfg.model)
-        with segment_progress(self.show_progress, "test") as on_segment:
+        with segment_progress(self.show_progress, "test") as on_segment, parallel.gathered(self.model):
             result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=tgt, context=context, precision=self.precision, info=self.info,
                               compile=e.compile, on_segment=on_segment)
@@ -435,10 +486,8 @@ class Trainer:
                                                loss_positions=t.loss_positions)
             if not math.isfinite(stats.loss):
                 latest = self.checkpointer.latest() if info.is_main else None
-                raise TrainingError(
-                    f"loss is {stats.loss} at step {state.step + 1}: training stopped. The last good checkpoint is "
-                    f"{latest or 'none (nothing was saved yet)'}. Lower --optim.lr, add --optim.warmup_steps, or "
-                    "use --train.precision fp32, then resume or restart")
+                raise TrainingError(f"loss is {stats.loss} at step {state.step + 1}: training stopped. "
+                                    f"{_divergence_advice(latest, 'resume or restart')}")
             state.step += 1
             state.tokens += stats.tokens
             seen_since += stats.tokens
@@ -470,11 +519,21 @@ class Trainer:
         return "max_steps"
 
     def finish(self, metrics: MetricsLog, stopped: str) -> TrainResult:
-        """The last best decision and checkpoint, then the full validation and the test of the best model."""
+        """The last best decision and checkpoint, then the full validation and the test of the best model.
+
+        A run resumed from its final checkpoint (it had finished, or was stopped during its final
+        evaluation) skips the decision already made; its valid_full and test rows are written once. After
+        the final checkpoint nothing is left to save, so a signal stops the evaluation at once
+        (``StopRequest.at_once``, rc 128 + N) and the message names the intact checkpoint.
+        """
         t, info, state = self.cfg.train, self.info, self.state
-        best, decided = self.decide_best(metrics)
-        self.save(best=best, info={"valid_loss": decided.loss})
-        self.stop_here(metrics)  # a signal during the final validation: its checkpoint is written, skip the test
+        if self.saved_at != state.step:
+            best, decided = self.decide_best(metrics)
+            self.save(best=best, info={"valid_loss": decided.loss})
+            self.stop_here(metrics)  # a signal during the final validation: its checkpoint is written, skip the test
+        else:
+            best = ckpt.best(self.out) == ckpt.latest(self.out)
+        self.stop.at_once("the final evaluation (training is complete; resuming runs the evaluation again)")
         best_dir = self.checkpointer.best() if info.is_main else None
         if not best:
             self.load_best()
@@ -487,12 +546,19 @@ class Trainer:
         log.info("test of the best checkpoint (step %d): %s (%s)", best_step, test.describe(), test_ctx)
         metrics.close()
         sample = None
+        whole = contextlib.ExitStack()  # FSDP: every process gathers the weights, then the main one samples
+        whole.enter_context(parallel.gathered(self.model))
         if info.is_main:
             if t.plot:
-                plot_learning_curve(metrics.path, self.out / PLOT_FILE, self.corpus.metric)
+                try:
+                    plot_learning_curve(metrics.path, self.out / PLOT_FILE, self.corpus.metric)
+                except Exception as err:  # noqa: BLE001 - a picture must not fail a finished run
+                    log.warning("learning-curve plot not written: %s; the run's results are complete (%s)",
+                                err, metrics.path)
             if t.sample_tokens:
                 mem = self.cfg.eval.context(self.cfg.model).mem_len
                 sample = _sample(self.model, self.corpus, t.sample_tokens, self.cfg.sample, mem_len=mem, seed=t.seed)
+        whole.close()
         return TrainResult(out_dir=self.out, steps=state.step, valid=valid, test=test, sample=sample, stopped=stopped,
                            valid_context=valid_ctx, test_context=test_ctx, best_step=best_step)
 
@@ -500,6 +566,14 @@ class Trainer:
         """Load the best checkpoint's weights (by validation loss) for the final evaluation, on every process."""
         best = ckpt.best(self.out)
         if best is None or not best.is_dir():
+            return
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            weights = get_model_state_dict(self.model)
+            ckpt.load_shards(best, {"model": weights}, self.info)
+            set_model_state_dict(self.model, weights)
+            log.info("evaluating the best checkpoint %s", best)
             return
         weights, source = read_state(best)
         load_weights(self.model, weights, source=source)

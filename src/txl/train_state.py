@@ -40,6 +40,31 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def reshard_ranks(ranks: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    """The per-process parts of a checkpoint written by ``len(ranks)`` processes, for ``world_size`` of them.
+
+    Process r of W reads streams [r B / W, (r + 1) B / W) (txl.data.iterator), chunk a of its A accumulation
+    chunks the a-th slice of those: in rank-then-chunk order the memories are the global batch's, so they
+    are concatenated along the batch and split again, and every stream keeps its own memory. RNG states
+    cannot be split: process r takes old process r mod W_old's (dropout masks then differ from a run that
+    never changed its process count; with dropout 0 nothing random is left).
+    """
+    grad_accum = len(ranks[0]["memories"])
+    chunks = [m for r in ranks for m in r["memories"]]  # rank-major, then accumulation chunk
+    pieces = world_size * grad_accum
+    if any(m is None for m in chunks):  # the start of an epoch: nothing is remembered anywhere
+        memories: list[Any] = [None] * pieces
+    else:
+        per_layer = [torch.cat([m[l] for m in chunks]) for l in range(len(chunks[0]))]  # L x (B, M, d)
+        if per_layer[0].size(0) % pieces:
+            raise ValueError(f"the checkpoint's {per_layer[0].size(0)} streams do not split over {world_size} "
+                             f"process(es) x grad_accum={grad_accum}; use a process count that divides them")
+        split = [t.chunk(pieces) for t in per_layer]  # L x pieces x (B / pieces, M, d)
+        memories = [tuple(layer[i] for layer in split) for i in range(pieces)]
+    return [{"rng": ranks[r % len(ranks)]["rng"], "memories": memories[r * grad_accum:(r + 1) * grad_accum]}
+            for r in range(world_size)]
+
+
 @dataclass
 class TrainState:
     """Counters, schedule, iterator position and this process's RNG states and memories.
@@ -81,8 +106,7 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> None:
         ranks = state["ranks"] if "ranks" in state else [state["local"]]
         if len(ranks) != world_size:
-            raise ValueError(f"the checkpoint was written by {len(ranks)} process(es); resume with the same "
-                             "number, since each process's memory is part of the state")
+            ranks = reshard_ranks(ranks, world_size)
         local = ranks[rank]
         if len(local["memories"]) != self.grad_accum:
             raise ValueError(f"the checkpoint was trained with grad_accum={len(local['memories'])}; resume with "

@@ -8,17 +8,28 @@ Each subcommand module defines ``add_parser(subparsers)`` (registering its argum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
 from txl import __version__
-from txl.cli import data, generate, score, serve
+from txl.cli import consolidate, data, generate, score, serve, size
 from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.cli.options import is_main_process
 
-SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve]
+SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve, consolidate, size]
+
+
+def shortcut_conflict(argv: list[str], shortcuts: dict[str, str]) -> str | None:
+    """A shortcut and the --SECTION.FIELD it stands for both given: argparse would keep the last silently
+    (and never type-check the other), so the command refuses it."""
+    given = [a.partition("=")[0] for a in argv if a.startswith("--")]
+    for flag, field in shortcuts.items():
+        if flag in given and f"--{field}" in given:
+            return f"{flag} and --{field} both set {field}; give one of them"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,15 +54,68 @@ def main(argv: list[str] | None = None) -> int:
         err = unknown_option_error(extra, getattr(args, "config_sections", []), f"txl {args.command}")
         print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    conflict = shortcut_conflict(sys.argv[1:] if argv is None else argv, getattr(args, "shortcuts", {}))
+    if conflict:
+        print(f"txl {args.command}: error: {conflict}", file=sys.stderr)
+        return 2
     main_process = is_main_process()  # under torchrun only rank 0 prints and logs
     logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
                         format="%(message)s", stream=sys.stderr)
     from txl.runtime import retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
+    from txl.signals import terminate_raises
+
     try:
-        return int(args.func(args) or 0)
+        with terminate_raises(), _thread_errors_reported_by_caller():  # SIGTERM: as Ctrl-C, below
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
         if main_process:
             print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # an output file (a full disk, an I/O error): one line naming it
+        if main_process:
+            where = f"{err.filename}: " if getattr(err, "filename", None) and str(err.filename) not in str(err) else ""
+            print(f"txl {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM, at any moment: an interruption, not an error
+        from txl.signals import exit_code, signal_name
+
+        if main_process:
+            intact = INTACT.get(args.command)
+            print(f"txl {args.command}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}",
+                  file=sys.stderr)
+        return exit_code(err)
+
+
+INTACT = {
+    "train": "nothing was written",
+    "eval": "nothing was written (the sweep's table and plot are written when it ends)",
+    "generate": "the text above is all that was generated; nothing was written",
+    "score": "an -o file is written whole when scoring ends, so nothing was written",
+    "export": "the -o file is written whole when the export ends, so nothing was written",
+    "data": "a partial download is kept as FILE.part and resumes, and a token-cache entry is written whole or "
+            "not at all: run the same command again",
+}
+"""What an interrupted command leaves intact (every file it writes is atomic or resumable)."""
+
+
+@contextlib.contextmanager
+def _thread_errors_reported_by_caller():
+    """An OSError in a writer thread (TensorBoard's) is raised again by the writer's next call in the main
+    thread, which reports it as one line: the thread's own traceback is not printed as well."""
+    import threading
+
+    previous = threading.excepthook
+
+    def hook(exc: threading.ExceptHookArgs) -> None:
+        if isinstance(exc.exc_value, OSError):
+            logging.getLogger(__name__).debug("thread %s: %s", getattr(exc.thread, "name", "?"), exc.exc_value)
+            return
+        previous(exc)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from txl.cli.generate import add_vocab_argument
+from txl.cli.generate import add_shortcut, add_vocab_argument
 from txl.cli.options import add_config_arguments, overrides_from
 
 
@@ -35,10 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the same, as an option")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
     add_vocab_argument(p)  # a checkpoint without a training run: its vocabulary, else this file
-    p.add_argument("--corpus", dest="data.corpus", default=argparse.SUPPRESS, metavar="NAME|PATH",
-                   help="shortcut for --data.corpus (needed for a model directory without a run)")
-    p.add_argument("--data-dir", dest="data.data_dir", default=argparse.SUPPRESS, metavar="DIR",
-                   help="shortcut for --data.data_dir")
+    add_shortcut(p, "--corpus", "data.corpus", metavar="NAME|PATH")  # needed for a model directory without a run
+    add_shortcut(p, "--data-dir", "data.data_dir", metavar="DIR")
     p.add_argument("--which", choices=["best", "latest"], default="best", help="which checkpoint of a run")
     p.add_argument("--split", choices=["valid", "test"], default="test", help="split to evaluate (default: test)")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many segments (0: all)")
@@ -100,7 +98,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
 
     import txl
     from txl.config import EvalConfig
-    from txl.evaluate import evaluate
+    from txl.evaluate import check_split_fits, evaluate
     from txl.presets import apply_overrides
     from txl.runtime import resolve_precision
 
@@ -126,6 +124,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
           f"{context.describe()}")
     from txl.metrics import segment_progress
 
+    check_split_fits(args.split, len(tokens), batch_size=e.batch_size, tgt_len=tgt_len, flag="--eval.tgt_len")
     with segment_progress(args.progress, args.split) as on_segment:
         r = evaluate(model, tokens, metric=spec.metric, batch_size=e.batch_size, tgt_len=tgt_len, context=context,
                      max_batches=args.max_batches,
@@ -144,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
     from txl.config import RunConfig
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
-    from txl.evaluate import evaluate
-    from txl.fileio import write_text
+    from txl.evaluate import check_split_fits, evaluate
+    from txl.fileio import check_output, write_output
     from txl.metrics import ProgressBar, plot_memory_sweep, segment_progress
     from txl.presets import apply_overrides
     from txl.pretrained import resolve_model_dir
@@ -189,6 +188,12 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, max_batches=args.max_batches,
                   precision=resolve_precision(args.precision, device), compile=args.compile or e.compile)
     tokens = corpus.split(args.split)
+    check_split_fits("validation" if args.split == "valid" else "test", len(tokens), batch_size=e.batch_size,
+                     tgt_len=tgt, flag="--eval.tgt_len" if e.tgt_len else "--train.tgt_len")
+    plot = args.plot or str(run_dir_of(args.checkpoint) / "mem_sweep.png")
+    if args.sweep_mem:  # the outputs are checked before the sweep spends its time
+        check_output(run_dir_of(args.checkpoint) / "mem_sweep.tsv", "the sweep table", "mem_sweep.tsv")
+        check_output(plot, "--plot", "mem_sweep.png")
     extent = f"first {args.max_batches} segments" if args.max_batches else "whole split"
     shown = context.describe(mem_len=args.sweep_mem if args.sweep_mem else None)
     print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}, {shown}; "
@@ -214,10 +219,10 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
     finally:
         bar.close()
-    out = run_dir_of(args.checkpoint)
-    write_text(out / "mem_sweep.tsv", "\n".join("\t".join(r.split()) for r in rows) + "\n")
-    print(f"table: {out / 'mem_sweep.tsv'}")
-    plot = args.plot or str(out / "mem_sweep.png")
+    table = run_dir_of(args.checkpoint) / "mem_sweep.tsv"
+    text = "\n".join("\t".join(r.split()) for r in rows) + "\n"
+    write_output(table, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    print(f"table: {table}")
     keys = ("mem_len" + (" + 1" if m.same_length_style == "tensorflow" else "") if same
             else f"mem_len + 1 .. mem_len + {tgt}")
     if plot_memory_sweep(mems, [r.value for r in results], corpus.metric, keys, plot):

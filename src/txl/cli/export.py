@@ -25,12 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import txl
     from txl.export import export
+    from txl.fileio import check_output, write_output
     from txl.pretrained import resolve_model_dir
 
-    output = args.output or ("step.onnx" if args.format == "onnx" else "step.pt2")
+    default = "step.onnx" if args.format == "onnx" else "step.pt2"
+    output = args.output or default
+    check_output(output, "-o", default)  # before the model is loaded
     model = txl.from_pretrained(resolve_model_dir(args.checkpoint, revision=args.revision))
     c = model.config
-    path = export(model, output, format=args.format)
+    path = write_output(output, lambda tmp: export(model, tmp, format=args.format))
     print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
           f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
           f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "

@@ -29,19 +29,18 @@ def add_vocab_argument(p: argparse.ArgumentParser, flag: str = "--vocab") -> Non
 def add_shortcut(p: argparse.ArgumentParser, flag: str, field: str, **kwargs) -> None:
     """``flag`` as a shortcut for ``--SECTION.FIELD``: it lands in the same place, as a string, and is typed
     and checked by the section's dataclass like the long form (one convention, one set of errors)."""
-    p.add_argument(flag, dest=field, default=argparse.SUPPRESS, help=f"shortcut for --{field}", **kwargs)
+    action = p.add_argument(flag, dest=field, default=argparse.SUPPRESS, help=f"shortcut for --{field}", **kwargs)
+    # Both given (--max-steps 5 --train.max_steps 7) would silently keep the last: the entry point refuses it.
+    p.set_defaults(shortcuts={**(p.get_default("shortcuts") or {}), **dict.fromkeys(action.option_strings, field)})
 
 
 def run_section(directory, section: str) -> dict:
     """The ``[section]`` of the run a checkpoint directory belongs to ({} for a model without a run)."""
-    import json
+    from txl.checkpoint import RUN_FILE, read_run
 
-    from txl.checkpoint import RUN_FILE
-
-    run_file = directory / RUN_FILE
-    if not run_file.is_file():
+    if not (directory / RUN_FILE).is_file():
         return {}
-    return dict(json.loads(run_file.read_text(encoding="utf-8")).get(section, {}))
+    return read_run(directory).to_dict()[section]  # checked: a damaged run.json is refused, not defaulted
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):

@@ -26,8 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_shortcut(p, "--segment-len", "eval.tgt_len", metavar="N")
     add_shortcut(p, "--mem-len", "eval.mem_len", metavar="M")
     add_shortcut(p, "--clamp-len", "eval.clamp_len", metavar="C")
-    p.add_argument("--same-length", dest="eval.same_length", action=argparse.BooleanOptionalAction,
-                   default=argparse.SUPPRESS, help="shortcut for --eval.same_length")
+    add_shortcut(p, "--same-length", "eval.same_length", action=argparse.BooleanOptionalAction)
     add_config_arguments(p, ["eval"])
     p.set_defaults(func=run)
 
@@ -61,30 +60,19 @@ def _lines(path: str):
                              "-t utf-8, and score it again") from None
 
 
-def _check_output(path: str) -> None:
-    """Refuse an output path that cannot be written before any model is loaded."""
-    from pathlib import Path
-
-    out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"-o {path} is a directory; give a file name, e.g. -o {out / 'scores.jsonl'}")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"-o {path}: the directory {out.parent} does not exist; create it first")
-
-
 def run(args: argparse.Namespace) -> int:
     import json
-    import math
     from pathlib import Path
 
     from txl.cli.generate import load_model_and_tokenizer
+    from txl.fileio import check_output, write_output
     from txl.score import DocumentScore, iter_scores
 
     for path in args.files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path} is not a file: pass the documents to score")
     if args.output not in (None, "-"):  # a file: check it can be written before loading anything
-        _check_output(args.output)
+        check_output(args.output, "-o", "scores.jsonl")
     eval_config(args)  # a bad option is refused before a model is loaded
     model, codec, directory = load_model_and_tokenizer(args)
     e = eval_config(args, directory)
@@ -93,32 +81,44 @@ def run(args: argparse.Namespace) -> int:
     segment_len, ctx = e.segment_len(SEGMENT_LEN), e.context(model.config)
     context = f"segment_len {segment_len}, {ctx.describe()}"
     summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
-    out = None if args.output is None else sys.stdout if args.output == "-" else open(args.output, "w",  # noqa: SIM115
-                                                                                         encoding="utf-8")
-    try:
+
+    def score(out) -> None:
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=e.batch_size,
                                 mem_len=ctx.mem_len, clamp_len=ctx.clamp_len, same_length=ctx.same_length,
                                 context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
-                value = item.perplexity if unit == "ppl" else item.bits_per_token
-                print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f} ({context})", file=summary, flush=True)
-                if out is not None:
+                if item.n_tokens == 0:  # nothing to score: no figure (a NaN is not a measurement)
+                    print(f"{name}: 0 tokens (empty after tokenisation; not scored)",
+                          file=summary, flush=True)
+                    total = {"doc": name, "tokens": 0, "nll": 0.0, unit: None, "bits_per_token": None}
+                else:
+                    value = item.perplexity if unit == "ppl" else item.bits_per_token
+                    print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f} ({context})", file=summary,
+                          flush=True)
                     total = {"doc": name, "tokens": item.n_tokens, "nll": item.nll, unit: value,
                              "bits_per_token": item.bits_per_token}
-                    out.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                          for k, v in total.items()}) + "\n")
+                if out is not None:
+                    out.write(json.dumps(total) + "\n")
             elif out is not None and not args.totals_only:
                 for pos, (tid, lp) in enumerate(zip(item.token_ids, item.logprobs), start=item.start):
                     out.write(json.dumps({"doc": name, "pos": pos, "token": codec.token_text(tid),
                                           "logprob": round(float(lp), 6)}, ensure_ascii=False) + "\n")
             if out is not None:
                 out.flush()
+
+    def to_file(tmp) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            score(f)
+
+    try:
+        if args.output in (None, "-"):
+            score(None if args.output is None else sys.stdout)
+        else:  # written whole or not at all (txl.fileio's output rule): a full disk leaves no half file
+            write_output(args.output, to_file)
     except BrokenPipeError:  # the reader stopped early (`| head`): not an error
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    finally:
-        if out is not None and out is not sys.stdout:
-            out.close()
+        return 0
     return 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from txl.cli.generate import add_vocab_argument
+from txl.cli.generate import add_shortcut, add_vocab_argument
 from txl.cli.options import add_config_arguments, overrides_from
 from txl.config import SECTIONS
 from txl.presets import load_preset
@@ -45,9 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "directory / Hub repo id, keeping its architecture and vocabulary (see txl.finetune)")
     p.add_argument("--revision", default=None, help="--init-from Hub repo revision (default main)")
     add_vocab_argument(p)  # --init-from: the checkpoint's vocabulary, else this file
-    p.add_argument("--max-steps", type=int, default=None, help="shortcut for --train.max_steps")
-    p.add_argument("--minutes", type=float, default=None, help="shortcut for --train.minutes (0: no time budget)")
-    p.add_argument("--out", default=None, help="shortcut for --train.out_dir")
+    add_shortcut(p, "--max-steps", "train.max_steps", type=int)
+    add_shortcut(p, "--minutes", "train.minutes", type=float)
+    add_shortcut(p, "--out", "train.out_dir")
     p.add_argument("--overwrite", action="store_true",
                    help="train afresh into a run directory that holds an earlier run, deleting that run")
     p.add_argument("--list-presets", action="store_true",
@@ -103,11 +104,7 @@ def build_config(args: argparse.Namespace, init: Init | None = None):
     from txl.presets import apply_overrides
     from txl.rundir import find_checkpoint, run_dir_of
 
-    overrides: dict[str, object] = overrides_from(args)
-    for flag, key in ((args.max_steps, "train.max_steps"), (args.minutes, "train.minutes"),
-                      (args.out, "train.out_dir")):
-        if flag is not None:
-            overrides[key] = flag
+    overrides: dict[str, object] = overrides_from(args)  # the shortcuts (--max-steps ...) included
     if args.init_from and args.resume:
         raise ValueError("--init-from starts a new run from a checkpoint's weights, --resume continues a run: "
                          "give one of them")
@@ -158,8 +155,19 @@ def run(args: argparse.Namespace) -> int:
         from txl.finetune import encode_corpus
 
         corpus = encode_corpus(cfg, init.tokenizer)
+    elif "model.vocab_size" in overrides_from(args):  # the corpus sets it: an explicit value must agree
+        from txl.data.corpora import load_run_corpus
+
+        corpus = load_run_corpus(cfg.data)
+        if corpus.vocab_size != cfg.model.vocab_size:
+            raise ValueError(f"--model.vocab_size {cfg.model.vocab_size} disagrees with the corpus {corpus.name!r}, "
+                             f"whose vocabulary has {corpus.vocab_size:,} symbols (the model's vocab_size is always "
+                             "the corpus's); drop --model.vocab_size")
+    from txl.elastic import restart_plan
+
+    resume, overwrite = restart_plan(cfg.train.out_dir, args.resume, args.overwrite)  # torchrun restarts go on
     try:
-        result = train(cfg, resume=args.resume, corpus=corpus, overwrite=args.overwrite,
+        result = train(cfg, resume=resume, corpus=corpus, overwrite=overwrite,
                        init=None if init is None else init.model)
     except FileNotFoundError:
         raise  # bad input: the entry point prints it as one line (exit code 2)
@@ -169,19 +177,27 @@ def run(args: argparse.Namespace) -> int:
         if is_main_process():
             print(f"txl train: {stop}", file=sys.stderr)
         return stop.exit_code
-    except (TrainingError, OSError) as err:  # the run stopped; the message says what was kept
-        if is_main_process() or not isinstance(err, TrainingError):  # every process sees the same loss
+    except TrainingError as err:  # the run stopped; the message says what was kept
+        if is_main_process():  # every process sees the same loss
             print(f"txl train: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file the run writes (metrics, TensorBoard): the file, and what is intact
+        print(f"txl train: error: {err}; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
     except RuntimeError as err:
         if not _peer_died(err):
             raise
-        print(f"txl train: error: another process of this distributed run died (see its output above); "
-              f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        who = err if type(err).__name__ == "PeerDied" else "another process of this distributed run died"
+        print(f"txl train: error: {who} (see its output above); {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of this step
-        print(f"txl train: interrupted; {_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # a second Ctrl-C, or a signal after the final checkpoint
+        from txl.signals import exit_code, signal_name
+
+        during = getattr(err, "during", "")
+        if is_main_process():
+            print(f"txl train: interrupted by {signal_name(err)}{f' during {during}' if during else ''}; "
+                  f"{_resume_hint(cfg.train.out_dir)}", file=sys.stderr)
+        return exit_code(err)
     if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
     print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
@@ -201,17 +217,23 @@ def _peer_died(err: RuntimeError) -> bool:
 
     text = str(err)
     return os.environ.get("WORLD_SIZE", "1") != "1" and (
-        type(err).__name__ == "DistBackendError" or "closed by peer" in text or "reset by peer" in text)
+        type(err).__name__ in ("DistBackendError", "PeerDied") or "closed by peer" in text or "reset by peer" in text)
 
 
-def _resume_hint(out_dir: str) -> str:
-    """The exact resume command when a checkpoint exists, else what to do instead."""
+def _resume_hint(out_dir: str | Path) -> str:
+    """The exact resume command when a checkpoint exists (the torchrun command under torchrun), else what to
+    do instead."""
     from txl.rundir import latest
+    from txl.signals import resume_command
 
     try:
         found = latest(out_dir)
     except ValueError:
         found = None
     if found is not None and found.is_dir():
-        return f"the last checkpoint is {found}; resume with: txl train --resume {out_dir}"
+        return f"the last checkpoint is {found}; resume with: {resume_command(out_dir)}"
+    from txl.rundir import earlier_run
+
+    if not earlier_run(Path(out_dir)):
+        return "nothing was written; run the same command again"
     return f"no checkpoint was written, nothing to resume; start again with --out {out_dir} --overwrite"

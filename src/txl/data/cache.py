@@ -88,6 +88,20 @@ def load_tokens(path: Path) -> np.ndarray:
     return arr
 
 
+def check_tokens(entry: Path, arrays: dict[str, np.ndarray], vocab_size: int) -> None:
+    """Raise ValueError unless each split is a 1-D array of the unsigned dtype ``vocab_size`` needs, with the
+    token count the entry's meta.json recorded (an entry edited or forged after it was built)."""
+    meta = json.loads((entry / COMPLETE).read_text(encoding="utf-8"))
+    for split, arr in arrays.items():
+        if arr.ndim != 1 or arr.dtype.kind != "u":
+            raise ValueError(f"{split}.npy holds a {arr.dtype} array of shape {arr.shape}, not token ids")
+        if len(arr) != meta.get("counts", {}).get(split, len(arr)):
+            raise ValueError(f"{split}.npy holds {len(arr):,} tokens, meta.json records {meta['counts'][split]:,}")
+        if arr.dtype != dtype_for(vocab_size):  # ids are not scanned: that would read the whole memory map
+            raise ValueError(f"{split}.npy holds {arr.dtype} ids, the vocabulary of {vocab_size} needs "
+                             f"{dtype_for(vocab_size)}")
+
+
 def lookup(cache_dir: Path, key: str) -> Path | None:
     """The entry for ``key`` if it is complete, else None."""
     entry = cache_dir / key

@@ -44,7 +44,7 @@ import numpy as np
 
 from txl.data import cache
 from txl.data import tokenizer as tz
-from txl.data.download import download, extract
+from txl.data.download import UNVERIFIED_RATIO, download, extract
 from txl.data.sources import Source, file_sha256, snap
 from txl.data.stdlib import build_stdlib_corpus
 from txl.data.tokenizer import LEVELS, Level, Tokenizer, encode_source, make_spec
@@ -434,8 +434,13 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
         entry = cache.build(cache_root, key, fill)
     else:
         log.info("using cached tokens of %s from %s", spec.name, entry)
-    tok = tz.load_tokenizer(entry / "tokenizer", spec=tok_spec)
-    arrays = {split: cache.load_tokens(entry / f"{split}.npy") for split in SPLITS}
+    try:
+        tok = tz.load_tokenizer(entry / "tokenizer", spec=tok_spec)
+        arrays = {split: cache.load_tokens(entry / f"{split}.npy") for split in SPLITS}
+        cache.check_tokens(entry, arrays, tok.vocab_size)
+    except (ValueError, OSError, EOFError, KeyError, TypeError) as err:  # what a damaged or forged entry raises
+        raise ValueError(f"the token cache entry {entry} is damaged ({type(err).__name__}: {err}); delete that "
+                         f"entry (rm -r {entry}) and run again: it is rebuilt from the corpus") from None
     return Corpus(name=spec.name, spec=spec, tokenizer=tok, metric=spec.metric, path=entry, cached=cached,
                   **arrays)
 
@@ -467,7 +472,8 @@ def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None,
                         spec.name, item.url)
         path = download((item.url, *item.mirrors), directory / item.filename, sha256=item.sha256, md5=item.md5,
                         retries=retries)
-        if item.extract:
-            extract(path, directory)
+        if item.extract:  # an archive no checksum vouches for is not unpacked beyond a sane size
+            unverified = item.sha256 is None and item.md5 is None
+            extract(path, directory, max_bytes=UNVERIFIED_RATIO * path.stat().st_size if unverified else None)
     resolve_sources(spec, directory)  # the expected files are now there
     return directory
