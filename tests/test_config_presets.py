@@ -216,3 +216,17 @@ def test_unknown_options_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_context_is_the_models_where_unset_and_describes_itself():
+    """The one rule every command and the trainer apply: an unset [eval] field is the model's (as in training)."""
+    from txl.config import EvalConfig
+
+    model = ModelConfig(vocab_size=50, mem_len=16, clamp_len=40, same_length=False, ext_len=2)
+    assert EvalConfig().context(model) == model.context()
+    ctx = EvalConfig(mem_len=64, same_length=True, clamp_len=0).context(model)
+    assert (ctx.mem_len, ctx.clamp_len, ctx.same_length, ctx.ext_len) == (64, 0, True, 2)
+    assert model.mem_len == 16  # the config is never changed
+    assert ctx.describe() == "mem_len 64, same_length, ext_len 2"
+    assert model.context().describe(mem_len="16,32") == "mem_len 16,32, clamp_len 40, ext_len 2"
+    assert EvalConfig().segment_len(32) == 32 and EvalConfig(tgt_len=8).segment_len(32) == 8

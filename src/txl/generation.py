@@ -45,7 +45,7 @@ import torch
 from txl import sampling
 from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
-from txl.model.attention import attn_types, either
+from txl.model.attention import attn_types, either, encoding
 from txl.model.kv_cache import weights_version
 from txl.model.memory import memory_length
 from txl.runtime import compile_model
@@ -173,7 +173,8 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p
 def context_bytes(config, batch_size: int, positions: int, element_size: int = 4) -> int:
     """Bytes the generation state takes at ``positions`` positions: every layer's memory rows (B, M, d) and,
     for cacheable attention, their projected keys and values (B, M, H, D) twice."""
-    per_layer = config.d_model + (2 * config.n_head * config.d_head if config.attn_type in ("relative", "shaw") else 0)
+    cached = encoding(config.attn_type).cacheable  # the key/value cache holds keys and values as well
+    per_layer = config.d_model + (2 * config.n_head * config.d_head if cached else 0)
     return batch_size * positions * config.n_layer * per_layer * element_size
 
 
