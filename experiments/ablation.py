@@ -93,6 +93,9 @@ WT2_VARIANTS = (
 """The WikiText-2 grid, in priority order: the paper's nine first-block rows, two Full rows, a second seed."""
 
 GRIDS = {"ptb": VARIANTS, "wt2": WT2_VARIANTS}
+EXTRA_VARIANTS = {"wt2": (Variant("rotary", True),)}
+"""Rows beside the paper's, trained only when named in --variants (``experiments.rotary``): not part of the
+grid's ``all``, its table or its RECL group."""
 
 CORPUS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ptb": {"data_dir": str(common.SHARED_DATA / "ptb"), "out": str(common.RUNS_DIR / "ablation"),
@@ -200,7 +203,7 @@ def variants_of(args: argparse.Namespace) -> list[Variant]:
     grid = GRIDS[args.corpus]
     if args.variants == "all":
         return list(grid)
-    by_name = {v.name: v for v in grid}
+    by_name = {v.name: v for v in (*grid, *EXTRA_VARIANTS.get(args.corpus, ()))}
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     bad = [n for n in names if n not in by_name]
     if bad:

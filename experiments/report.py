@@ -342,11 +342,70 @@ def longmem_clamp_section(c: dict[str, Any], img: str) -> list[str]:
     return out
 
 
+def longrange_section(g: dict[str, Any] | None, img: str) -> list[str]:
+    """The controlled long-range experiment (``experiments.longrange``)."""
+    out = ["## 6. Long-range recall under control: what the memory carries (section 3.2), and rotary positions", ""]
+    if g is None:
+        return out + ["Not run yet: `python -m experiments.longrange` (see its docstring for the background workers).",
+                      ""]
+    a, lim, c = g["args"], g["limits"], g["corpus"]
+    models = ", ".join(f"`{n}`" for n in g["by_distance"])
+    out += [f"Command: `{g['command']}`.", "",
+            f"Corpus `recall` (`txl.data.recall`): filler words ({c['n_filler']} kinds, uniform) with definitions "
+            f"`D k v` ({c['n_keys']} keys, {c['n_values']} values) and, a log-uniform {c['min_distance']} to "
+            f"{c['max_distance']} tokens later, the query `Q k v`; only the answer (the `v` after `Q k`) is scored, "
+            f"{g['answers']:,} answers of the validation split, the same for every model. Chance: "
+            f"{100 * g['chance_accuracy']:.2f}% accuracy, {g['chance_nll']:.2f} nats. Every model: {a['n_layer']} "
+            f"layers, d_model {a['d_model']}, {a['n_head']} heads, d_inner {a['d_inner']}, dropout {a['dropout']}; "
+            f"{a['steps']} steps of {a['batch_size']} x {a['tgt_len']} tokens, Adam lr {a['lr']} with cosine decay; "
+            f"memory {a['mem_len']} with recurrence. Models: {models} (`-seed1`: a second seed, pooled into its "
+            "model's row; the standard errors are then those of the seed means). The limits of the argument: the "
+            f"segment ({lim['segment']}), one hop back through memory ({lim['mem_plus_segment']}), n_layer x "
+            f"mem_len ({lim['n_layer_x_mem_len']}) and n_layer x (mem_len + segment) "
+            f"({lim['n_layer_x_attention']}), the farthest any cached state can reach.", ""]
+    asked = [n for n in a["variants"].split(",") if n.strip()] if a["variants"] != "all" else []
+    missing = [n for n in asked if n not in g["runs"]]
+    if missing:
+        out += [f"**Not finished:** {', '.join(f'`{n}`' for n in missing)} (asked for by the command, not trained "
+                "to the end when these results were written; the same command resumes them).", ""]
+    out.append(Path(g["_md"]).read_text(encoding="utf-8"))
+    out += [f"![answer accuracy and loss against distance]({img})", "",
+            "Accuracy (%) by region of distance, at the training memory:", ""]
+    regions = next(iter(g["regions"].values()))
+    out.append(common.markdown_table(
+        ["model", *[f"{r['lo']}-{r['hi'] - 1}" for r in regions]],
+        [[n, *[f"{100 * r['acc']:.1f} ± {100 * r['se']:.1f}" if r["n"] else "-" for r in rows]]
+         for n, rows in g["regions"].items()]))
+    out += ["The paper's claims on this corpus (a difference counts beyond 2 standard errors):", ""]
+    out += [f"* *{f['claim']}*: {f['verdict']}." for f in g["findings"]]
+    out.append("")
+    return out
+
+
+def rotary_wt2_section(r: dict[str, Any] | None, a: dict[str, Any] | None) -> list[str]:
+    """Rotary positions beside the WikiText-2 grid's rows (``experiments.rotary``)."""
+    out = ["### Rotary positions beside the paper's rows (WikiText-2)", ""]
+    if r is None:
+        return out + ["Not run yet: `python -m experiments.rotary --corpus wt2` with the grid's flags (the command "
+                      "in `experiments/rotary.py`; about 55 min of one busy core at the grid's 0.82 s per step).", ""]
+    row = r["run"]
+    out += [f"Command: `{r['command']}`; trained with exactly the grid's settings, only `attn_type='rotary'` "
+            "differs from `relative-rec`.", "", Path(r["_md"]).read_text(encoding="utf-8")]
+    if a is not None:
+        grid = r["contexts"]
+        rows = [[n, *[a["runs"][n]["ppl"].get(str(c), "-") for c in grid]] for n in ("relative-rec", "shaw-rec")
+                if n in a["runs"]]
+        rows.append(["rotary-rec", *[row["ppl"][str(c)] for c in grid]])
+        out += ["Perplexity at every attention length, beside the grid's recurrent rows:", "",
+                common.markdown_table(["run", *[str(c) for c in grid]], rows)]
+    return out
+
+
 def render(results: Path, doc: Path) -> str:
     rel = os.path.relpath(results, doc.parent)
     data = {}
     for stem in ("ablation", "recl", "char", "speedup", "ablation_wt2", "recl_wt2", "sizing_wt2",
-                 "longmem_clamp_wt2"):
+                 "longmem_clamp_wt2", "longrange", "rotary_wt2"):
         d = _load(results, stem)
         if d is not None:
             d["_md"] = str(results / f"{stem}.md")
@@ -365,6 +424,8 @@ def render(results: Path, doc: Path) -> str:
     if data["char"]:
         out += char_section(data["char"], f"{rel}/char.png")
     out += wt2_section(data["ablation_wt2"], data["recl_wt2"], data["sizing_wt2"], rel, data["longmem_clamp_wt2"])
+    out += rotary_wt2_section(data["rotary_wt2"], data["ablation_wt2"])
+    out += longrange_section(data["longrange"], f"{rel}/longrange.png")
     out += wall_times(data["ablation"], title="## Wall time of each PTB ablation run")
     out += [Path(ROOT / "experiments" / "discussion.md").read_text(encoding="utf-8")]
     text = "\n".join(out).rstrip() + "\n"

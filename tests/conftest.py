@@ -37,6 +37,16 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
+def _threads(monkeypatch):
+    """txl's commands pick their thread count (--threads, else OMP_NUM_THREADS, else the idle cores): in the
+    suite they keep the process's count, whatever the load, and it is restored after each test."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same random state; torch's global RNG is restored afterwards."""
     state = torch.random.get_rng_state()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import ATTN_TYPES, tiny_config
 
 import txl
-from txl.model.attention import Attention, attn_types
+from txl.model.attention import Attention, attn_types, encoding
 from txl.model.kernels import _RecomputedAttention
 from txl.model.positions import attention_mask
 
@@ -80,7 +80,8 @@ def test_fused_kernel_gradients_equal_explicit_attention():
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("attn_type", attn_types(relative=True))  # those with positional scores
+@pytest.mark.parametrize("attn_type", [t for t in attn_types()  # those with positional scores (not rotary's rotation)
+                                       if encoding(t).positional_inputs is not Attention.positional_inputs])
 def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, monkeypatch):
     """Training with a positional term keeps no probabilities: they are recomputed in backward. Every gradient
     equals the one of the explicit path, which keeps them (taken here by a dropatt that drops nothing)."""
@@ -109,7 +110,7 @@ def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, mon
 
 
 @pytest.mark.parametrize("attn_type,recompute", [("relative", True), ("relative", False), ("shaw", True),
-                                                  ("absolute", True)])
+                                                  ("absolute", True), ("rotary", True)])
 def test_bf16_autocast_training_step_tracks_fp32(attn_type, recompute):
     """bf16 autocast (CPU) runs forward and backward through every attention path; loss and gradients stay
     close to fp32's (the benchmark's 1e-2 loss criterion, on a tiny model)."""

@@ -154,7 +154,7 @@ CASES = [
      "unrecognised argument '--bogus'; config fields are set as --data.FIELD, --model.FIELD, --optim.FIELD, "
      "--train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
     ("train-unknown-field", ["train", "--model.mem_lenn", "3"],
-     "unknown field model.mem_lenn; valid model fields are: ...", 2),
+     "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are: ...", 2),
     ("train-unknown-section", ["train", "--modle.mem_len", "3"],
      "unrecognised argument '--modle.mem_len'; config fields are set as --data.FIELD, --model.FIELD, "
      "--optim.FIELD, --train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
@@ -200,7 +200,7 @@ CASES = [
      "--train.device 'cuda': CUDA is not available on this machine; use --train.device cpu", 2, no_cuda),
     ("train-missing-corpus", ["train", *T, "--data.corpus", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
-     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib, recall", 2),
     ("train-empty-corpus", ["train", *T, "--data.corpus", "{root}/empty.txt"],
      "the train split of corpus 'empty' is empty ({root}/empty.txt[0:0]); give a non-empty file or larger split "
      "fractions", 2),
@@ -357,7 +357,7 @@ CASES = [
     # -- txl data
     ("data-unknown-corpus", ["data", "download", "wikipedia"],
      "unknown corpus 'wikipedia'; corpora that can be downloaded: enwik8, text8, wt103, wt2, ptb, pennchar, "
-     "lm1b, stdlib", 2),
+     "lm1b, stdlib, recall", 2),
     ("data-download-offline", ["data", "download", "ptb", "--dir", "{root}/ptb"],
      "could not download http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz: cannot resolve the host "
      "name www.fit.vutbr.cz ([Errno -3] Temporary failure in name resolution). Check the network connection, "
@@ -432,7 +432,7 @@ CASES = [
      "-o {text}/step.pt2: the directory {text} is a file, not a directory; create it first", 2),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
-     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib", 2),
+     "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib, recall", 2),
     ("data-prepare-empty", ["data", "prepare", "{root}/blank.txt", "--data.level", "char"],
      "the test split of corpus 'blank' is empty ({root}/blank.txt[5:5]); give a non-empty file or larger split "
      "fractions", 2),

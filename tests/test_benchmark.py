@@ -55,7 +55,8 @@ def test_model_fields_override_every_shape_and_bad_ones_are_refused(capsys):
     assert (config.dropout_impl, config.attn_impl, config.recompute_attention) == ("fast16", "reference", False)
     assert config.n_layer == bench.SHAPES["tiny"].n_layer
     for argv, match in ((["--model.dropout_impl", "fast"], "model.dropout_impl='fast' is not allowed"),
-                        (["--model.dropuot", "0.1"], "unknown field model.dropuot; valid model fields are")):
+                        (["--model.dropuot", "0.1"],
+                         "unknown field model.dropuot (did you mean dropout?); valid model fields are")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert match in capsys.readouterr().err

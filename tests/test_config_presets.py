@@ -41,7 +41,7 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("model.mem_lenn", "3", "unknown field model.mem_lenn; valid model fields are: "),
+    ("model.mem_lenn", "3", "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are: "),
     ("modle.mem_len", "3", "unknown option --modle.mem_len"),
     ("model.mem_len", "abc", "model.mem_len='abc' must be an integer"),
     ("optim.lr", "fast", "optim.lr='fast' must be a number"),
@@ -59,7 +59,8 @@ def test_bad_overrides_name_the_field(key, value, message):
 def test_unknown_field_in_preset_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nvocab_size = 10\nlayers = 3\n")
-    with pytest.raises(ValueError, match=r"unknown field\(s\) model.layers; valid model fields are: .*n_layer"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) model.layers \(did you mean n_layer\?\); "
+                       r"valid model fields are: .*n_layer"):
         run_config(path)
     path.write_text("[model]\nvocab_size = 'ten'\n")
     with pytest.raises(ValueError, match="model.vocab_size='ten' must be an integer"):
@@ -203,7 +204,8 @@ def test_boolean_fields_take_a_value_or_none():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--model.mem_lenn", "3"], "unknown field model.mem_lenn; valid model fields are: "),
+    (["train", "--model.mem_lenn", "3"],
+     "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are: "),
     (["train", "--bogus"], "unrecognised argument '--bogus'; config fields are set as --data.FIELD"),
     (["eval", "run", "--model.mem_len", "3"], "txl eval takes no --model.FIELD options; its config options are "
                                               "--eval.FIELD, --data.FIELD"),

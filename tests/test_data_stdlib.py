@@ -77,7 +77,10 @@ def test_stdlib_is_a_registry_entry_loaded_like_any_corpus(tmp_path):
     assert REGISTRY["stdlib"].generated == "stdlib" and REGISTRY["stdlib"].level == "byte"
     corpus = load_corpus("stdlib", cache_dir=tmp_path / "tokens", max_bytes=100_000)
     assert corpus.metric == "bpc" and corpus.vocab_size == 256
-    texts = build_stdlib_corpus(tmp_path / "stdlib", max_bytes=100_000)  # written beside the token cache
+    # A given cache_dir holds everything: the token cache and the generated text (never written beside it).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens"]
+    assert len(list((tmp_path / "tokens" / "stdlib").iterdir())) == 1
+    texts = build_stdlib_corpus(tmp_path / "tokens" / "stdlib", max_bytes=100_000)  # found, not rebuilt
     assert [len(corpus.split(s)) for s in ("train", "valid", "test")] == \
         [(texts / f"{s}.txt").stat().st_size for s in ("train", "valid", "test")]
     assert Path(corpus.path).parent == tmp_path / "tokens"

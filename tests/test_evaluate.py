@@ -41,7 +41,7 @@ def caches_seen(model, monkeypatch) -> list:
 
 @pytest.mark.parametrize("changes", [dict(attn_type="relative"), dict(attn_type="relative", same_length=True),
                                      dict(attn_type="relative", ext_len=2, pre_ln=True, untie_r=True),
-                                     dict(attn_type="shaw")])
+                                     dict(attn_type="shaw"), dict(attn_type="rotary")])
 def test_evaluate_with_cached_keys_equals_recomputing_them(changes, monkeypatch):
     torch.manual_seed(0)
     model = perturbed(**changes)
@@ -81,13 +81,19 @@ def test_on_segment_reports_each_segment_of_the_total(max_batches):
     assert calls == [(i, n) for i in range(1, n + 1)] and n > 3
 
 
-def test_segment_progress_draws_a_bar_of_segments_only_when_enabled(capsys):
+def test_segment_progress_draws_a_bar_of_segments_only_when_enabled_and_on_a_terminal(capsys, monkeypatch):
+    import txl.metrics
     from txl.metrics import segment_progress
+
+    def draw():
+        with segment_progress(True, "valid") as hook:
+            for i in range(1, 4):
+                hook(i, 3)
+        return capsys.readouterr().err
 
     with segment_progress(False, "valid") as hook:
         assert hook is None
-    with segment_progress(True, "valid") as hook:
-        for i in range(1, 4):
-            hook(i, 3)
-    err = capsys.readouterr().err
+    assert draw() == ""  # stderr redirected (here: captured): no bar, no cursor escapes in the log
+    monkeypatch.setattr(txl.metrics, "_is_terminal", lambda stream: True)
+    err = draw()
     assert "valid:" in err and "/3 " in err and "segment" in err

@@ -330,7 +330,8 @@ def test_drivers_take_config_fields_as_txl_train_does():
         ablation.parse_args(["--n-layer", "3", "--model.n_layer", "2"])
     with pytest.raises(SystemExit, match="--model.attn_type: each run's encoding is its variant's"):
         ablation.parse_args(["--model.attn_type", "shaw"])
-    with pytest.raises(SystemExit, match="unknown field model.n_layers; valid model fields are: .*n_layer"):
+    with pytest.raises(SystemExit, match=r"unknown field model.n_layers \(did you mean n_layer\?\); "
+                       r"valid model fields are: .*n_layer"):
         ablation.parse_args(["--model.n_layers", "2"])
     with pytest.raises(ValueError, match="model.n_layer='two' must be an integer"):
         ablation.parse_args(["--model.n_layer", "two"])

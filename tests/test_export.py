@@ -63,11 +63,16 @@ def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, caps
     check_against_eager(model, lambda *a: SegmentStep(model)(*a))
 
 
-def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
+def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capfd):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "s.onnx")]) == 0
-    session = ort.InferenceSession(str(tmp_path / "s.onnx"))
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "out" /
+                 "s.onnx")]) == 0
+    out, err = capfd.readouterr()
+    assert err == "" and out.startswith(f"{tmp_path / 'out' / 's.onnx'}: one segment step (onnx)")  # no chatter
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["s.onnx"]  # one file, no s.onnx.data
+    (tmp_path / "out" / "s.onnx").rename(tmp_path / "shipped.onnx")  # it travels alone
+    session = ort.InferenceSession(str(tmp_path / "shipped.onnx"))
 
     def run(ids, memory, padding):
         outs = session.run(None, {"input_ids": ids.numpy(), "memory": np.asarray(memory),
@@ -75,6 +80,42 @@ def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
         return tuple(torch.from_numpy(o) for o in outs)
 
     check_against_eager(txl.from_pretrained(model_dir), run)
+
+
+def test_onnx_of_a_large_model_names_its_weights_file(model_dir, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import txl.export
+
+    monkeypatch.setattr(txl.export, "ONNX_INLINE_LIMIT", 0)  # as if the weights were over 1 GiB
+    assert main(["export", "--checkpoint", str(model_dir), "--format", "onnx", "-o", str(tmp_path / "s.onnx")]) == 0
+    assert (tmp_path / "s.onnx.data").is_file()
+    assert f"{tmp_path / 's.onnx.data'}: the weights (over 1 GiB, too large to keep inside s.onnx); ship it beside " \
+        "s.onnx" in capsys.readouterr().out
+
+
+def test_rotary_segment_step_exports_and_equals_eager(tmp_path):
+    """Rotary positions rotate by the index in [memory; segment]: the padded memory of the exported step shifts
+    those indices, which relative scores do not see, so the exported program equals eager from memory=None."""
+    torch.manual_seed(0)
+    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=5,
+                             attn_type="rotary", dropout=0.0)
+    model = txl.TransformerXL(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    check_against_eager(model, lambda *a: SegmentStep(model)(*a))
+    directory = txl.save_pretrained(model, tmp_path / "model")
+    assert main(["export", "--checkpoint", str(directory), "--format", "torch-export",
+                 "-o", str(tmp_path / "step.pt2")]) == 0
+    step = load(tmp_path / "step.pt2")
+
+    def run(ids, memory, padding):
+        with torch.no_grad():
+            return step(ids, memory, padding)
+
+    check_against_eager(model, run)
 
 
 def test_absolute_positions_cannot_be_exported():

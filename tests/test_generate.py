@@ -151,6 +151,7 @@ KV_CONFIGS = {
     "adaptive_div2_tied": CONFIGS["adaptive_div2_tied"],
     "clamp_pre_ln_untie_r": CONFIGS["clamp_pre_ln_untie_r"],
     "shaw": dict(vocab_size=61, attn_type="shaw", learned_positions=7),
+    "rotary": dict(vocab_size=61, attn_type="rotary"),
     "ext_len": dict(vocab_size=61, ext_len=1),
 }
 
@@ -261,6 +262,13 @@ def test_left_padded_batch_equals_one_prompt_at_a_time(attn_type, segment_len):
     new = txl.generate(model, prompts, max_new_tokens=6, temperature=0)
     for b, p in enumerate(prompts):
         assert new[b].tolist() == txl.generate(model, p, max_new_tokens=6, temperature=0)[0].tolist()
+    # Sampling with a seed too: row b draws from its own generator (seed + b), so it equals its prompt alone.
+    kwargs = dict(max_new_tokens=8, temperature=1.5, top_k=0, top_p=1.0)
+    new = txl.generate(model, prompts, seed=11, **kwargs)
+    for b, p in enumerate(prompts):
+        assert new[b].tolist() == txl.generate(model, p, seed=11 + b, **kwargs)[0].tolist()
+    again = txl.generate(model, [prompts[0]] * 3, seed=11, **kwargs)  # one prompt three times: three samples
+    assert again[0].tolist() == new[0].tolist() and len({tuple(r) for r in again.tolist()}) > 1
 
 
 def test_padding_needs_relative_positions():

@@ -26,7 +26,7 @@ def test_config_errors(overrides, match):
 
 
 def test_unknown_config_key():
-    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layers'\]"):
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layers'\] \(did you mean n_layer\?\)"):
         txl.ModelConfig.from_dict({**BASE, "n_layers": 3})
 
 

@@ -18,7 +18,7 @@ def model_of(**overrides) -> txl.TransformerXL:
 
 @pytest.mark.parametrize("variant", [
     dict(), dict(cutoffs=[10, 30], div_val=2, d_embed=32), dict(pre_ln=True), dict(untie_r=True),
-    dict(attn_type="shaw", learned_positions=64), dict(clamp_len=5),
+    dict(attn_type="shaw", learned_positions=64), dict(clamp_len=5), dict(attn_type="rotary"),
 ])
 def test_segments_with_memory_equal_one_long_pass(variant):
     """Whenever memory covers the history, recurrence is exactly a longer causal context."""

@@ -1,21 +1,211 @@
-"""The README's Python example runs as written."""
+"""Every command block of the README runs, so the README cannot drift (issue 28).
 
+The convention, for everyone who adds a README section:
+
+* A fenced block tagged ```bash or ```python is a command block: it runs here, as written, in README order, in
+  one scratch directory, so a later block may use what an earlier one wrote (``runs/default``, ``runs/mine``).
+  An untagged block (```) is output or a file layout and is not run: tag a block of commands ```bash.
+* An HTML comment right before a block (blank lines may separate them) changes how it runs, one directive a
+  line (or one directive on the comment's own line: ``<!-- docs-test: skip: needs a GPU -->``)::
+
+      <!-- docs-test
+      skip: WHY              the block is not run; WHY is the skip reason pytest reports (-rs)
+      slow                   the block takes seconds (deselected by -m "not slow")
+      sub: OLD => NEW        run the block with the text OLD replaced by NEW (OLD must occur; repeatable)
+      -->
+
+  Substitutions stand for tiny sizes (a tiny preset, a few steps, ``--help`` instead of an hours-long run) and
+  for local stand-ins of what the network would give; the rest of the command runs as written.
+* The scratch directory holds those stand-ins (:func:`workspace`): a Hugging Face Hub cache, read with
+  HF_HUB_OFFLINE=1, whose ``transfo-xl/transfo-xl-wt103`` is tests/golden/hf_transfo_xl_tiny (what
+  transformers' ``save_pretrained`` writes) and the same files as a local ``transfo-xl-wt103/``; ``my.txt``;
+  ``my_corpus/`` and ``my_text/`` (train/valid/test.txt, in that vocabulary's words); a fake WikiText-103
+  (``data/wt103``, and ``wiki.test.tokens``) and Penn Treebank (``data/ptb``, as ``txl data download`` leaves them).
+* bash blocks run under ``bash -euo pipefail`` with this Python's bin directory first on PATH (``txl``,
+  ``python``, ``torchrun``), OMP_NUM_THREADS=1 and the caches (XDG_CACHE_HOME) inside the scratch directory;
+  python blocks run with this Python. A block passes when it exits with status 0.
+
+Besides the blocks, every ``txl.NAME.NAME`` the README names in backticks must exist (``txl.generation.FINISHED``)
+and every checkpoint path it shows must be spelt as training writes it (``step_00002000``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "hf_transfo_xl_tiny"
+WORDS = "<eos> <unk> the cat sat on a mat . dog = Valkyria".split()  # the golden repo's vocabulary
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+FENCE = re.compile(r"(?:<!--\s*docs-test(?P<directives>.*?)-->\s*)?^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```\s*$",
+                   re.S | re.M)
 
 
-@pytest.mark.slow  # a real subprocess
-def test_readme_api_example_runs(tmp_path):
-    block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    src = str(README.parent / "src")
-    result = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={"PYTHONPATH": src, "PATH": ""})
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "my-model" / "model.safetensors").exists()
-    assert (tmp_path / "my-model-hf" / "config.json").exists()
+@dataclass
+class Block:
+    line: int
+    lang: str
+    body: str
+    skip: str | None = None
+    slow: bool = False
+    subs: list[tuple[str, str]] = field(default_factory=list)
+
+    def text(self) -> str:
+        """The block as it runs: each substitution applied, each required to match."""
+        body = self.body
+        for old, new in self.subs:
+            assert old in body, f"README line {self.line}: the substitution's text {old!r} is not in the block"
+            body = body.replace(old, new)
+        return body
+
+
+def parse_directives(text: str, line: int) -> dict:
+    """The directives of a ``<!-- docs-test ... -->`` comment (see the module docstring)."""
+    out: dict = {"skip": None, "slow": False, "subs": []}
+    for raw in re.split(r"\n", text.strip().removeprefix(":").strip()):
+        item = raw.strip()
+        if not item:
+            continue
+        key, _, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "skip":
+            assert value, f"README line {line}: 'skip:' needs a reason"
+            out["skip"] = value
+        elif key == "slow" and not value:
+            out["slow"] = True
+        elif key == "sub" and "=>" in value:
+            old, _, new = value.partition("=>")
+            out["subs"].append((old.strip(), new.strip()))
+        else:
+            raise AssertionError(f"README line {line}: unknown docs-test directive {item!r} (skip: WHY, slow, "
+                                 "sub: OLD => NEW)")
+    return out
+
+
+def readme_blocks() -> list[Block]:
+    text = README.read_text(encoding="utf-8")
+    blocks = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start("lang")) + 1
+        if m.group("lang") not in ("bash", "python"):
+            assert m.group("directives") is None, f"README line {line}: docs-test directives on a block that is not run"
+            continue
+        directives = parse_directives(m.group("directives") or "", line)
+        blocks.append(Block(line=line, lang=m.group("lang"), body=m.group("body"), **directives))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+
+
+def _words(n: int, seed: int) -> str:
+    """n words of the golden vocabulary, a sentence a line (WikiText-style spacing)."""
+    import random
+
+    rng = random.Random(seed)
+    lines, words = [], WORDS[2:]
+    while n > 0:
+        k = min(n, rng.randint(4, 12))
+        lines.append(" " + " ".join(rng.choice(words) for _ in range(k)) + " ")
+        n -= k
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The scratch directory and environment every block runs in (see the module docstring)."""
+    root = tmp_path_factory.mktemp("readme")
+    snapshot = root / "hub" / "models--transfo-xl--transfo-xl-wt103" / "snapshots" / COMMIT
+    shutil.copytree(GOLDEN, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(GOLDEN, root / "transfo-xl-wt103")
+    (root / "my.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    for folder, n in (("my_corpus", 3000), ("my_text", 3000)):
+        (root / folder).mkdir()
+        for k, split in enumerate(("train", "valid", "test")):
+            (root / folder / f"{split}.txt").write_text(_words(n, k))
+    wt103 = root / "data" / "wt103" / "wikitext-103"
+    wt103.mkdir(parents=True)
+    for k, split in enumerate(("train", "valid", "test")):
+        (wt103 / f"wiki.{split}.tokens").write_text(" = Valkyria = \n\n" + _words(400, 10 + k))
+    shutil.copyfile(wt103 / "wiki.test.tokens", root / "wiki.test.tokens")
+    ptb = root / "data" / "ptb" / "simple-examples" / "data"
+    ptb.mkdir(parents=True)
+    for k, split in enumerate(("train", "valid", "test")):
+        (ptb / f"ptb.{split}.txt").write_text(_words(6000 if split == "train" else 2000, 20 + k))
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(root),
+           "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(root / "cache"), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": str(root / "hub"), "HF_HOME": str(root / "hf_home"), "PYTHONPATH": str(ROOT / "src"),
+           "MPLBACKEND": "Agg", "LANG": "C.UTF-8"}
+    return root, env
+
+
+def _param(block: Block):
+    marks = [pytest.mark.slow] if block.slow else []
+    return pytest.param(block, marks=marks, id=f"line{block.line}-{block.lang}")
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
+def test_readme_block_runs(block, workspace):
+    if block.skip:
+        pytest.skip(f"README line {block.line}: {block.skip}")
+    root, env = workspace
+    text = block.text()
+    cmd = ["bash", "-euo", "pipefail", "-c", text] if block.lang == "bash" else [sys.executable, "-c", text]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (f"README line {block.line} failed ({result.returncode}):\n{text}\n"
+                                    f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+
+
+def test_readme_blocks_found_and_directives_parsed():
+    """The convention itself: the blocks are found, and a directive the parser does not know is an error."""
+    assert len(BLOCKS) >= 8 and {b.lang for b in BLOCKS} == {"bash", "python"}
+    assert any(b.subs for b in BLOCKS) and any(b.skip for b in BLOCKS)
+    assert parse_directives("\nskip: why\n", 1)["skip"] == "why"
+    assert parse_directives(": sub: a => b", 1)["subs"] == [("a", "b")]
+    with pytest.raises(AssertionError, match="unknown docs-test directive"):
+        parse_directives("skpi: x", 1)
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_readme_api_names_exist():
+    """Every `txl.a.b` the README names exists: txl.generation.FINISHED, txl.checkpoint.latest, ..."""
+    text = README.read_text(encoding="utf-8")
+    names = set(re.findall(r"`(txl(?:\.[A-Za-z_]\w*)+)", text))
+    assert "txl.generation.FINISHED" in names
+    missing = sorted(n for n in names if not _resolves(n))
+    assert not missing, f"the README names {missing}, which do not exist"
+
+
+def test_readme_checkpoint_paths_are_spelt_as_training_writes_them():
+    from txl.rundir import CKPT_DIR
+
+    text = README.read_text(encoding="utf-8")
+    steps = re.findall(rf"{CKPT_DIR}/(step_\d+)", text)
+    assert steps and all(re.fullmatch(r"step_\d{8}", s) for s in steps), steps

@@ -72,3 +72,57 @@ def test_compile_off_is_the_model_itself_and_host_tensors_stay_on_cpu():
     assert compile_model(model, False) is model
     t = torch.arange(4)
     assert to_device(t, None) is t and to_device(t, "cpu") is t
+
+
+def test_thread_count_given_then_environment_then_one(monkeypatch):
+    import txl.runtime as rt
+
+    assert rt.choose_threads(3) == (3, "--threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert rt.choose_threads(None) == (2, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert rt.choose_threads(None)[0] == 1  # whatever the machine: the same figures per CPU kind
+
+
+def test_oversubscribed_threads_are_detected_with_advice(monkeypatch):
+    """Two threads while another process holds one of two cores: the collapse is named before the run."""
+    import txl.runtime as rt
+
+    monkeypatch.setattr(rt.os, "cpu_count", lambda: 2)
+    for busy, threads, advice in ((1.0, 2, "use --threads 1"), (0.2, 2, None), (2.0, 1, None), (None, 2, None)):
+        monkeypatch.setattr(rt, "busy_cpus", lambda busy=busy: busy)
+        got = rt.oversubscribed(threads)
+        assert (got is None) if advice is None else got.endswith(advice), (busy, threads, got)
+    monkeypatch.setattr(rt, "busy_cpus", lambda: 1.0)
+    assert rt.oversubscribed(2).startswith("2 CPU threads but only 1.0 cores are idle (1.0 busy with other work)")
+
+
+def test_busy_cpus_reads_proc_stat():
+    import txl.runtime as rt
+
+    busy = rt.busy_cpus(0.05)
+    if Path("/proc/stat").is_file():
+        assert busy is not None and 0.0 <= busy <= (__import__("os").cpu_count() or 1) + 1e-9
+    else:
+        assert busy is None
+
+
+def test_every_command_takes_threads_and_run_json_records_the_machine(corpus, tmp_path, capsys):
+    from txl.cli import build_parser, main
+
+    for name, command in build_parser()._subparsers._group_actions[0].choices.items():
+        assert "--threads" in command._option_string_actions, name
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data.corpus", corpus, "--max-steps", "1", "--threads", "1",
+                 "--out", str(out), "--train.sample_tokens", "0", "--train.eval_interval", "0",
+                 "--no-progress"]) == 0
+    assert torch.get_num_threads() == 1
+    machine = __import__("json").loads((out / "run.json").read_text())["machine"]
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and machine["threads"] == 1
+    assert machine["torch"] == torch.__version__ and machine["python"] == platform.python_version()
+    printed = capsys.readouterr().out
+    assert f"CPU kernels {machine['cpu_capability']}, 1 thread(s), torch {torch.__version__}" in printed
+    with pytest.raises(SystemExit) as stop:  # argparse: the usage line, then the error
+        main(["eval", str(out), "--threads", "0"])
+    assert stop.value.code == 2
+    assert "txl eval: error: argument --threads: --threads '0' must be a whole number >= 1" in capsys.readouterr().err

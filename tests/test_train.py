@@ -2,6 +2,7 @@
 
 import errno
 import json
+import math
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import txl.checkpoint
+import txl.metrics
 import txl.rundir
 import txl.train
 from txl.cli import main
@@ -43,6 +45,17 @@ def test_lr_schedules_are_pure():
     inv = OptimConfig(lr=1.0, schedule="inv_sqrt", warmup_steps=4)
     assert lr_at(15, inv, 100) == pytest.approx(0.5)
     assert lr_at(50, OptimConfig(lr=0.3, schedule="constant"), 10) == 0.3
+
+
+def test_learning_curve_plots_the_runs_metric_not_nats():
+    from txl.metrics import learning_curve_points
+
+    rows = [{"kind": "train", "step": 1, "loss": math.log(2) * 3}, {"kind": "valid", "step": 1, "loss": 2.0},
+            {"kind": "test", "step": 1, "loss": 9.0}]
+    bpc = learning_curve_points(rows, "bpc")
+    assert bpc["train"] == [(1, pytest.approx(3.0))] and bpc["valid"] == [(1, pytest.approx(2.0 / math.log(2)))]
+    assert learning_curve_points(rows, "ppl")["valid"] == [(1, pytest.approx(math.exp(2.0)))]
+    assert set(bpc) == {"train", "valid"}
 
 
 def test_time_budget_sets_the_schedule_horizon():
@@ -97,14 +110,20 @@ def test_resume_from_a_flat_train_state_of_an_older_version(corpus, tmp_path):
 
 
 @pytest.mark.slow  # real training
-def test_eval_cli_and_sweep(corpus, tmp_path, capsys):
+def test_eval_cli_and_sweep(corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "3")]) == 0
     capsys.readouterr()
-    assert main(["eval", str(out), "--eval.mem_len", "24", "--eval.clamp_len", "16", "--eval.same_length",
-                 "--eval.tgt_len", "4", "--max-batches", "3"]) == 0
+    evaluate = ["eval", str(out), "--eval.mem_len", "24", "--eval.clamp_len", "16", "--eval.same_length",
+                "--eval.tgt_len", "4", "--max-batches", "3"]
+    assert main(evaluate) == 0
+    redirected, err = capsys.readouterr()
+    assert "segment" not in err and "\x1b" not in err  # stderr is not a terminal: no bar, no cursor escapes
+    monkeypatch.setattr(txl.metrics, "_is_terminal", lambda stream: True)
+    assert main(evaluate) == 0
     printed, err = capsys.readouterr()
-    assert "test:" in err and "/3 " in err and "segment" in err  # the evaluation's own bar, on stderr
+    assert printed.split(" tokens, ")[0] == redirected.split(" tokens, ")[0]  # the same figures (up to tokens/s)
+    assert "test:" in err and "/3 " in err and "segment" in err  # the evaluation's own bar, on a terminal
     assert "test (first 3 segments, 2 streams, tgt_len 4, mem_len 24, clamp_len 16, same_length;" in printed
     assert "mem_len 24, tgt_len 4, keys/query 24: loss" in printed
     assert main(["eval", str(out), "--sweep-mem", "0,8,16", "--max-batches", "2", "--no-progress"]) == 0
@@ -256,7 +275,7 @@ def test_bad_corpus_is_one_line(tmp_path, monkeypatch, capsys, content, message)
 def test_bad_overrides_on_command_line(capsys):
     assert main(["train", "--model.mem_lenn", "3"]) == 2
     err = capsys.readouterr().err
-    assert "unknown field model.mem_lenn; valid model fields are:" in err and "mem_len" in err
+    assert "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are:" in err and "mem_len" in err
     assert main(["train", "--optim.lr", "fast"]) == 2
     assert "optim.lr='fast' must be a number" in capsys.readouterr().err
     assert main(["train", "--train.batch_size", "10", "--train.grad_accum", "3"]) == 2
@@ -284,7 +303,8 @@ def test_ddp_two_processes_match_single(corpus, tmp_path):
     torch.testing.assert_close(torch.tensor([b[s] for s in a]), torch.tensor(list(a.values())), rtol=1e-4, atol=1e-4)
     assert not (multi / "metrics.jsonl").read_text().count('"step": 1,') > 1  # only rank 0 logs
     assert proc.stdout.count("trained 4 steps") == 1  # only rank 0 prints
-    assert proc.stderr.count("test of the best checkpoint") == 1, proc.stderr[-3000:]
+    assert proc.stdout.count("test (best checkpoint") == 1, proc.stdout[-3000:]  # the final figures: once
+    assert "of the best checkpoint" not in proc.stderr, proc.stderr[-3000:]  # not a second time in the log
 
 
 @pytest.mark.slow  # real training

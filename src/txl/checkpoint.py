@@ -51,12 +51,13 @@ from typing import Any
 
 import torch
 
-from txl.config import SECTIONS, RunConfig
+from txl.config import MACHINE_KEY, SECTIONS, RunConfig
 from txl.data.tokenizer import read_meta, save_tokenizer
 from txl.fileio import atomic_write, fsync_dir, fsync_tree, remove_partial, write_json
 from txl.model import TransformerXL
 from txl.pretrained import FORMAT, from_pretrained, save_pretrained
 from txl.rundir import CKPT_DIR, best, find_checkpoint, latest  # latest/best: txl.checkpoint's documented API
+from txl.runtime import machine_record
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class Checkpointer:
     def start(self, run: RunConfig) -> None:
         """Create the run directory with its run.json; remove what a killed writer left behind."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / RUN_FILE, run.to_dict())
+        # The CPU kernels, threads and versions beside the config: figures reproduce per CPU kind (README).
+        write_json(self.run_dir / RUN_FILE, {**run.to_dict(), MACHINE_KEY: machine_record()})
         remove_partial(self.run_dir / CKPT_DIR)
 
     def latest(self) -> Path | None:

@@ -8,14 +8,22 @@ Each option of the paper is a named field; combinations that cannot work are rej
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AttnType = Literal["relative", "shaw", "absolute", "al_rfou"]
+AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["torch", "fast16"]
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean n_layer?)' for the choice closest to a misspelt ``name`` ('' when none is close)."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 @dataclass(kw_only=True)
@@ -73,7 +81,8 @@ class ModelConfig:
     """'relative': the paper's encoding, terms (a)+(b)+(c)+(d) with sinusoidal R and biases u, v.
     'shaw': Shaw et al. 2018, a learned embedding per relative distance.
     'absolute': Vaswani et al. 2017, sinusoid added to the input.
-    'al_rfou': Al-Rfou et al. 2018, a learned absolute embedding added to every layer's input."""
+    'al_rfou': Al-Rfou et al. 2018, a learned absolute embedding added to every layer's input.
+    'rotary': Su et al. 2021, queries and keys rotated by their index in [memory; segment] (relative)."""
     learned_positions: int = 512
     """Number of learned distances ('shaw') or positions ('al_rfou'); larger ones reuse the last."""
     untie_r: bool = False
@@ -156,6 +165,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attn_type={self.attn_type!r} is unknown; choose one of "
                 f"{', '.join(typing.get_args(AttnType))}")
+        if self.attn_type == "rotary" and self.d_head % 2:
+            raise ValueError(f"ModelConfig.attn_type='rotary' rotates pairs of channels: d_head={self.d_head} must be "
+                             "even; choose n_head so that d_model // n_head is even, or set d_head")
         for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
@@ -183,7 +195,8 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"unknown ModelConfig field(s) {unknown}; known fields are {sorted(known)}")
+                f"unknown ModelConfig field(s) {unknown}{did_you_mean(unknown[0], known)}; known fields are "
+                f"{sorted(known)}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -274,7 +287,8 @@ class DataConfig:
 
     corpus: str = "stdlib"
     """A corpus name (enwik8, text8, wt103, wt2, ptb, pennchar, lm1b), a text file, a directory with
-    train/valid/test.txt, or 'stdlib': this Python's standard-library source (always available)."""
+    train/valid/test.txt, 'stdlib': this Python's standard-library source (always available), or 'recall':
+    generated key-value recall at known distances (txl.data.recall)."""
     data_dir: str | None = None
     """Folder holding a named corpus's files (default data/<name>)."""
     level: str | None = None
@@ -509,6 +523,9 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": 
                              "train": TrainConfig, "eval": EvalConfig, "sample": SampleConfig}
 
 
+MACHINE_KEY = "machine"  # run.json also records where the run ran (txl.runtime.machine_record); never config
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """Everything a run needs, saved with every checkpoint. model.vocab_size is the corpus's."""
@@ -535,7 +552,7 @@ class RunConfig:
         """Build from nested dicts of typed values ({'model': {...}, ...}), as ``to_dict`` writes them;
         unknown sections or fields are errors. Text (a TOML file, command-line strings) goes through
         ``txl.presets``, which types each value first."""
-        unknown = sorted(set(data) - set(SECTIONS))
+        unknown = sorted(set(data) - set(SECTIONS) - {MACHINE_KEY})  # run.json's record of the machine: not config
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections are {sorted(SECTIONS)}")
         sections = {}
@@ -546,7 +563,8 @@ class RunConfig:
             known = {f.name for f in dataclasses.fields(kind)}
             bad = sorted(set(values) - known)
             if bad:
-                raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}; valid {name} "
+                raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}"
+                                 f"{did_you_mean(bad[0], known)}; valid {name} "
                                  f"fields are: {', '.join(sorted(known))}")
             if name == "model":
                 values.setdefault("vocab_size", 256)

@@ -22,7 +22,11 @@ them before calling it. Relative and Shaw attention only (absolute encodings shi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -91,11 +95,42 @@ def export_onnx(model: TransformerXL, path: str | os.PathLike) -> Path:
     batch, seg = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("segment", min=1, max=65536)
     shapes = {"input_ids": {0: batch, 1: seg}, "memory": {1: batch}, "memory_padding": {0: batch}}
     path = Path(path)
-    with torch.no_grad():
+    # One self-contained file: weights inside the protobuf, which holds up to 2 GiB; a larger model's weights
+    # go to the sidecar PATH.data, which onnx_sidecar names and must travel with the .onnx.
+    inline = sum(p.numel() * p.element_size() for p in model.parameters()) < ONNX_INLINE_LIMIT
+    with torch.no_grad(), _quiet_exporter():
         torch.onnx.export(SegmentStep(model), _example(model), str(path), dynamo=True, dynamic_shapes=shapes,
                           verbose=False, input_names=["input_ids", "memory", "memory_padding"],
-                          output_names=["log_probs", "new_memory", "new_padding"])
+                          output_names=["log_probs", "new_memory", "new_padding"], external_data=not inline)
     return path
+
+
+ONNX_INLINE_LIMIT = 1 << 30  # bytes of weights kept inside the .onnx (protobuf's own limit is 2 GiB)
+
+
+def onnx_sidecar(path: str | os.PathLike) -> Path | None:
+    """The external-weights file an ONNX export wrote beside ``path`` (models over ONNX_INLINE_LIMIT), or None."""
+    data = Path(f"{path}.data")
+    return data if data.is_file() else None
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter's progress chatter (a hundred 'Replaced initializer' / constant-folding lines, torchvision
+    notices, deprecation warnings) is not the user's business: warnings and errors still show."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def load(path: str | os.PathLike) -> nn.Module:

@@ -27,7 +27,9 @@ TensorFlow original attend to at the start of a stream.
 Prompts of different lengths are read as one batch, left-padded: the pad positions are masked as keys
 (``padding=`` of the model's forward) for as long as they stay in the memory, and relative attention does
 not see the shift, so each row is generated exactly as it would be alone (with the default ``mem_len``,
-which drops nothing). Generation of a row ends at one of ``stop_tokens`` (which is returned) or once
+which drops nothing): greedily, and when sampling with ``seed``, which gives row b its own generator seeded
+``seed + b`` (row b equals its prompt alone with ``seed=seed + b``). Generation of a row ends at one of
+``stop_tokens`` (which is returned) or once
 its text contains one of ``stop_strings``; its later places hold ``FINISHED`` (-1), and generation ends
 when every row has stopped. ``repetition_penalty`` (CTRL) lowers the scores of tokens already read or
 produced.
@@ -207,8 +209,9 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     The prompt (B, T), or a list of ids, or lists of ids of different lengths (left-padded, see the
     module docstring), is read ``segment_len`` tokens at a time; then each new token is one (B, 1) step
     against the memory. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token.
-    Randomness comes only from ``generator``, or a fresh one seeded with ``seed`` (neither: torch's
-    global generator). ``mem_len`` None keeps the whole context (see the module docstring).
+    Randomness comes only from ``seed`` (row b: a generator seeded ``seed + b``, so each row equals its prompt
+    alone with ``seed=seed + b``), or from ``generator``, shared by the rows (neither: torch's global generator).
+    ``mem_len`` None keeps the whole context (see the module docstring).
     ``compile`` runs the forward through torch.compile.
 
     A row stops after producing one of ``stop_tokens``, or once ``decode(its new ids)`` contains one of
@@ -235,8 +238,12 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
     if mem_len is not None:
         _positive_int("mem_len", mem_len)
     _positive_int("segment_len", segment_len)
+    rows = None
     if seed is not None:
-        generator = torch.Generator(prompt.device).manual_seed(int(seed))
+        # Row b draws from its own generator, seeded seed + b: it is the row generate(its prompt alone,
+        # seed=seed + b) gives, whatever else the batch holds (a shared generator would tie each row's draws to
+        # the rows before it), and a prompt repeated in a batch still gets different samples.
+        rows = [torch.Generator(prompt.device).manual_seed(int(seed) + b) for b in range(prompt.size(0))]
     if mem_len is None:
         _check_whole_context(model, prompt.size(0), prompt.size(1), max_new_tokens)
     decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len,
@@ -258,8 +265,12 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
         for i in range(max_new_tokens):
             if seen is not None:
                 log_probs = apply_repetition_penalty(log_probs, seen, repetition_penalty)
-            token = sample_next(log_probs, temperature=temperature, top_k=top_k, top_p=top_p,
-                                generator=generator)  # (B,)
+            if rows is None:
+                token = sample_next(log_probs, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    generator=generator)  # (B,)
+            else:
+                token = torch.cat([sample_next(log_probs[b:b + 1], temperature=temperature, top_k=top_k,
+                                               top_p=top_p, generator=g) for b, g in enumerate(rows)])  # (B,)
             token = token.masked_fill(done, FINISHED)  # (B,)
             yield token
             live = ~done

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,13 @@ def _save_figure(fig: Any, png: str | Path) -> None:
     write_output(png, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
+def learning_curve_points(rows: list[dict], metric: str) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of the train and valid rows in the run's metric, not the loss in nats: bits per character
+    (``bpc``: byte and char corpora) or perplexity (``ppl``: words)."""
+    to_metric = (lambda loss: loss / math.log(2)) if metric == "bpc" else math.exp
+    return {kind: [(r["step"], to_metric(r["loss"])) for r in rows if r["kind"] == kind] for kind in ("train", "valid")}
+
+
 def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
     """Train and valid loss against step; False when matplotlib is not installed."""
     try:
@@ -103,14 +112,16 @@ def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
     except ImportError:
         log.info("matplotlib is not installed (pip install 'txl[cli]'): no learning-curve plot")
         return False
-    rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in ("train", "valid"):
-        pts = [(r["step"], r["loss"]) for r in rows if r["kind"] == kind]
+    for kind, pts in learning_curve_points(read_metrics(metrics_path), metric).items():
         if pts:
             ax.plot(*zip(*pts), label=kind, marker="o" if kind == "valid" else None)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    if metric == "bpc":
+        ax.set_ylabel("bits per character (bpc)")
+    else:
+        ax.set_ylabel(f"{metric} (log scale)")
+        ax.set_yscale("log")
     ax.set_title(f"learning curve ({metric})")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -144,6 +155,13 @@ def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, key
     finally:
         plt.close(fig)
     return True
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 class _NullBar:
@@ -180,7 +198,8 @@ class ProgressBar:
         self.bar: Any = _NullBar()
         self._tqdm: Any = None
         self._swapped: list[tuple[logging.Handler, logging.Handler]] = []
-        if not enabled:
+        # Not into a file or pipe: a redirected log would fill with redrawn bars and cursor escapes.
+        if not enabled or not _is_terminal(sys.stderr):
             return
         try:
             from tqdm.auto import tqdm

@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from txl.config import SECTIONS, RunConfig
+from txl.config import SECTIONS, RunConfig, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "configs"
 """Presets ship inside the package (the repository's configs/ links here)."""
@@ -162,11 +162,12 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
     for dotted, value in overrides.items():
         section, _, name = dotted.partition(".")
         if section not in SECTIONS or not name:
-            raise ValueError(f"unknown option --{dotted}; options are --SECTION.FIELD with SECTION one of "
+            raise ValueError(f"unknown option --{dotted}{did_you_mean(section, SECTIONS) if name else ''}; options "
+                             "are --SECTION.FIELD with SECTION one of "
                              f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
         hints = field_types(SECTIONS[section])
         if name not in hints:
-            raise ValueError(f"unknown field {section}.{name}; valid {section} fields are: "
+            raise ValueError(f"unknown field {section}.{name}{did_you_mean(name, hints)}; valid {section} fields are: "
                              f"{', '.join(sorted(hints))}")
         out.setdefault(section, {})[name] = _coerce(section, name, value, hints[name])
     return out

@@ -5,7 +5,9 @@ benchmarks call once; ``cpu_has_native_bf16`` tells whether bf16 autocast can pa
 ``resolve_precision`` turns ``precision="auto"`` into bf16 or fp32 for a device; ``matmul_precision`` allows
 TF32 matmuls on CUDA for the duration of a run and restores the previous setting (the parity tests run with
 it off, torch's default); ``compile_model`` is the one place ``torch.compile`` is applied; ``to_device`` moves
-a host batch to the device through pinned memory without blocking the host.
+a host batch to the device through pinned memory without blocking the host. ``choose_threads`` picks the
+CPU thread count of a command (``--threads``), and ``machine_record`` says which CPU kernels a run used (saved in
+run.json: another CPU's kernels round differently, so the figures are reproducible per CPU kind).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,3 +132,65 @@ def to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.
 
 __all__ = ["compile_model", "cpu_has_native_bf16", "matmul_precision", "resolve_precision", "retain_freed_memory",
            "to_device"]
+
+
+def busy_cpus(interval: float = 0.2) -> float | None:
+    """How many CPUs other processes kept busy over ``interval`` seconds (Linux /proc/stat), None if unknown."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields[:8]), fields[3] + fields[4]  # all time, idle + iowait (guest time is inside user)
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (os.cpu_count() or 1) * (1.0 - (idle1 - idle0) / (total1 - total0))
+
+
+def choose_threads(requested: int | None) -> tuple[int, str]:
+    """The CPU thread count of a command, and why: ``requested`` (``--threads N``), else OMP_NUM_THREADS
+    (torchrun sets 1 per process), else 1.
+
+    Why one thread by default, not torch's default (every core):
+    - its OpenMP threads wait for each other at every parallel region, so when another process holds one of
+      two cores a step takes ~20x longer (issue 28: the default job ran 28 steps in 60 s with 2 threads against
+      548 with 1 beside one busy process; on the shared machine of this change, 0-9 steps against 20-70);
+    - the thread count changes the figures: torch splits reductions by thread, so the gradients of 1 and 2
+      threads differ in the last bits (2e-9 on the default job's model) and a 2,000-step run ends elsewhere;
+      one thread gives the same figures on every machine of a CPU kind, whatever its cores and load.
+    """
+    if requested is not None:
+        return requested, "--threads"
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    return 1, "the default: the same figures on every machine of a CPU kind, and no waiting on a busy core"
+
+
+def oversubscribed(threads: int) -> str | None:
+    """Advice when ``threads`` exceed the cores idle right now (their threads would wait on the busy ones), or
+    None: the collapse torch's thread pool suffers on a shared machine, detected before the run starts."""
+    if threads <= 1:
+        return None
+    busy = busy_cpus()
+    if busy is None:
+        return None
+    idle = max(0.0, (os.cpu_count() or threads) - busy)
+    if threads <= idle + 0.5:
+        return None
+    return (f"{threads} CPU threads but only {idle:.1f} cores are idle ({busy:.1f} busy with other work): each "
+            "parallel step waits for the thread on a busy core, up to ~20x slower; use --threads "
+            f"{max(1, int(idle + 0.5))}")
+
+
+def machine_record() -> dict[str, object]:
+    """Where a run ran, for run.json: the CPU kernels torch dispatches to (ATEN_CPU_CAPABILITY can lower them:
+    ``avx2`` reproduces an AVX2 machine's figures on an AVX-512 one), the thread count, torch and Python."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "cpu": platform.machine()}

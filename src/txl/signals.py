@@ -110,9 +110,10 @@ class StopRequest:
 
 
 def resume_command(out_dir: object) -> str:
-    """The command that resumes the run in ``out_dir`` with the process count this one has: a run written by
-    W processes resumes with W (the iterator and memories are per process), so under torchrun (its
-    WORLD_SIZE and LOCAL_WORLD_SIZE, read when called) the advice is the torchrun command."""
+    """The command that resumes the run in ``out_dir`` with the process count this one has. A run written by
+    W processes continues exactly with W (each process's RNG streams are its own; another count reshards the
+    memories, and its dropout masks differ), so under torchrun (its WORLD_SIZE and LOCAL_WORLD_SIZE, read
+    when called) the advice is the torchrun command."""
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if world <= 1:
         return f"txl train --resume {out_dir}"

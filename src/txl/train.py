@@ -540,10 +540,10 @@ class Trainer:
         best_step = int(best_dir.name.rsplit("_", 1)[1]) if best_dir is not None else state.step
         valid, valid_ctx = self.validate(0)
         metrics.write("valid_full", best_step, loss=valid.loss, **{self.corpus.metric: valid.value})
-        log.info("valid of the best checkpoint (step %d): %s (%s)", best_step, valid.describe(), valid_ctx)
+        log.debug("valid of the best checkpoint (step %d): %s (%s)", best_step, valid.describe(), valid_ctx)
         test, test_ctx = self.test()
         metrics.write("test", best_step, loss=test.loss, **{self.corpus.metric: test.value})
-        log.info("test of the best checkpoint (step %d): %s (%s)", best_step, test.describe(), test_ctx)
+        log.debug("test of the best checkpoint (step %d): %s (%s)", best_step, test.describe(), test_ctx)
         metrics.close()
         sample = None
         whole = contextlib.ExitStack()  # FSDP: every process gathers the weights, then the main one samples

@@ -39,7 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():  # one thread setting for every command
+        command.add_argument("--threads", type=_threads, default=None, metavar="N",
+                             help="CPU threads (default: OMP_NUM_THREADS, else 1: the same figures on every machine of "
+                             "a CPU kind; torch's all-core default slows ~20x when another process holds a core)")
     return parser
+
+
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--threads {text!r} must be a whole number >= 1")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +69,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"txl {args.command}: error: {conflict}", file=sys.stderr)
         return 2
     main_process = is_main_process()  # under torchrun only rank 0 prints and logs
-    logging.basicConfig(level=(logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR,
-                        format="%(message)s", stream=sys.stderr)
-    from txl.runtime import retain_freed_memory
+    # txl's own progress lines at INFO; other libraries' (an exporter's hundred lines of chatter) only when they warn.
+    level = (logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR
+    logging.basicConfig(level=max(level, logging.WARNING), format="%(message)s", stream=sys.stderr)
+    logging.getLogger("txl").setLevel(level)
+    from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
+    threads, why = choose_threads(args.threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
+    logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
+    if main_process and (advice := oversubscribed(threads)) is not None:
+        logging.getLogger(__name__).warning(advice)
     from txl.signals import terminate_raises
 
     try:

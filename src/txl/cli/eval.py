@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if clamp > 0 and not model.encoding.clamps_distances:
         logging.getLogger(__name__).warning(
             "eval.clamp_len=%d does not apply to attn_type=%r: %s", clamp, m.attn_type,
-            "it clamps distances at its own model.learned_positions" if model.encoding.relative
+            "its distances are not clamped (Shaw's learned table stops at model.learned_positions; rotary angles "
+            "grow with the distance)" if model.encoding.relative
             else "its learned positions have no distance to clamp")
     mems = [context.mem_len]
     if args.sweep_mem:

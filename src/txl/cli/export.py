@@ -38,4 +38,8 @@ def run(args: argparse.Namespace) -> int:
           f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
           f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "
           f"log_probs (B, T, {c.vocab_size}), new_memory, new_padding; B and T dynamic")
+    from txl.export import onnx_sidecar
+
+    if args.format == "onnx" and (sidecar := onnx_sidecar(path)) is not None:
+        print(f"{sidecar}: the weights (over 1 GiB, too large to keep inside {path.name}); ship it beside {path.name}")
     return 0

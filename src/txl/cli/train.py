@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_shortcut(p, "--max-steps", "train.max_steps", type=int)
     add_shortcut(p, "--minutes", "train.minutes", type=float)
     add_shortcut(p, "--out", "train.out_dir")
+    p.add_argument("--no-progress", dest="train.progress", action="store_const", const="false",
+                   default=argparse.SUPPRESS, help="shortcut for --train.progress false (no bar is drawn anyway "
+                   "when stderr is not a terminal)")
     p.add_argument("--overwrite", action="store_true",
                    help="train afresh into a run directory that holds an earlier run, deleting that run")
     p.add_argument("--list-presets", action="store_true",
@@ -144,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--vocab {args.vocab} is the vocabulary of an --init-from checkpoint; a new run builds its "
                          "own from the corpus (--data.level, --data.vocab_size): add --init-from DIR or drop --vocab")
     cfg = build_config(args, init)
+    import logging
+
+    logging.getLogger(__name__).info(getattr(args, "threads_note", ""))
     from txl.cli.options import is_main_process
     from txl.distributed import OtherRankFailed
     from txl.signals import Stopped
@@ -200,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
         return exit_code(err)
     if not is_main_process():  # another process of a distributed run: rank 0 reports
         return 0
-    print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}")
+    from txl.runtime import machine_record
+
+    machine = machine_record()  # the figures below reproduce on CPUs of this kind (README, run.json "machine")
+    print(f"trained {result.steps} steps (stopped by {result.stopped}); run directory {result.out_dir}; CPU kernels "
+          f"{machine['cpu_capability']}, {machine['threads']} thread(s), torch {machine['torch']}, Python "
+          f"{machine['python']}")
     print(f"valid (best checkpoint, step {result.best_step}; {result.valid_context}): {result.valid.describe()}")
     if result.test is not None:
         print(f"test (best checkpoint, step {result.best_step}; {result.test_context}; trained with mem_len "

@@ -23,6 +23,7 @@ Transformer-XL code (kimiyoung/transformer-xl ``getdata.sh``, ``prep_enwik8.py``
 
 * ``stdlib``: this Python's standard-library source (``txl.data.stdlib``), bytes; files go to the three
   splits by a seeded hash of their path. Its files are written by txl, not downloaded: the default job.
+* ``recall``: generated key-value recall at known distances (``txl.data.recall``), words; written by txl.
 
 User text: a single file split by fractions (at line boundaries for word/BPE, character boundaries
 for char), or a directory with ``train.txt``/``valid.txt``/``test.txt``, at any level.
@@ -45,6 +46,7 @@ import numpy as np
 from txl.data import cache
 from txl.data import tokenizer as tz
 from txl.data.download import UNVERIFIED_RATIO, download, extract
+from txl.data.recall import build_recall_corpus
 from txl.data.sources import Source, file_sha256, snap
 from txl.data.stdlib import build_stdlib_corpus
 from txl.data.tokenizer import LEVELS, Level, Tokenizer, encode_source, make_spec
@@ -107,8 +109,9 @@ class CorpusSpec:
     """Folder the files are in after extracting the downloads (also tried: the data directory itself)."""
     downloads: tuple[Download, ...] = ()
     """What ``txl data download`` fetches."""
-    generated: Literal["stdlib"] | None = None
-    """The files are written by txl instead (``stdlib``: ``txl.data.stdlib``, into the cache)."""
+    generated: Literal["stdlib", "recall"] | None = None
+    """The files are written by txl instead, into the cache (``stdlib``: ``txl.data.stdlib``; ``recall``:
+    ``txl.data.recall``)."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -218,6 +221,10 @@ REGISTRY: Mapping[str, CorpusSpec] = MappingProxyType({
         name="stdlib", level="byte", metric="bpc", train=("train.txt",), valid=("valid.txt",),
         test=("test.txt",), generated="stdlib",
         description="this Python's standard-library source, split 90/5/5 by a seeded hash of each file's path"),
+    "recall": CorpusSpec(
+        name="recall", level="word", metric="ppl", tokenizer={"specials": [], "unk": None, "add_eos": False},
+        train=("train.txt",), valid=("valid.txt",), test=("test.txt",), generated="recall",
+        description="generated key-value recall (D k v ... Q k v) at log-uniform distances 3-512, seeded"),
 })
 STDLIB_SEED = 0
 """The seed of the stdlib corpus's split (fixed: the same split on every machine)."""
@@ -389,7 +396,12 @@ def load_corpus(name_or_path: str | Path | CorpusSpec, data_dir: str | Path | No
         data_root = Path("/")  # user specs carry absolute paths
     cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     if spec.generated == "stdlib":
-        data_root = build_stdlib_corpus(cache_root.parent / "stdlib", max_bytes=max_bytes, seed=STDLIB_SEED)
+        # Inside a given cache_dir (never beside it); by default ~/.cache/txl/stdlib, beside the token cache.
+        generated_root = cache_root / "stdlib" if cache_dir is not None else cache_root.parent / "stdlib"
+        data_root = build_stdlib_corpus(generated_root, max_bytes=max_bytes, seed=STDLIB_SEED)
+    elif spec.generated == "recall":
+        generated_root = cache_root / "recall" if cache_dir is not None else cache_root.parent / "recall"
+        data_root = build_recall_corpus(generated_root)
     sources = resolve_sources(spec, data_root)
     tok_options = dict(spec.tokenizer)
     vocab_digest = None
@@ -460,8 +472,8 @@ def download_corpus(name: str | CorpusSpec, directory: str | Path | None = None,
     else:
         raise ValueError(f"unknown corpus {name!r}; corpora that can be downloaded: {', '.join(REGISTRY)}")
     if spec.generated is not None:
-        raise ValueError(f"corpus {spec.name!r} is written by txl itself (from this Python's standard library) "
-                         "the first time it is used; there is nothing to download")
+        raise ValueError(f"corpus {spec.name!r} is written by txl itself the first time it is used; "
+                         "there is nothing to download")
     if not spec.downloads:
         raise ValueError(f"corpus {spec.name!r} has no downloads; put its files in a folder and pass it as "
                          "--data.data_dir (DataConfig.data_dir)")

@@ -26,6 +26,7 @@ RelativeAttention          yes           yes          yes                sinusoi
 ShawAttention              yes           yes          no (its own P)     learned E, b per distance
 AbsoluteAttention          no            no           yes                sinusoid added to inputs
 AlRfouAttention            no            no           no                 learned, added per layer
+RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
 A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import AttnType, ModelConfig
-from txl.model import kernels
+from txl.model import kernels, rotary
 from txl.model.dropout import dropout
 from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, rel_shift, relative_distances, sinusoid
@@ -141,6 +142,7 @@ class Attention(nn.Module):
         else:
             q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
+        q, k = self.place(q, k)
         if self.impl == "reference":
             attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
         else:
@@ -167,6 +169,11 @@ class Attention(nn.Module):
         score = (score * self.scale).masked_fill(mask, float("-inf"))  # (B, H, T, K): no future keys
         prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype)  # (B, H, T, K)
         return torch.einsum("bhtk,bkhd->bhtd", self.dropatt(prob), val)  # (B, H, T, D)
+
+    def place(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (B, T, H, D) and keys (B, K, H, D) as the scores read them: unchanged here; rotary attention
+        rotates them by their index in the window (keys are stored and cached unrotated)."""
+        return q, k
 
     def content_bias(self, u: torch.Tensor | None) -> torch.Tensor | float:
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
@@ -335,6 +342,24 @@ class AlRfouAttention(Attention):
                 emb = torch.cat([emb[:1].expand(klen - P, -1), emb])  # (K, d)
             out.append(Positions(absolute=drop(emb[-klen:])))  # (K, d)
         return out
+
+
+class RotaryAttention(Attention):
+    """Rotary positions (RoFormer, Su et al. 2021; the default of modern models), beside the paper's: queries
+    and keys rotated by their index in [memory; segment] (``txl.model.rotary``), so q_i . k_j depends on the
+    content and the distance i - j alone. No positional term in the scores and no parameters beyond plain
+    attention's. The rotation happens here, at attention time, so memory rows and cached keys hold unrotated
+    W_k h and take the positions of the current window: they keep their distances to the current queries as
+    they move back (the coherence the paper's relative encoding gives, section 3.3), and a longer memory at
+    evaluation only adds keys at larger distances."""
+
+    attn_type = "rotary"
+    title = "Rotary (Su et al. 2021)"
+    relative = True
+    cacheable = True
+
+    def place(self, q, k):
+        return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
 
 
 def encoding(attn_type: str) -> type[Attention]:

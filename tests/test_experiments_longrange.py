@@ -1,0 +1,109 @@
+"""The long-range drivers on tiny budgets (seconds): experiments.longrange (recall accuracy against distance,
+longer memory, RECL), experiments.recurrence (the end-to-end memory check) and experiments.rotary (the
+rotary row beside the WikiText-2 grid). Full runs are not tested here."""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
+from experiments import longrange, recurrence, report, rotary
+from txl.data import corpora
+from txl.data.recall import RecallParams, build_recall_corpus
+
+
+@pytest.fixture
+def small_recall(monkeypatch):
+    params = RecallParams(n_keys=32, n_values=4, n_filler=8, max_distance=40, tokens=(20_000, 6_000, 1_000))
+    monkeypatch.setattr(corpora, "build_recall_corpus", functools.partial(build_recall_corpus, params=params))
+    return params
+
+
+def test_longrange_writes_accuracy_by_distance_and_reuses_runs(small_recall, tmp_path, capsys):
+    argv = ["--steps", "3", "--batch-size", "4", "--tgt-len", "4", "--mem-len", "4", "--n-layer", "1", "--d-model",
+            "16", "--n-head", "2", "--d-inner", "32", "--eval-mems", "4,8", "--recl-contexts", "4,8,16",
+            "--streams", "2", "--valid-tokens", "3000", "--threads", "1",
+            "--variants", "relative-rec,relative-norec,rotary-rec",
+            "--runs-dir", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+    assert longrange.main(argv) == 0
+    out = json.loads((tmp_path / "results" / "longrange.json").read_text())
+    assert set(out["by_distance"]) == {"relative-rec", "relative-norec", "rotary-rec"}
+    assert out["limits"] == {"segment": 4, "mem_plus_segment": 8, "n_layer_x_mem_len": 4, "n_layer_x_attention": 8}
+    for row in out["by_distance"].values():
+        assert [b["lo"] for b in row["acc"]] == list(longrange.BINS[:-1])
+        assert sum(b["n"] for b in row["acc"]) == out["answers"] > 100
+        assert all(0 <= b["mean"] <= 1 for b in row["acc"] if b["n"])
+    assert set(out["longer_memory"]["m8"]) == {"relative-rec", "rotary-rec"}  # no memory to grow without recurrence
+    assert set(out["recl"]["1.0"]) == {"relative-rec", "relative-norec", "rotary-rec"}
+    assert (tmp_path / "results" / "longrange.png").stat().st_size > 10_000
+    assert "| relative-rec | 1 |" in capsys.readouterr().out
+    first = (tmp_path / "runs" / "relative-rec" / "scores.npz").stat().st_mtime_ns
+    assert longrange.main([*argv, "--report-only"]) == 0  # finished runs and their scores are reused
+    assert (tmp_path / "runs" / "relative-rec" / "scores.npz").stat().st_mtime_ns == first
+    doc = tmp_path / "results.md"
+    report.render(tmp_path / "results", doc)
+    assert "Long-range recall" in doc.read_text()
+
+
+def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path):
+    """The loss answer_scores reports for an answer is the model's loss for that token, read off the full pass."""
+    import torch
+
+    from txl.config import ModelConfig
+    from txl.data import load_corpus
+    from txl.model import TransformerXL
+
+    corpus = load_corpus("recall", cache_dir=tmp_path / "tokens")
+    tokens = corpus.valid[:2001]
+    targets, distances = longrange.scored_targets(tokens, corpus, 2)
+    assert len(targets) > 20 and (distances >= 3).all()
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig(vocab_size=corpus.vocab_size, n_layer=1, d_model=16, n_head=2, d_inner=32,
+                                      mem_len=2000, dropout=0.0)).eval()
+    nll, hit = longrange.answer_scores(model, tokens, targets, mem_len=2000, seg_len=7, n_streams=2,
+                                       same_length=False)
+    L = 1000
+    with torch.no_grad():
+        for k in (0, len(targets) - 1):
+            p = int(targets[k])
+            s = (p - 1) // L  # its stream; the whole stream up to p in one pass
+            x = torch.as_tensor(tokens[s * L:p].astype(np.int64))[None]
+            lp = model(x).log_probs[0, -1]
+            assert nll[k] == pytest.approx(float(-lp[tokens[p]]), rel=1e-4)
+            assert hit[k] == float(lp.argmax() == tokens[p])
+
+
+def test_recurrence_check_runs_and_a_short_run_does_not_pass(capsys):
+    """Thirty steps are far too few to learn recall: the check must say so (exit 1). Answers are split by
+    whether their definition lies in an earlier segment than the query (memory needed) or in the same one."""
+    assert recurrence.main(["--steps", "30", "--valid-tokens", "3000"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is False and out["chance"] == 0.25
+    for model in ("with_memory", "without_memory"):
+        assert out[model]["earlier_segment"]["answers"] > 50 and out[model]["same_segment"]["answers"] > 50
+        assert all(0 <= out[model][k]["accuracy"] < 0.6 for k in ("earlier_segment", "same_segment"))
+    with pytest.raises(SystemExit, match="at least 2"):
+        recurrence.main(["--max-distance", "1"])
+
+
+def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and dog ran to big red house with small green tree by river".split()
+    d = tmp_path / "wikitext-2"
+    d.mkdir()
+    for split, n in (("train", 300), ("valid", 60), ("test", 30)):
+        (d / f"wiki.{split}.tokens").write_text(
+            "".join(" ".join(rng.choice(words, size=rng.integers(3, 9))) + "\n" for _ in range(n)))
+    argv = ["--corpus", "wt2", "--data-dir", str(d), "--steps", "2", "--tgt-len", "4", "--mem-len", "4",
+            "--contexts", "4,8,12", "--cutoffs", "", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
+            "--d-inner", "32", "--batch-size", "4", "--streams", "2", "--eval-seg-len", "4", "--threads", "1",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+    assert rotary.main(argv) == 0
+    out = json.loads((tmp_path / "results" / "rotary_wt2.json").read_text())
+    assert out["run"]["model"]["attn_type"] == "rotary" and out["run"]["init_len"] == 8
+    assert [p["attn_len"] for p in out["long_memory"]] == [8, 12]
+    with pytest.raises(SystemExit, match="rotary row is defined for wt2"):
+        rotary.main(["--corpus", "ptb"])
