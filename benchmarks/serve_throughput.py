@@ -77,7 +77,7 @@ def main() -> None:
             for n in args.sessions:
                 rate = asyncio.run(measure(url, n, args.seconds, text, S, args.mode))
                 best[n] = max(best.get(n, 0.0), rate)
-                print(f"{n:>3} sessions: {rate:9.0f} tokens/s", flush=True)
+                print(f"{n:>3} sessions: {rate:9.0f} tokens/s (load average {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -50,7 +50,7 @@ def loader(directory: Path):
 
 
 @contextlib.contextmanager
-def running(app, *, timeout: float = 30.0, ready: bool = True):
+def running(app, *, timeout: float = 120.0, ready: bool = True):
     """Serve ``app`` with uvicorn on 127.0.0.1 at a free port; yields the base URL once /health is ok
     (``ready=False``: once it accepts connections, the model perhaps still loading)."""
     import httpx
@@ -75,8 +75,10 @@ def running(app, *, timeout: float = 30.0, ready: bool = True):
                     break
             except httpx.TransportError:
                 pass
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the server did not become ready")
+            if not thread.is_alive():
+                raise RuntimeError("the server stopped before it was ready")
+            if time.monotonic() > deadline:  # generous: a loaded 2-core machine loads the model slowly
+                raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
             time.sleep(0.05)
         yield url
     finally:

@@ -106,7 +106,8 @@ def test_line_tokenizer_carries_the_unfinished_word(tmp_path):
 
 
 def test_batched_rows_equal_rows_alone(model_dir):
-    """Rows with memories of different lengths read as one batch compute what each computes alone."""
+    """Rows with memories of different lengths read as one batch compute what each computes alone; so do
+    generation steps on a kept batch, on a subset of it (a generation ended) and on rows of two batches."""
     from txl.serve.engine import Model, Unit
 
     m = Model(txl.from_pretrained(model_dir), segment_len=5, mem_len=8, same_length=True, clamp_len=0)
@@ -114,21 +115,32 @@ def test_batched_rows_equal_rows_alone(model_dir):
     V = m.model.config.vocab_size
     ids = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(3)]
     memories = [None, torch.randn(2, 3, 32, generator=g), torch.randn(2, 8, 32, generator=g)]
-    for kind in ("score", "prefill"):
-        units = [Unit(kind, x[:5], mem, x[1:] if kind == "score" else None) for x, mem in zip(ids, memories)]
-        together = m.run(kind, units)
-        for u, t in zip(units, together):
-            [alone] = m.run(kind, [u])
-            if kind == "score":
-                np.testing.assert_allclose(t.logprobs, alone.logprobs, atol=1e-5)
-                assert t.memory.shape == alone.memory.shape
-            else:
-                torch.testing.assert_close(t.next_log_probs, alone.next_log_probs, atol=1e-5, rtol=1e-5)
-                steps = m.run("step", [Unit("step", [1], t.memory, kv=t.kv), Unit("step", [2], memories[2], kv=None)
-                                       ][:1])
-                [step_alone] = m.run("step", [Unit("step", [1], alone.memory, kv=alone.kv)])
-                torch.testing.assert_close(steps[0].next_log_probs, step_alone.next_log_probs, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(t.memory, alone.memory, atol=1e-5, rtol=1e-5)
+    score = [Unit("score", x[:5], mem, x[1:]) for x, mem in zip(ids, memories)]
+    for u, t in zip(score, m.run("score", score)):
+        [alone] = m.run("score", [u])
+        np.testing.assert_allclose(t.logprobs, alone.logprobs, atol=1e-5)
+        torch.testing.assert_close(t.memory, alone.memory, atol=1e-5, rtol=1e-5)
+
+    def same(batched, alone):
+        torch.testing.assert_close(batched.next_log_probs, alone.next_log_probs, atol=1e-5, rtol=1e-5)
+        for x, y in zip(batched.row[0].take(batched.row[1]), alone.row[0].take(alone.row[1])):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+    together = m.run("prefill", [Unit("prefill", x[:5], mem) for x, mem in zip(ids, memories)])
+    alone = [m.run("prefill", [Unit("prefill", x[:5], mem)])[0] for x, mem in zip(ids, memories)]
+    for t, a in zip(together, alone):
+        same(t, a)
+    for step in range(3):  # the whole batch twice (its tensors as they are), then rows 0 and 2 (a subset)
+        keep = [0, 1, 2] if step < 2 else [0, 2]
+        together = m.run("step", [Unit("step", [step + 1], row=together[b].row) for b in keep])
+        alone = [m.run("step", [Unit("step", [step + 1], row=alone[b].row)])[0] for b in keep]
+        assert together[0].row[0].size == len(keep)
+        for t, a in zip(together, alone):
+            same(t, a)
+    other = m.run("prefill", [Unit("prefill", ids[1][:3], memories[2])])  # a generation joining: gathered
+    mixed = m.run("step", [Unit("step", [4], row=together[1].row), Unit("step", [5], row=other[0].row)])
+    same(mixed[0], m.run("step", [Unit("step", [4], row=alone[1].row)])[0])
+    same(mixed[1], m.run("step", [Unit("step", [5], row=other[0].row)])[0])
 
 
 def test_one_sessions_requests_never_interleave(server):

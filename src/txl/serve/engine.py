@@ -11,6 +11,11 @@ group as one forward pass (dynamic batching): rows with shorter memories are lef
 masked as keys (``padding=`` of the model's forward), which relative attention does not notice, so a
 row computes what it would alone (a test proves it).
 
+A generation's rows stay batched between its steps (``Rows``): a step whose rows all come from one batch
+steps that batch's tensors as they are (or the subset still running, one index_select per tensor), so the
+per-step cost does not grow with copying every row's memory and keys/values in and out; rows from different
+batches (a generation joining others) are gathered once into a new batch.
+
 Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`).
 Generation continues from the memory as `txl generate` does (same_length off, the memory growing with
 the tokens generated, keys and values cached); what it generates is then read into the session like text.
@@ -51,10 +56,55 @@ class Unit:
     labels: list[int] | None = None
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
     with_memory: bool = True
+    row: tuple[Rows, int] | None = None
+    """'step': the row of a generation batch it continues (instead of ``memory`` and ``kv``)."""
 
     @property
     def key(self) -> tuple[str, int]:
         return self.kind, len(self.inputs)
+
+
+@dataclass
+class Rows:
+    """A generation batch kept from one step to the next: B rows left-padded to M, per layer."""
+
+    memory: tuple[torch.Tensor, ...]
+    """One (B, M, d) tensor per layer."""
+    keys: tuple[torch.Tensor, ...]
+    """One (B, M, H, D) tensor per layer (empty when the attention cannot cache)."""
+    values: tuple[torch.Tensor, ...]
+    pads: list[int]
+    """Each row's left pad count."""
+
+    @property
+    def size(self) -> int:
+        return len(self.pads)
+
+    def padding(self, T: int) -> torch.Tensor | None:
+        """(B, M + T) bool, True at the pads; None when no row is padded."""
+        if not any(self.pads):
+            return None
+        M = self.memory[0].size(1)
+        pos = torch.arange(M + T, device=self.memory[0].device)  # (M + T,)
+        return pos[None, :] < torch.tensor(self.pads, device=pos.device)[:, None]  # (B, M + T)
+
+    def take(self, b: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Row b alone: its memory (L, m, d) and keys, values (L, m, H, D) (None without a cache)."""
+        p = self.pads[b]
+        mem = torch.stack([m[b, p:] for m in self.memory])  # (L, m, d)
+        kv = (torch.stack([k[b, p:] for k in self.keys]), torch.stack([v[b, p:] for v in self.values])
+              ) if self.keys else None
+        return mem, kv
+
+    def select(self, idx: list[int]) -> Rows:
+        """The rows ``idx`` as a batch (the pad columns they all share dropped)."""
+        cut = min(self.pads[b] for b in idx)
+        i = torch.tensor(idx, device=self.memory[0].device)
+
+        def pick(ts):
+            return tuple(t.index_select(0, i)[:, cut:] for t in ts)  # (B', M - cut, ...)
+
+        return Rows(pick(self.memory), pick(self.keys), pick(self.values), [self.pads[b] - cut for b in idx])
 
 
 @dataclass
@@ -64,8 +114,9 @@ class Result:
     next_log_probs: torch.Tensor | None = None
     """'prefill' and 'step': (V,) log-probabilities of the next token."""
     memory: torch.Tensor | None = None
-    """The row's new memory (L, m', d)."""
-    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """'score': the row's new memory (L, m', d)."""
+    row: tuple[Rows, int] | None = None
+    """'prefill' and 'step': the row in the generation batch (``Rows.take`` gives its memory, keys, values)."""
 
 
 def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
@@ -75,6 +126,8 @@ def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
     M = max(lengths)
     if M == 0:
         return None, lengths
+    if min(lengths) == M:  # all rows full (the usual case when reading): one copy, no zeros
+        return torch.stack(rows, 1), [0] * len(rows)  # (L, B, M, ...)
     L = next(r for r in rows if r is not None).size(0)
     out = torch.zeros(L, len(rows), M, *shape, dtype=dtype, device=device)  # (L, B, M, ...)
     for b, r in enumerate(rows):
@@ -113,7 +166,7 @@ class Model:
     def run(self, kind: str, units: list[Unit]) -> list[Result]:
         T = len(units[0].inputs)
         x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
-        memory, pads, padding = self._memory(units, T)
+        memory, pads, padding = self._memory(units, T) if kind != "step" else (None, [], None)
         if kind == "score":
             y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
             out = self.model(x, labels=y, memory=memory, context=self.read_ctx, padding=padding,
@@ -128,27 +181,39 @@ class Model:
                 results.append(Result(logprobs=lp[b].tolist(), memory=mem))
             return results
         # Generation: the memory keeps every row (BIG), keys and values are cached where the attention allows.
+        rows = self._rows(kind, units, memory, pads)
         cache = None
         if self.cacheable:
-            keys = values = None
-            if kind == "step":
-                keys, _ = _left_pad([u.kv[0] for u in units], (self.n_head, self.d_head), self.dtype, self.device)
-                values, _ = _left_pad([u.kv[1] for u in units], (self.n_head, self.d_head), self.dtype, self.device)
-            cache = KVCache(keys=() if keys is None else tuple(keys.unbind(0)),
-                            values=() if values is None else tuple(values.unbind(0)),
-                            positions=self.table, weights_version=self.weights_version)
-        out = self.model(x, memory=memory, context=self.gen_ctx, padding=padding, kv_cache=cache,
-                         return_log_probs=False)
+            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table,
+                            weights_version=self.weights_version)
+        out = self.model(x, memory=rows.memory or None, context=self.gen_ctx, padding=rows.padding(T),
+                         kv_cache=cache, return_log_probs=False)
         next_lp = self.model.softmax.log_prob(out.hidden[:, -1]).float().cpu()  # (B, V)
-        new = torch.stack(out.memory)  # (L, B, M + T, d)
         if cache is not None:
             self.table = out.kv_cache.positions
-            k, v = torch.stack(out.kv_cache.keys), torch.stack(out.kv_cache.values)  # (L, B, M + T, H, D)
-        results = []
-        for b in range(len(units)):
-            kv = (k[:, b, pads[b]:].clone(), v[:, b, pads[b]:].clone()) if cache is not None else None
-            results.append(Result(next_log_probs=next_lp[b], memory=new[:, b, pads[b]:].clone(), kv=kv))
-        return results
+        new = Rows(tuple(out.memory), tuple(out.kv_cache.keys) if cache is not None else (),
+                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads)  # (B, M + T, ...) per layer
+        return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
+
+    def _rows(self, kind: str, units: list[Unit], memory, pads: list[int]) -> Rows:
+        """The batch a generation unit group runs on: prefill's memories (already gathered), one batch's rows
+        as they are (or a subset of them), or rows of several batches gathered into one."""
+        if kind == "prefill":
+            return Rows(memory or (), (), (), pads)
+        first = units[0].row[0] if units[0].row is not None else None
+        if first is not None and all(u.row is not None and u.row[0] is first for u in units):
+            idx = [u.row[1] for u in units]
+            return first if idx == list(range(first.size)) else first.select(idx)
+        # Rows of different batches (or given as memory and kv): gather them, left-padded, once.
+        taken = [u.row[0].take(u.row[1]) if u.row is not None else (u.memory, u.kv) for u in units]
+        mem, pads = _left_pad([m for m, _ in taken], (self.d_model,), self.dtype, self.device)
+        keys = values = ()
+        if self.cacheable:
+            shape = (self.n_head, self.d_head)
+            k, _ = _left_pad([kv[0] for _, kv in taken], shape, self.dtype, self.device)  # (L, B, M, H, D)
+            v, _ = _left_pad([kv[1] for _, kv in taken], shape, self.dtype, self.device)
+            keys, values = tuple(k.unbind(0)), tuple(v.unbind(0))
+        return Rows(tuple(mem.unbind(0)), keys, values, pads)
 
 
 # -- jobs ------------------------------------------------------------------------------------------------
@@ -444,7 +509,7 @@ class Engine:
                 if on_text is not None:
                     on_text(piece)
             if i + 1 < max_tokens:
-                r = yield Unit("step", [token], r.memory, kv=r.kv)
+                r = yield Unit("step", [token], row=r.row)
         if finish != "stop":
             pending += stream.finish()
             cut = min((pending.find(s) for s in stop if s in pending), default=-1)
