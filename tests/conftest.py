@@ -100,3 +100,21 @@ def corpus(tmp_path, monkeypatch):
     path = tmp_path / "code.txt"
     path.write_text(text)
     return str(path)
+
+
+@pytest.fixture
+def file_size_limit():
+    """Lower this process's file-size limit for a moment: writes past it fail with a real EFBIG, through any
+    writer (ours, torch's, safetensors'), the way ENOSPC reaches them. Restored afterwards."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
+
+    def limit(size):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft if size is None else size, hard))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, previous)

@@ -9,7 +9,6 @@ import errno
 import io
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -53,21 +52,6 @@ def rows(out):
 
 def error_lines(err):
     return [line for line in err.splitlines() if "error:" in line or "interrupted" in line]
-
-
-@pytest.fixture
-def file_size_limit():
-    """Lower this process's file-size limit for a moment: writes past it fail with a real EFBIG (the way
-    ENOSPC reaches a writer). Restored afterwards."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
-
-    def limit(size):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft if size is None else size, hard))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, previous)
 
 
 # -- 1. metrics.jsonl, TensorBoard, the plot -----------------------------------------------------------

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -228,20 +227,6 @@ def test_non_finite_weights_are_never_checkpointed(corpus, tmp_path, monkeypatch
 
 
 # -- full disk, durability ----------------------------------------------------------------------------
-
-@pytest.fixture
-def file_size_limit():
-    """Lower this process's file-size limit for a moment: writes past it fail with a real EFBIG, through
-    torch's and safetensors' own writers (the way ENOSPC reaches them). Restored afterwards."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
-
-    def limit(size):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft if size is None else size, hard))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, previous)
 
 
 @pytest.mark.slow  # real training
