@@ -200,6 +200,18 @@ def test_plot_is_written_atomically(corpus, tmp_path):
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plots_without_matplotlib_are_skipped_with_one_line(tmp_path, monkeypatch, caplog):
+    from txl.metrics import plot_learning_curve, plot_memory_sweep
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with caplog.at_level("INFO", logger="txl.metrics"):
+        assert plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "bpc") is False
+        assert plot_memory_sweep([8, 16], [2.0, 1.9], "bpc", "16", tmp_path / "sweep.png") is False
+    assert "matplotlib is not installed (pip install 'txl[cli]'): no learning-curve plot" in caplog.text
+    assert "matplotlib is not installed (pip install 'txl[cli]'): no sweep plot" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- 2. contradictory config ----------------------------------------------------------------------------
 
 def test_model_config_refuses_same_length_without_memory():
