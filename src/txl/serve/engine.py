@@ -75,6 +75,9 @@ class Rows:
     values: tuple[torch.Tensor, ...]
     pads: list[int]
     """Each row's left pad count."""
+    buffers: tuple = ()
+    """The KVCache's RowBuffers that memory, keys and values are views of (the next step appends to them in
+    place); () for rows gathered or selected into new tensors."""
 
     @property
     def size(self) -> int:
@@ -149,6 +152,10 @@ class Model:
         self.read_ctx = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
         self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
         self.cacheable = model.start_kv_cache() is not None
+        # Without same_length, a token the generation samples inside the session's unfinished segment sees what
+        # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
+        # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
+        self.generation_reads_alike = not same_length
         self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
         self.weights_version = weights_version(model)  # a server never changes its weights
 
@@ -184,7 +191,7 @@ class Model:
         rows = self._rows(kind, units, memory, pads)
         cache = None
         if self.cacheable:
-            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table,
+            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table, buffers=rows.buffers,
                             weights_version=self.weights_version)
         out = self.model(x, memory=rows.memory or None, context=self.gen_ctx, padding=rows.padding(T),
                          kv_cache=cache, return_log_probs=False)
@@ -192,7 +199,8 @@ class Model:
         if cache is not None:
             self.table = out.kv_cache.positions
         new = Rows(tuple(out.memory), tuple(out.kv_cache.keys) if cache is not None else (),
-                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads)  # (B, M + T, ...) per layer
+                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads,
+                   out.kv_cache.buffers if cache is not None else ())  # (B, M + T, ...) per layer
         return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
 
     def _rows(self, kind: str, units: list[Unit], memory, pads: list[int]) -> Rows:
@@ -238,6 +246,9 @@ class Job:
     delete: bool = False
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
+    ready: float = 0.0
+    """When its current unit became ready (monotonic; its first: when submitted): the group of the unit ready
+    longest runs first."""
     key: str = ""
     gen: Work | None = None
     unit: Unit | None = None
@@ -376,7 +387,7 @@ class Engine:
             if not isinstance(job.gen, Generator):
                 self._finish(job, job.gen)
                 return
-            job.unit = next(job.gen)
+            job.unit, job.ready = next(job.gen), job.submitted
         except StopIteration as stop:
             self._finish(job, stop.value)
         except Exception as err:  # noqa: BLE001 - reported to the request, never kills the worker
@@ -389,9 +400,12 @@ class Engine:
                 groups.setdefault(job.unit.key, []).append(job)
         if not groups:
             return
-        # The group holding the job that has waited longest goes first; up to max_batch rows of it.
-        key = min(groups, key=lambda k: min(j.submitted for j in groups[k]))
-        jobs = sorted(groups[key], key=lambda j: j.submitted)[:self.max_batch]
+        # The group holding the unit that has been ready longest goes first; up to max_batch rows of it. Ready,
+        # not submitted: a generation's next step is ready after the step before, so a request that arrived
+        # meanwhile has its prefill run next and its steps join the others' batch (continuous batching),
+        # instead of waiting for every step of the older generations.
+        key = min(groups, key=lambda k: min((j.ready, j.submitted) for j in groups[k]))
+        jobs = sorted(groups[key], key=lambda j: (j.ready, j.submitted))[:self.max_batch]
         try:
             results = self.m.run(key[0], [j.unit for j in jobs])
         except Exception as err:  # noqa: BLE001
@@ -402,7 +416,7 @@ class Engine:
             self.metrics.batch_rows.observe(len(jobs))
         for job, result in zip(jobs, results):
             try:
-                job.unit = job.gen.send(result)
+                job.unit, job.ready = job.gen.send(result), time.monotonic()
             except StopIteration as stop:
                 self._finish(job, stop.value)
             except Exception as err:  # noqa: BLE001
@@ -426,20 +440,42 @@ class Engine:
         job.emit("error", err)
 
     # -- the work of requests (generators run by the worker) ----------------------------------------------
-    def read_ids(self, state: SessionState, ids: list[int]) -> Generator[Unit, Result, list[float]]:
+    def read_ids(self, state: SessionState, ids: list[int], generated: tuple[list[float], Result] | None = None
+                 ) -> Generator[Unit, Result, list[float]]:
         """Read ``ids`` into the session; the log-probs of those that are scored (all but a document's first
-        token when there is no context token)."""
+        token when there is no context token).
+
+        ``generated``: ``ids`` were just sampled from the session by ``generate``, which gives their log-probs and
+        its last result (its batch row holds the hidden states of every token it read). Where the reading
+        context equals the generation's (``Model.generation_reads_alike``), the tokens up to the end of the
+        unfinished segment are not read again: their log-probs are the generation's, and the memory at the
+        segment's end (when they complete it) is the generation's rows up to there. Tokens past that boundary
+        are read (the generation showed them more than the reading's memory).
+        """
         S = self.m.segment_len
         toks = state.tokens + ids
         offset = len(state.tokens)  # toks[offset:] are new; label j is toks[j + 1]
         out: list[float] = []
+        unfinished = True  # the unfinished segment is read again from the boundary
+        if generated is not None and self.m.generation_reads_alike and offset:
+            known, last = generated
+            if len(toks) - 1 < S:  # all in the unfinished segment: nothing to compute
+                out, unfinished = list(known), False
+            else:  # the segment completes: its memory from the generation's rows, as its reading would keep it
+                rows, b = last.row
+                memory, _ = rows.take(b)  # (L, m, d): the memory rows, then every token the generation read
+                end = (0 if state.memory is None else state.memory.size(1)) + S
+                keep = min(self.m.mem_len, end)
+                state.memory = memory[:, end - keep:end].clone() if keep and state.with_memory else None
+                out = list(known[:S - offset + 1])  # labels toks[offset..S]
+                toks, offset = toks[S:], 0
         while len(toks) - 1 >= S:  # a complete segment: S labels, its memory kept
             r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory)
             out.extend(r.logprobs[max(offset - 1, 0):])
             state.memory = r.memory
             toks, offset = toks[S:], max(offset - S, 0)
         first = max(offset - 1, 0)
-        if len(toks) >= 2 and first <= len(toks) - 2:  # the unfinished segment, read again from the boundary
+        if unfinished and len(toks) >= 2 and first <= len(toks) - 2:  # read again from the boundary
             r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory)
             out.extend(r.logprobs[first:])
         state.tokens = toks
@@ -521,7 +557,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.tokens_generated.inc(len(produced))
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
-        yield from self.read_ids(state, produced)
+        yield from self.read_ids(state, produced, (chosen, r) if produced else None)
         state.generated += len(produced)
         state.chars += len(self.tokenizer.decode(produced)) if produced else 0
         return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}
