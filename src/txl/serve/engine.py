@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +276,12 @@ class Engine:
         self.active: dict[str, Job] = {}
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="txl-serve-engine", daemon=True)
+        # Durable writes (write, fsync, rename, fsync the directory) run on threads of their own: the sessions of a
+        # batch are written at once (their fsyncs wait on the disk together, not one after another) while the
+        # worker runs the next forward. A session stays active until its write returns, so nothing else touches
+        # it meanwhile and its next request starts after; the reply waits for the write ('request' durability).
+        self.writer = ThreadPoolExecutor(max(1, min(max_batch, 8)), "txl-serve-write") if durable else None
+        self.written: queue.SimpleQueue[tuple[Job, Any, OSError | None, float]] = queue.SimpleQueue()
         self._temp = 0
         self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
 
@@ -306,6 +313,8 @@ class Engine:
                 job.cancelled = True
             self.thread.join(timeout)
         busy = set(self.active) if self.thread.is_alive() else set()
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
         if busy:
             logger.error("the worker did not stop: %d sessions in use are not written", len(busy))
         n = self.store.flush(exclude=busy)
@@ -321,6 +330,7 @@ class Engine:
             torch.set_num_threads(self.threads)
         last_sweep = 0.0
         while True:
+            self._complete_writes()
             self._admit()
             if not self.active:
                 with self.lock:
@@ -329,8 +339,9 @@ class Engine:
                     return
                 self.wake.wait(0.2)
                 self.wake.clear()
-            else:
-                self._round()
+            elif not self._round():  # every active request waits for its write
+                self.wake.wait(0.2)
+                self.wake.clear()
             now = time.time()
             if now - last_sweep > min(60.0, self.store.ttl / 4):
                 last_sweep = now
@@ -393,26 +404,29 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - reported to the request, never kills the worker
             self._fail(job, err)
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """Run one batched forward; False when no active request has a unit ready."""
         groups: dict[tuple[str, int], list[Job]] = {}
         for job in self.active.values():
             if job.unit is not None:
                 groups.setdefault(job.unit.key, []).append(job)
         if not groups:
-            return
+            return False
         # The group holding the unit that has been ready longest goes first; up to max_batch rows of it. Ready,
         # not submitted: a generation's next step is ready after the step before, so a request that arrived
         # meanwhile has its prefill run next and its steps join the others' batch (continuous batching),
         # instead of waiting for every step of the older generations.
         key = min(groups, key=lambda k: min((j.ready, j.submitted) for j in groups[k]))
         jobs = sorted(groups[key], key=lambda j: (j.ready, j.submitted))[:self.max_batch]
+        start = time.perf_counter()
         try:
             results = self.m.run(key[0], [j.unit for j in jobs])
         except Exception as err:  # noqa: BLE001
             for job in jobs:
                 self._fail(job, err)
-            return
+            return True
         if self.metrics is not None:
+            self.metrics.forward_seconds.labels(key[0]).observe(time.perf_counter() - start)
             self.metrics.batch_rows.observe(len(jobs))
         for job, result in zip(jobs, results):
             try:
@@ -421,17 +435,43 @@ class Engine:
                 self._finish(job, stop.value)
             except Exception as err:  # noqa: BLE001
                 self._fail(job, err)
+        return True
 
     def _finish(self, job: Job, value: Any) -> None:
-        try:
-            if job.changes and job.state is not None and job.state.id and not job.delete:
-                self.store.changed(job.state, durable=self.durable)
-        except OSError as err:
-            logger.error("could not write session %s: %s", job.state.id, err)
-            self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
-            return
+        job.unit = None
+        if job.changes and job.state is not None and job.state.id and not job.delete:
+            self.store.changed(job.state, durable=False)
+            if self.writer is not None:  # replied to once written (_complete_writes)
+                self.writer.submit(self._write, job, value)
+                return
         self.active.pop(job.key, None)
         job.emit("done", value)
+
+    def _write(self, job: Job, value: Any) -> None:
+        """On a writer thread: the session's file, then hand the request back to the worker."""
+        start, error = time.perf_counter(), None
+        try:
+            self.store.write(job.state)
+        except OSError as err:
+            error = err
+        self.written.put((job, value, error, time.perf_counter() - start))
+        self.wake.set()
+
+    def _complete_writes(self) -> None:
+        while True:
+            try:
+                job, value, error, seconds = self.written.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:  # the session stays changed (dirty): written again at eviction or exit
+                logger.error("could not write session %s: %s", job.state.id, error)
+                self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+                continue
+            self.store.dirty.discard(job.state.id)
+            if self.metrics is not None:
+                self.metrics.write_seconds.observe(seconds)
+            self.active.pop(job.key, None)
+            job.emit("done", value)
 
     def _fail(self, job: Job, err: Exception) -> None:
         self.active.pop(job.key, None)

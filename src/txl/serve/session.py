@@ -218,8 +218,13 @@ class SessionStore:
         return state
 
     def save(self, state: SessionState) -> None:
-        atomic_write(self.path(state.id), state.to_file)
+        self.write(state)
         self.dirty.discard(state.id)
+
+    def write(self, state: SessionState) -> None:
+        """Write the session's file (atomic, fsynced) and touch nothing else: another thread may call it while
+        the session is in no other use (the engine keeps it active until then)."""
+        atomic_write(self.path(state.id), state.to_file)
 
     def changed(self, state: SessionState, *, durable: bool) -> None:
         self.dirty.add(state.id)
