@@ -112,6 +112,22 @@ class Rows:
 
 
 @dataclass
+class Kept:
+    """A generation's rows kept in its session (``SessionState.generation``) for the generation that follows."""
+
+    memory: torch.Tensor
+    """(L, m, d): the session's memory rows, then every token the generation read."""
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    """Their keys and values (L, m, H, D) each (None without a cache)."""
+    inputs: int
+    """How many of the session's tokens the rows read (m less the memory's rows)."""
+    session_memory: torch.Tensor | None
+    """The session's memory they started from (the same object: no segment ended since)."""
+    n_tokens: int
+    """The session's token count then (anything read since makes the rows stale)."""
+
+
+@dataclass
 class Result:
     logprobs: list[float] | None = None
     """'score': log p(labels[t]) for each t."""
@@ -493,6 +509,7 @@ class Engine:
         are read (the generation showed them more than the reading's memory).
         """
         S = self.m.segment_len
+        state.generation = None  # what is read now was not read by the last generation
         toks = state.tokens + ids
         offset = len(state.tokens)  # toks[offset:] are new; label j is toks[j + 1]
         out: list[float] = []
@@ -559,8 +576,15 @@ class Engine:
         chosen: list[float] = []
         tops: list[dict[str, float]] = []
         shown, pending, finish = "", "", "length"
+        kept, start_memory = state.generation, state.memory
         if max_tokens:
-            r = yield Unit("prefill", state.tokens, state.memory)
+            if (kept is not None and kept.session_memory is state.memory and kept.n_tokens == state.n_tokens
+                    and kept.inputs == len(state.tokens) - 1):
+                # The last generation's rows read every token but its last one, with the same memory and the same
+                # context a prefill would give them: one step from them, batched with the others' steps.
+                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv)
+            else:
+                r = yield Unit("prefill", state.tokens, state.memory)
         for i in range(max_tokens):
             if job.cancelled:
                 finish = "cancelled"
@@ -598,6 +622,10 @@ class Engine:
             self.metrics.tokens_generated.inc(len(produced))
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
         yield from self.read_ids(state, produced, (chosen, r) if produced else None)
+        if produced and state.memory is start_memory:  # no segment ended: the rows stay valid for the next one
+            memory, kv = r.row[0].take(r.row[1])  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
+            m0 = 0 if start_memory is None else start_memory.size(1)
+            state.generation = Kept(memory, kv, memory.size(1) - m0, start_memory, state.n_tokens)
         state.generated += len(produced)
         state.chars += len(self.tokenizer.decode(produced)) if produced else 0
         return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +84,9 @@ class SessionState:
     """Requests that changed the session."""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    generation: Any = None
+    """RAM only, never written: the rows of the session's last generation (``engine.Kept``), so that a generation
+    that follows it directly steps on from them instead of reading its tokens again; None otherwise."""
 
     def info(self, *, n_layer: int, mem_len: int, d_model: int) -> dict:
         m = 0 if self.memory is None else int(self.memory.size(1))
