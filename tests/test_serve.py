@@ -193,6 +193,36 @@ def test_generated_tokens_join_the_session_as_if_read(model_dir, tmp_path, new_t
         assert kinds.count("score") == {1: 0, 4: 0, 30: 4}[new_tokens]
 
 
+@pytest.mark.parametrize("first", [2, 8])
+def test_a_generation_steps_on_from_the_last_ones_rows(model_dir, tmp_path, first):
+    """A generation right after another on the same session starts with one step from the rows the first one
+    kept (no prefill) and samples what a generation reading the session afresh samples, with the same log-probs;
+    after a segment ended (8 new tokens past the 5 the session holds) the rows are stale and it reads afresh."""
+    from serve_util import loader
+
+    from txl.serve.engine import Engine, Model
+    from txl.serve.session import SessionState, SessionStore
+
+    model, tokenizer, _ = loader(model_dir)()
+    m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0)
+    engine = Engine(m, tokenizer, SessionStore(tmp_path, max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
+                    durable=False)
+    job = type("Job", (), {"cancelled": False})()
+    outs, kinds = [], []
+    for reuse in (True, False):
+        state = SessionState(id="", tokens=list(engine.context_ids))
+        _drive(m, engine.read_ids(state, [int(i) for i in tokenizer.encode_prompt(TEXT[:13])]))
+        for n in (first, 5):
+            if not reuse:
+                state.generation = None
+            kinds.append([])
+            outs.append(_drive(m, engine.generate(state, max_tokens=n, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                                                  stop=[], job=job), kinds[-1]))
+    assert outs[1]["ids"] == outs[3]["ids"]
+    np.testing.assert_allclose(outs[1]["logprobs"], outs[3]["logprobs"], atol=1e-5)
+    assert kinds[1][0] == ("step" if first == 2 else "prefill") and kinds[3][0] == "prefill"
+
+
 def test_one_sessions_requests_never_interleave(server):
     """Concurrent requests on one session (text and generation) and on others: each is applied whole, in the
     order the server reports, and a serial replay in that order gives the same totals."""

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,22 @@ class Rows:
             return tuple(t.index_select(0, i)[:, cut:] for t in ts)  # (B', M - cut, ...)
 
         return Rows(pick(self.memory), pick(self.keys), pick(self.values), [self.pads[b] - cut for b in idx])
+
+
+@dataclass
+class Kept:
+    """A generation's rows kept in its session (``SessionState.generation``) for the generation that follows."""
+
+    memory: torch.Tensor
+    """(L, m, d): the session's memory rows, then every token the generation read."""
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    """Their keys and values (L, m, H, D) each (None without a cache)."""
+    inputs: int
+    """How many of the session's tokens the rows read (m less the memory's rows)."""
+    session_memory: torch.Tensor | None
+    """The session's memory they started from (the same object: no segment ended since)."""
+    n_tokens: int
+    """The session's token count then (anything read since makes the rows stale)."""
 
 
 @dataclass
@@ -275,6 +292,12 @@ class Engine:
         self.active: dict[str, Job] = {}
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="txl-serve-engine", daemon=True)
+        # Durable writes (write, fsync, rename, fsync the directory) run on threads of their own: the sessions of a
+        # batch are written at once (their fsyncs wait on the disk together, not one after another) while the
+        # worker runs the next forward. A session stays active until its write returns, so nothing else touches
+        # it meanwhile and its next request starts after; the reply waits for the write ('request' durability).
+        self.writer = ThreadPoolExecutor(max(1, min(max_batch, 8)), "txl-serve-write") if durable else None
+        self.written: queue.SimpleQueue[tuple[Job, Any, OSError | None, float]] = queue.SimpleQueue()
         self._temp = 0
         self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
 
@@ -306,6 +329,8 @@ class Engine:
                 job.cancelled = True
             self.thread.join(timeout)
         busy = set(self.active) if self.thread.is_alive() else set()
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
         if busy:
             logger.error("the worker did not stop: %d sessions in use are not written", len(busy))
         n = self.store.flush(exclude=busy)
@@ -321,6 +346,7 @@ class Engine:
             torch.set_num_threads(self.threads)
         last_sweep = 0.0
         while True:
+            self._complete_writes()
             self._admit()
             if not self.active:
                 with self.lock:
@@ -329,8 +355,9 @@ class Engine:
                     return
                 self.wake.wait(0.2)
                 self.wake.clear()
-            else:
-                self._round()
+            elif not self._round():  # every active request waits for its write
+                self.wake.wait(0.2)
+                self.wake.clear()
             now = time.time()
             if now - last_sweep > min(60.0, self.store.ttl / 4):
                 last_sweep = now
@@ -393,26 +420,29 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - reported to the request, never kills the worker
             self._fail(job, err)
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """Run one batched forward; False when no active request has a unit ready."""
         groups: dict[tuple[str, int], list[Job]] = {}
         for job in self.active.values():
             if job.unit is not None:
                 groups.setdefault(job.unit.key, []).append(job)
         if not groups:
-            return
+            return False
         # The group holding the unit that has been ready longest goes first; up to max_batch rows of it. Ready,
         # not submitted: a generation's next step is ready after the step before, so a request that arrived
         # meanwhile has its prefill run next and its steps join the others' batch (continuous batching),
         # instead of waiting for every step of the older generations.
         key = min(groups, key=lambda k: min((j.ready, j.submitted) for j in groups[k]))
         jobs = sorted(groups[key], key=lambda j: (j.ready, j.submitted))[:self.max_batch]
+        start = time.perf_counter()
         try:
             results = self.m.run(key[0], [j.unit for j in jobs])
         except Exception as err:  # noqa: BLE001
             for job in jobs:
                 self._fail(job, err)
-            return
+            return True
         if self.metrics is not None:
+            self.metrics.forward_seconds.labels(key[0]).observe(time.perf_counter() - start)
             self.metrics.batch_rows.observe(len(jobs))
         for job, result in zip(jobs, results):
             try:
@@ -421,17 +451,43 @@ class Engine:
                 self._finish(job, stop.value)
             except Exception as err:  # noqa: BLE001
                 self._fail(job, err)
+        return True
 
     def _finish(self, job: Job, value: Any) -> None:
-        try:
-            if job.changes and job.state is not None and job.state.id and not job.delete:
-                self.store.changed(job.state, durable=self.durable)
-        except OSError as err:
-            logger.error("could not write session %s: %s", job.state.id, err)
-            self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
-            return
+        job.unit = None
+        if job.changes and job.state is not None and job.state.id and not job.delete:
+            self.store.changed(job.state, durable=False)
+            if self.writer is not None:  # replied to once written (_complete_writes)
+                self.writer.submit(self._write, job, value)
+                return
         self.active.pop(job.key, None)
         job.emit("done", value)
+
+    def _write(self, job: Job, value: Any) -> None:
+        """On a writer thread: the session's file, then hand the request back to the worker."""
+        start, error = time.perf_counter(), None
+        try:
+            self.store.write(job.state)
+        except OSError as err:
+            error = err
+        self.written.put((job, value, error, time.perf_counter() - start))
+        self.wake.set()
+
+    def _complete_writes(self) -> None:
+        while True:
+            try:
+                job, value, error, seconds = self.written.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:  # the session stays changed (dirty): written again at eviction or exit
+                logger.error("could not write session %s: %s", job.state.id, error)
+                self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+                continue
+            self.store.dirty.discard(job.state.id)
+            if self.metrics is not None:
+                self.metrics.write_seconds.observe(seconds)
+            self.active.pop(job.key, None)
+            job.emit("done", value)
 
     def _fail(self, job: Job, err: Exception) -> None:
         self.active.pop(job.key, None)
@@ -453,6 +509,7 @@ class Engine:
         are read (the generation showed them more than the reading's memory).
         """
         S = self.m.segment_len
+        state.generation = None  # what is read now was not read by the last generation
         toks = state.tokens + ids
         offset = len(state.tokens)  # toks[offset:] are new; label j is toks[j + 1]
         out: list[float] = []
@@ -519,8 +576,15 @@ class Engine:
         chosen: list[float] = []
         tops: list[dict[str, float]] = []
         shown, pending, finish = "", "", "length"
+        kept, start_memory = state.generation, state.memory
         if max_tokens:
-            r = yield Unit("prefill", state.tokens, state.memory)
+            if (kept is not None and kept.session_memory is state.memory and kept.n_tokens == state.n_tokens
+                    and kept.inputs == len(state.tokens) - 1):
+                # The last generation's rows read every token but its last one, with the same memory and the same
+                # context a prefill would give them: one step from them, batched with the others' steps.
+                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv)
+            else:
+                r = yield Unit("prefill", state.tokens, state.memory)
         for i in range(max_tokens):
             if job.cancelled:
                 finish = "cancelled"
@@ -558,6 +622,10 @@ class Engine:
             self.metrics.tokens_generated.inc(len(produced))
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
         yield from self.read_ids(state, produced, (chosen, r) if produced else None)
+        if produced and state.memory is start_memory:  # no segment ended: the rows stay valid for the next one
+            memory, kv = r.row[0].take(r.row[1])  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
+            m0 = 0 if start_memory is None else start_memory.size(1)
+            state.generation = Kept(memory, kv, memory.size(1) - m0, start_memory, state.n_tokens)
         state.generated += len(produced)
         state.chars += len(self.tokenizer.decode(produced)) if produced else 0
         return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}
