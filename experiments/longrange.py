@@ -325,7 +325,7 @@ def regions(limits: dict[str, int]) -> list[tuple[int, int]]:
 def region_accuracy(runs: dict[str, Any], distances: np.ndarray, key: str, limits: dict[str, int]
                     ) -> dict[str, list[dict[str, float]]]:
     """Per model (seeds pooled): accuracy in each of ``regions`` with its standard error (across seeds where
-    there are two or more, else binomial over the answers)."""
+    there are two or more, at least the binomial one of all their answers; else binomial over the answers)."""
     models: dict[str, list[str]] = {}
     for name in runs:
         if f"hit_{key}" in runs[name]["scores"] or name.endswith("-norec") or "-norec-" in name:
@@ -340,8 +340,10 @@ def region_accuracy(runs: dict[str, Any], distances: np.ndarray, key: str, limit
             means = np.array([runs[n]["scores"][k][sel].mean() if sel.any() else math.nan
                               for n, k in zip(names, keys)])
             m = float(means.mean())
-            se = (float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1
-                  else math.sqrt(m * (1 - m) / max(1, int(sel.sum()))))
+            # Two seeds that agree give a tiny spread; the answers' own binomial noise is a floor under it (else
+            # a point above chance would count as "above chance" by many standard errors).
+            binomial = math.sqrt(m * (1 - m) / max(1, int(sel.sum()) * len(means)))
+            se = max(float(means.std(ddof=1) / math.sqrt(len(means))), binomial) if len(means) > 1 else binomial
             rows.append({"lo": lo, "hi": hi, "n": int(sel.sum()), "acc": m, "se": se})
         out[model] = rows
     return out
@@ -473,6 +475,12 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
                for n in main if not n.endswith("-norec")]
     md += ["Accuracy (%) over all answers with a longer memory at evaluation (trained with "
            f"{args.mem_len}):", "", common.markdown_table(["model", *[f"mem {m}" for m in mems]], lm_rows)]
+    longest_lm = payload["longer_memory"][f"m{mems[-1]}"]
+    md += [f"Accuracy (%) by distance with the longest memory at evaluation ({mems[-1]}):", "",
+           common.markdown_table(["model", *headers[2:-2]],
+                                 [[n, *[f"{100 * a:.0f}" if b["n"] else "-" for a, b in zip(longest_lm[n]["acc"],
+                                                                                             main[n]["acc"])]]
+                                  for n in main if n in longest_lm])]
     if payload["recl"]:
         md += ["RECL of the group on the answers' losses (exactly c keys per query; `>=`: the largest c, a "
                "lower bound):", "",
@@ -487,32 +495,46 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
 
 
 def plot(main: dict[str, Any], payload: dict[str, Any], png: Path, args: argparse.Namespace) -> None:
+    """Accuracy and loss against distance at the training memory, and accuracy with the longest evaluation
+    memory; the segment, mem_len + segment and n_layer x mem_len marked."""
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     colors = {"relative": "C3", "shaw": "C0", "absolute": "C2", "rotary": "C4"}
+    longest = max(payload["longer_memory"], key=lambda m: int(m[1:]))
     for name, r in main.items():
         centers = [math.sqrt(b["lo"] * (b["hi"] - 1)) for b in r["acc"]]
         enc = name.split("-")[0]
         style = "-" if name.endswith("-rec") else "--"
+        label = (f"{ENCODING_NAMES.get(enc, enc)}, {'recurrence' if name.endswith('-rec') else 'none'}"
+                 f" ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})")
         for ax, what, scale in ((axes[0], "acc", 100), (axes[1], "nll", 1)):
             ax.errorbar(centers, [scale * b["mean"] for b in r[what]], yerr=[scale * b["se"] for b in r[what]],
-                        color=colors.get(enc, "k"), linestyle=style, marker="o", markersize=3, capsize=2,
-                        label=f"{ENCODING_NAMES.get(enc, enc)}, {'recurrence' if name.endswith('-rec') else 'none'}"
-                        f" ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})")
+                        color=colors.get(enc, "k"), linestyle=style, marker="o", markersize=3, capsize=2, label=label)
+        if name in payload["longer_memory"][longest]:
+            lm = payload["longer_memory"][longest][name]
+            axes[2].errorbar(centers, [100 * a for a in lm["acc"]], yerr=[100 * e for e in lm["acc_se"]],
+                             color=colors.get(enc, "k"), linestyle=style, marker="o", markersize=3, capsize=2,
+                             label=label)
     lim = payload["limits"]
-    for ax, chance in ((axes[0], 100 * payload["chance_accuracy"]), (axes[1], payload["chance_nll"])):
+    marks = ((lim["segment"], "--", " segment"), (lim["mem_plus_segment"], ":", " mem + segment"),
+             (lim["n_layer_x_mem_len"], "-.", " n_layer x mem_len"))
+    for ax, chance in ((axes[0], 100 * payload["chance_accuracy"]), (axes[1], payload["chance_nll"]),
+                       (axes[2], 100 * payload["chance_accuracy"])):
         ax.axhline(chance, color="k", linewidth=0.8, linestyle=":", label="chance")
-        ax.axvline(lim["segment"], color="0.4", linewidth=1, linestyle="--")
-        ax.axvline(lim["n_layer_x_mem_len"], color="0.4", linewidth=1, linestyle="-.")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distance from the definition (tokens)")
         ax.grid(alpha=0.3, which="both")
         top = ax.get_ylim()[1]
-        ax.text(lim["segment"], top, " segment", fontsize=7, va="top")
-        ax.text(lim["n_layer_x_mem_len"], top, " n_layer x mem_len", fontsize=7, va="top")
+        for x, style, text in marks:
+            ax.axvline(x, color="0.4", linewidth=1, linestyle=style)
+            ax.text(x, top, text, fontsize=7, va="top", rotation=90)
     axes[0].set_ylabel("answer accuracy, %")
     axes[1].set_ylabel("answer loss, nats")
-    axes[0].legend(fontsize=7)
+    axes[2].set_ylabel("answer accuracy, %")
+    axes[0].set_title(f"evaluation memory {args.mem_len} (as in training)", fontsize=9)
+    axes[1].set_title(f"evaluation memory {args.mem_len}", fontsize=9)
+    axes[2].set_title(f"evaluation memory {longest[1:]} (trained with {args.mem_len})", fontsize=9)
+    axes[0].legend(fontsize=7, loc="center left")
     fig.suptitle(f"Key-value recall: {args.n_layer} layers, segment {args.tgt_len}, memory {args.mem_len}")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
