@@ -200,6 +200,18 @@ def test_plot_is_written_atomically(corpus, tmp_path):
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plots_without_matplotlib_are_skipped_with_one_line(tmp_path, monkeypatch, caplog):
+    from txl.metrics import plot_learning_curve, plot_memory_sweep
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with caplog.at_level("INFO", logger="txl.metrics"):
+        assert plot_learning_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "bpc") is False
+        assert plot_memory_sweep([8, 16], [2.0, 1.9], "bpc", "16", tmp_path / "sweep.png") is False
+    assert "matplotlib is not installed (pip install 'txl[cli]'): no learning-curve plot" in caplog.text
+    assert "matplotlib is not installed (pip install 'txl[cli]'): no sweep plot" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- 2. contradictory config ----------------------------------------------------------------------------
 
 def test_model_config_refuses_same_length_without_memory():
@@ -406,6 +418,37 @@ def test_refused_tar_extracts_nothing(tmp_path):
     with pytest.raises(ValueError, match="archive member 'data/evil' .* is unsafe"):
         extract(archive, into)
     assert list(into.rglob("*")) == []
+
+
+def test_tar_without_the_data_filter(tmp_path, monkeypatch):
+    """Pythons before 3.10.12 / 3.11.4 (Debian 12's 3.11.2) lack tarfile.data_filter: plain files and directories
+    still extract (no owner or setuid mode from the archive), and a link is refused, extracting nothing."""
+    from txl.data.download import extract
+
+    good, bad = tmp_path / "good.tar", tmp_path / "bad.tar"
+    with tarfile.open(good, "w") as t:
+        folder = tarfile.TarInfo("data")
+        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+        t.addfile(folder)
+        member = tarfile.TarInfo("data/train.txt")
+        member.size, member.mode, member.uid, member.uname = 3, 0o4777, 12345, "nobody-here"
+        t.addfile(member, io.BytesIO(b"a b"))
+    with tarfile.open(bad, "w") as t:
+        member = tarfile.TarInfo("data/one.txt")
+        member.size = 2
+        t.addfile(member, io.BytesIO(b"ok"))
+        link = tarfile.TarInfo("data/inside")
+        link.type, link.linkname = tarfile.SYMTYPE, "one.txt"  # harmless, but this Python cannot tell
+        t.addfile(link)
+    monkeypatch.delattr(tarfile, "data_filter")
+    assert extract(good, tmp_path / "good") == ["data", "data/train.txt"]
+    written = tmp_path / "good" / "data" / "train.txt"
+    assert written.read_bytes() == b"a b"
+    assert not written.stat().st_mode & 0o6000 and written.stat().st_uid == os.getuid()
+    with pytest.raises(ValueError, match=r"'data/inside' .* is unsafe \(a link or special file, which this Python "
+                                         r"[\d.]+ cannot check: it lacks tarfile's 'data' filter\)"):
+        extract(bad, tmp_path / "bad")
+    assert list((tmp_path / "bad").rglob("*")) == []
 
 
 def test_unverified_archive_is_capped(tmp_path):

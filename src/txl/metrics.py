@@ -103,14 +103,23 @@ def learning_curve_points(rows: list[dict], metric: str) -> dict[str, list[tuple
     return {kind: [(r["step"], to_metric(r["loss"])) for r in rows if r["kind"] == kind] for kind in ("train", "valid")}
 
 
-def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
-    """Train and valid loss against step; False when matplotlib is not installed."""
+def _pyplot(missing: str) -> Any:
+    """matplotlib.pyplot on the file-only Agg backend, or None (logging ``missing``, what the run goes without)
+    when matplotlib is not installed: plots are an extra."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed (pip install 'txl[cli]'): no learning-curve plot")
+        log.info(f"matplotlib is not installed (pip install 'txl[cli]'): {missing}")
+        return None
+    return plt
+
+
+def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
+    """Train and valid loss against step; False when matplotlib is not installed."""
+    plt = _pyplot("no learning-curve plot")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, pts in learning_curve_points(read_metrics(metrics_path), metric).items():
@@ -136,12 +145,8 @@ def plot_learning_curve(metrics_path: Path, png: Path, metric: str) -> bool:
 def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, keys: str, png: str | Path) -> bool:
     """The metric against the memory length (``txl eval --sweep-mem``); title and axis say what each query
     sees (``keys``); False when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed (pip install 'txl[cli]'): no sweep plot")
+    plt = _pyplot("no sweep plot")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(mem_lens, values, marker="o")
