@@ -42,13 +42,17 @@ def make_model_dir(directory: Path, *, n_layer: int = 4, d_model: int = 256, mem
     return directory
 
 
-def start_server(model_dir: Path, log: Path, *options: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """`txl serve MODEL_DIR --port 0 OPTIONS` in a process of its own; (process, base URL) once /health is ok."""
+def start_server(model_dir: Path, log: Path, *options: str, timeout: float = 120,
+                 package: str = "txl") -> tuple[subprocess.Popen, str]:
+    """`txl serve MODEL_DIR --port 0 OPTIONS` in a process of its own; (process, base URL) once /health is ok.
+
+    ``package``: the package run as ``python -m PACKAGE serve`` (an older tree's copy, e.g. ``txl_old``, found on
+    ``sys.path``, to compare with)."""
     import httpx
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "txl", "serve", str(model_dir), "--port", "0", *options],
+    proc = subprocess.Popen([sys.executable, "-m", package, "serve", str(model_dir), "--port", "0", *options],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)  # noqa: SIM115
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

@@ -1,4 +1,4 @@
-"""`txl serve`'s engine without HTTP: a batched read step and a batched generation, per batch size.
+r"""`txl serve`'s engine without HTTP: a batched read step and a batched generation, per batch size.
 
 Runs the engine's ``Model`` directly (no server, no sampling): B sessions with memories of mem_len rows
 read one segment each as one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1)
@@ -7,6 +7,14 @@ tokens/s of each printed with its ratio to B = 1. ``--profile`` prints torch.pro
 for one read and one generation at the largest B.
 
     OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--profile]
+
+``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
+tree's ``src/txl`` copied as ``txl_old`` with its imports renamed, e.g. for commit C:
+
+    git archive C src/txl | tar x -C DIR && mv DIR/src/txl DIR/txl_old
+    grep -rl txl DIR/txl_old | xargs sed -i -E 's/^(\s*)import txl$/\1import txl_old as txl/;
+        s/\bfrom txl\b/from txl_old/g; s/\bimport txl\b/import txl_old/g; s/"txl\./"txl_old./g;
+        s/getLogger\("txl"\)/getLogger("txl_old")/g'
 """
 
 from __future__ import annotations
@@ -30,27 +38,40 @@ def main() -> None:
     p.add_argument("--segment-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    import txl
-    from txl.serve.engine import Model, Unit
+    import importlib
+    import sys
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = txl.from_pretrained(make_model_dir(Path(tmp) / "model"))
+    trees = {"": "txl"}
+    if args.baseline:
+        sys.path.insert(0, args.baseline)
+        trees = {"old ": "txl_old", "new ": "txl"}
     S = args.segment_len
-    m = Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False, clamp_len=0)
-    L, d, V = model.config.n_layer, model.config.d_model, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = make_model_dir(Path(tmp) / "model")
+        engines = {}
+        for name, package in trees.items():
+            model = importlib.import_module(package).from_pretrained(directory)
+            engine = importlib.import_module(f"{package}.serve.engine")
+            engines[name] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False,
+                                          clamp_len=0), engine.Unit)
+    c = model.config
+    L, d, V = c.n_layer, c.d_model, c.vocab_size
 
-    def read(B: int) -> int:
+    def read(tree: str, B: int) -> int:
+        m, Unit = engines[tree]
         units = [Unit("score", torch.randint(0, V, (S,), generator=g).tolist(), torch.randn(L, m.mem_len, d),
                       torch.randint(0, V, (S,), generator=g).tolist()) for _ in range(B)]
         m.run("score", units)
         return B * S
 
-    def generate(B: int) -> int:
+    def generate(tree: str, B: int) -> tuple[int, float]:
         # Prefill alone per session (their lengths differ in the server), then the steps batched.
+        m, Unit = engines[tree]
         rows = [m.run("prefill", [Unit("prefill", torch.randint(0, V, (S,), generator=g).tolist(),
                                        torch.randn(L, m.mem_len, d))])[0] for _ in range(B)]
         start = time.perf_counter()
@@ -58,28 +79,31 @@ def main() -> None:
             rows = m.run("step", [Unit("step", [1], row=r.row) for r in rows])
         return B * args.steps, time.perf_counter() - start
 
-    times: dict[tuple[str, int], list[float]] = {}
+    times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.repeats):
         for B in args.batch:
-            start = time.perf_counter()
-            n = read(B)
-            times.setdefault(("read", B), []).append(n / (time.perf_counter() - start))
-            n, seconds = generate(B)
-            times.setdefault(("generate steps", B), []).append(n / seconds)
-    for what in ("read", "generate steps"):
-        one = statistics.median(times[(what, args.batch[0])])
-        for B in args.batch:
-            rate = statistics.median(times[(what, B)])
-            print(f"{what:>15} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
+            for tree in trees:
+                start = time.perf_counter()
+                n = read(tree, B)
+                times.setdefault((tree, "read", B), []).append(n / (time.perf_counter() - start))
+                n, seconds = generate(tree, B)
+                times.setdefault((tree, "generate steps", B), []).append(n / seconds)
+    for tree in trees:
+        for what in ("read", "generate steps"):
+            one = statistics.median(times[(tree, what, args.batch[0])])
+            for B in args.batch:
+                rate = statistics.median(times[(tree, what, B)])
+                print(f"{tree}{what:>15} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         B = max(args.batch)
-        for what, fn in (("read", read), ("generate", generate)):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                fn(B)
-            print(f"-- {what}, B={B}")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        for tree in trees:
+            for what, fn in (("read", read), ("generate", generate)):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    fn(tree, B)
+                print(f"-- {tree}{what}, B={B}")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ sessions that arrive together run as one batched forward (dynamic batching): the
 aggregate tokens/s against N.
 
     python -m benchmarks.serve_throughput [--sessions 1 2 4 8 16] [--seconds 10] [--threads 2]
+
+``--baseline DIR`` also starts an older tree's server (DIR holds its ``txl`` copied as ``txl_old``: see
+benchmarks/serve_step.py) and alternates the two at every measurement, so the machine's noise hits both.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,31 +65,48 @@ def main() -> None:
     p.add_argument("--mode", default="read", choices=["read", "generate"],
                    help="read: tokens read, a segment per request; generate: tokens generated, 32 per request")
     p.add_argument("--model", default=None)
+    p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old")
     args = p.parse_args()
     from benchmarks.serve_common import corpus_text, make_model_dir, start_server
 
     S = 128
     work = Path(tempfile.mkdtemp(prefix="txl-serve-throughput-"))
     model = Path(args.model) if args.model else make_model_dir(work / "model")
-    proc, url = start_server(model, work / "serve.log", "--serve.state_dir", str(work / "state"),
-                             "--serve.threads", str(args.threads), "--serve.durability", args.durability,
-                             "--serve.segment_len", str(S), "--serve.max_batch", "16",
-                             "--serve.max_sessions_in_memory", "64")
-    text = corpus_text(1_000_000)
-    best: dict[int, float] = {}
+    trees = {"": "txl"}
+    if args.baseline:
+        sys.path.insert(0, args.baseline)
+        trees = {"old ": "txl_old", "new ": "txl"}
+    servers = {}
     try:
+        for tree, package in trees.items():
+            servers[tree] = start_server(model, work / f"serve{tree.strip()}.log", "--serve.state_dir",
+                                         str(work / f"state{tree.strip()}"), "--serve.threads", str(args.threads),
+                                         "--serve.durability", args.durability, "--serve.segment_len", str(S),
+                                         "--serve.max_batch", "16", "--serve.max_sessions_in_memory", "64",
+                                         package=package)
+        text = corpus_text(1_000_000)
+        rates: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
             for n in args.sessions:
-                rate = asyncio.run(measure(url, n, args.seconds, text, S, args.mode))
-                best[n] = max(best.get(n, 0.0), rate)
-                print(f"{n:>3} sessions: {rate:9.0f} tokens/s (load average {os.getloadavg()[0]:.1f})", flush=True)
+                for tree, (_, url) in servers.items():
+                    rate = asyncio.run(measure(url, n, args.seconds, text, S, args.mode))
+                    rates.setdefault((tree, n), []).append(rate)
+                    print(f"{tree}{n:>3} sessions: {rate:9.0f} tokens/s (load average {os.getloadavg()[0]:.1f})",
+                          flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-    one = best[min(best)]
-    for n in sorted(best):
-        print(f"best of {args.rounds}: {n:>3} sessions {best[n]:9.0f} tokens/s ({best[n] / one:.2f}x one session)")
-    print(json.dumps({"mode": args.mode, "tokens_per_s": best, "threads": args.threads, "durability": args.durability,
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    summary = {}
+    for tree in trees:
+        best = {n: max(rates[(tree, n)]) for n in args.sessions}
+        median = {n: statistics.median(rates[(tree, n)]) for n in args.sessions}
+        one, one_median = best[min(best)], median[min(median)]
+        for n in sorted(best):
+            print(f"{tree}{n:>3} sessions: best of {args.rounds} {best[n]:9.0f} tokens/s ({best[n] / one:.2f}x one "
+                  f"session), median {median[n]:9.0f} ({median[n] / one_median:.2f}x)")
+        summary[tree.strip() or "tokens_per_s"] = {"best": best, "median": median}
+    print(json.dumps({"mode": args.mode, **summary, "threads": args.threads, "durability": args.durability,
                       "load_average": os.getloadavg()[0]}))
 
 

@@ -352,11 +352,14 @@ def longrange_section(g: dict[str, Any] | None, img: str) -> list[str]:
     models = ", ".join(f"`{n}`" for n in g["by_distance"])
     out += [f"Command: `{g['command']}`.", "",
             f"Corpus `recall` (`txl.data.recall`): filler words ({c['n_filler']} kinds, uniform) with definitions "
-            f"`D k v` ({c['n_keys']} keys, {c['n_values']} values) and, a log-uniform {c['min_distance']} to "
-            f"{c['max_distance']} tokens later, the query `Q k v`; only the answer (the `v` after `Q k`) is scored, "
-            f"{g['answers']:,} answers of the validation split, the same for every model. Chance: "
+            f"`k=v`, one word ({c['n_keys']} keys, {c['n_values']} values), and, a log-uniform {c['min_distance']} "
+            f"to {c['max_distance']} tokens later, the query `k v`; only the answer (the `v` after `k`) is scored, "
+            f"{g['answers']:,} answers of the validation split, the same for every model (the train split draws "
+            f"{100 * c.get('train_short_share', 0):.0f}% of its distances from {c['min_distance']} to "
+            f"{c.get('short_distance', '-')} instead, so the lookup forms early). Chance: "
             f"{100 * g['chance_accuracy']:.2f}% accuracy, {g['chance_nll']:.2f} nats. Every model: {a['n_layer']} "
-            f"layers, d_model {a['d_model']}, {a['n_head']} heads, d_inner {a['d_inner']}, dropout {a['dropout']}; "
+            f"layers, d_model {a['d_model']}, {a['n_head']} heads, d_inner {a['d_inner']}, dropout {a['dropout']}, "
+            f"weights initialised normal(0, {a.get('init_std', 0.02)}); "
             f"{a['steps']} steps of {a['batch_size']} x {a['tgt_len']} tokens, Adam lr {a['lr']} with cosine decay; "
             f"memory {a['mem_len']} with recurrence. Models: {models} (`-seed1`: a second seed, pooled into its "
             "model's row; the standard errors are then those of the seed means). The limits of the argument: the "

@@ -28,17 +28,16 @@ def test_generation_is_seeded_and_splits_differ():
 
 
 def test_answers_recall_the_latest_definition_at_the_stated_distance():
-    words = generate(40_000, SMALL, 0)
+    words = generate(40_000, SMALL, 1)  # validation: the plain log-uniform law (train mixes in short ones)
     vocab = Vocab(words)
     tokens = np.array([vocab.index[w] for w in words])
     positions, distances = answers(tokens, vocab)
     assert len(positions) > 1000
     for p, d in zip(positions, distances):
-        assert words[p - 2] == "Q" and words[p].startswith("v")
-        assert words[p - d - 2] == "D" and words[p - d - 1] == words[p - 1]  # the definition of the same key
-        assert words[p - d] == words[p]  # its value is the answer
-        between = words[p - d + 1:p - 2]
-        assert not any(a == "D" and b == words[p - 1] for a, b in zip(between, between[1:]))  # no redefinition
+        key, value = words[p - 1], words[p]
+        assert key.startswith("k") and "=" not in key and value.startswith("v")
+        assert words[p - d] == f"{key}={value}"  # the definition of the same key, with the answer as its value
+        assert not any(w.startswith(f"{key}=") or w == key for w in words[p - d + 1:p - 1])  # nothing in between
     assert distances.min() <= 8 and distances.max() >= 384  # from within a segment to several times n_layer x mem
     counts = Counter(int(np.log2(d)) for d in distances)  # log-uniform: each octave from 4 to 256 alike
     assert max(counts[k] for k in range(2, 8)) < 1.6 * min(counts[k] for k in range(2, 8))
@@ -51,7 +50,7 @@ def test_filler_carries_no_hint_of_the_answer():
     vocab = Vocab(words)
     positions, _ = answers(np.array([vocab.index[w] for w in words]), vocab)
     answer = [words[p] for p in positions]
-    before = [words[p - 3] for p in positions]
+    before = [words[p - 2] for p in positions]  # the word before the query's key
 
     def mutual_information(xs, ys):
         n = len(xs)
@@ -69,7 +68,9 @@ def test_registry_entry_builds_once_and_loads_at_word_level(tmp_path, monkeypatc
     monkeypatch.setattr(corpora, "build_recall_corpus", functools.partial(build_recall_corpus, params=SMALL))
     corpus = load_corpus("recall", cache_dir=tmp_path / "tokens")
     p = SMALL
-    assert corpus.vocab_size == 2 + p.n_keys + p.n_values + p.n_filler  # D, Q, keys, values, filler; no <eos>
+    # keys, values, filler and the key=value definitions seen in train; no <eos>
+    seen = set(generate(p.tokens[0], p, 0))
+    assert corpus.vocab_size == len(seen) <= p.n_keys * (1 + p.n_values) + p.n_values + p.n_filler
     assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == p.tokens
     assert corpus.tokenizer.decode(corpus.valid[:200]).split() == generate(200, p, 1)
     positions, distances = answers(corpus.valid, corpus.tokenizer)

@@ -1,6 +1,6 @@
 """The long-range drivers on tiny budgets (seconds): experiments.longrange (recall accuracy against distance,
-longer memory, RECL), experiments.recurrence (the end-to-end memory check) and experiments.rotary (the
-rotary row beside the WikiText-2 grid). Full runs are not tested here."""
+longer memory, RECL) and experiments.rotary (the rotary row beside the WikiText-2 grid). Full runs are not
+tested here; experiments.recurrence runs in full in tests/test_recurrence.py."""
 
 import functools
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
-from experiments import longrange, recurrence, report, rotary
+from experiments import longrange, report, rotary
 from txl.data import corpora
 from txl.data.recall import RecallParams, build_recall_corpus
 
@@ -73,19 +73,6 @@ def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path)
             lp = model(x).log_probs[0, -1]
             assert nll[k] == pytest.approx(float(-lp[tokens[p]]), rel=1e-4)
             assert hit[k] == float(lp.argmax() == tokens[p])
-
-
-def test_recurrence_check_runs_and_a_short_run_does_not_pass(capsys):
-    """Thirty steps are far too few to learn recall: the check must say so (exit 1). Answers are split by
-    whether their definition lies in an earlier segment than the query (memory needed) or in the same one."""
-    assert recurrence.main(["--steps", "30", "--valid-tokens", "3000"]) == 1
-    out = json.loads(capsys.readouterr().out)
-    assert out["passed"] is False and out["chance"] == 0.25
-    for model in ("with_memory", "without_memory"):
-        assert out[model]["earlier_segment"]["answers"] > 50 and out[model]["same_segment"]["answers"] > 50
-        assert all(0 <= out[model][k]["accuracy"] < 0.6 for k in ("earlier_segment", "same_segment"))
-    with pytest.raises(SystemExit, match="at least 2"):
-        recurrence.main(["--max-distance", "1"])
 
 
 def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):

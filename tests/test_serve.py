@@ -143,6 +143,86 @@ def test_batched_rows_equal_rows_alone(model_dir):
     same(mixed[1], m.run("step", [Unit("step", [5], row=other[0].row)])[0])
 
 
+def _drive(m, work, kinds=None):
+    """Run a job's generator of units alone (each unit a batch of one) to its end; its result."""
+    try:
+        unit = next(work)
+        while True:
+            if kinds is not None:
+                kinds.append(unit.kind)
+            unit = work.send(m.run(unit.kind, [unit])[0])
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+@pytest.mark.parametrize("with_memory", [True, False])
+@pytest.mark.parametrize("new_tokens", [1, 4, 30])
+def test_generated_tokens_join_the_session_as_if_read(model_dir, tmp_path, new_tokens, with_memory, same_length):
+    """A session that generated tokens ends as one that read them: same log-probs summed, same memory. Without
+    same_length, the tokens inside the unfinished segment are not read again, the memory at the segment's end
+    comes from the generation's rows, and only tokens past it are read (the session holds 5 tokens of its
+    segment of 8: 1 new token stays in it, 4 complete it, 30 cross four boundaries)."""
+    from serve_util import loader
+
+    from txl.serve.engine import Engine, Model
+    from txl.serve.session import SessionState, SessionStore
+
+    model, tokenizer, _ = loader(model_dir)()
+    m = Model(model, segment_len=8, mem_len=8, same_length=same_length, clamp_len=0)
+    engine = Engine(m, tokenizer, SessionStore(tmp_path, max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
+                    durable=False)
+    text = [int(i) for i in tokenizer.encode_prompt(TEXT[:13])]
+    state = SessionState(id="", tokens=list(engine.context_ids), with_memory=with_memory)
+    _drive(m, engine.read_ids(state, text))
+    assert len(state.tokens) == 5
+    kinds = []
+    job = type("Job", (), {"cancelled": False})()
+    out = _drive(m, engine.generate(state, max_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                                     stop=[], job=job), kinds)
+    assert len(out["ids"]) == new_tokens
+    read = SessionState(id="", tokens=list(engine.context_ids), with_memory=with_memory)
+    _drive(m, engine.read_ids(read, text + out["ids"]))
+    assert state.tokens == read.tokens and state.n_tokens == read.n_tokens and state.n_scored == read.n_scored
+    assert state.nll == pytest.approx(read.nll, rel=1e-6)
+    if with_memory:
+        torch.testing.assert_close(state.memory, read.memory, atol=1e-5, rtol=1e-5)
+    else:
+        assert state.memory is None and read.memory is None
+    if not same_length:  # read again: nothing; nothing (the segment ends with them); 3 segments and 3 tokens
+        assert kinds.count("score") == {1: 0, 4: 0, 30: 4}[new_tokens]
+
+
+@pytest.mark.parametrize("first", [2, 8])
+def test_a_generation_steps_on_from_the_last_ones_rows(model_dir, tmp_path, first):
+    """A generation right after another on the same session starts with one step from the rows the first one
+    kept (no prefill) and samples what a generation reading the session afresh samples, with the same log-probs;
+    after a segment ended (8 new tokens past the 5 the session holds) the rows are stale and it reads afresh."""
+    from serve_util import loader
+
+    from txl.serve.engine import Engine, Model
+    from txl.serve.session import SessionState, SessionStore
+
+    model, tokenizer, _ = loader(model_dir)()
+    m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0)
+    engine = Engine(m, tokenizer, SessionStore(tmp_path, max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
+                    durable=False)
+    job = type("Job", (), {"cancelled": False})()
+    outs, kinds = [], []
+    for reuse in (True, False):
+        state = SessionState(id="", tokens=list(engine.context_ids))
+        _drive(m, engine.read_ids(state, [int(i) for i in tokenizer.encode_prompt(TEXT[:13])]))
+        for n in (first, 5):
+            if not reuse:
+                state.generation = None
+            kinds.append([])
+            outs.append(_drive(m, engine.generate(state, max_tokens=n, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                                                  stop=[], job=job), kinds[-1]))
+    assert outs[1]["ids"] == outs[3]["ids"]
+    np.testing.assert_allclose(outs[1]["logprobs"], outs[3]["logprobs"], atol=1e-5)
+    assert kinds[1][0] == ("step" if first == 2 else "prefill") and kinds[3][0] == "prefill"
+
+
 def test_one_sessions_requests_never_interleave(server):
     """Concurrent requests on one session (text and generation) and on others: each is applied whole, in the
     order the server reports, and a serial replay in that order gives the same totals."""

@@ -154,3 +154,31 @@ def test_503_while_the_model_loads(model_dir, tmp_path):
             assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
     finally:
         gate.set()
+
+
+def test_a_state_that_cannot_be_written_gets_507(model_dir, tmp_path, monkeypatch):
+    """Durable writes run on writer threads: a failed one answers 507 (not 500, no path), the others of the batch
+    are written, and once the disk works again the session reads on and is written."""
+    from txl.serve.session import SessionStore
+
+    app = create_app(ServeConfig(state_dir=str(tmp_path)), loader(model_dir))  # durability 'request'
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        sids = [c.post("/v1/sessions").json()["id"] for _ in range(4)]
+        write = SessionStore.write
+
+        def full(self, state):
+            if state.id == sids[0]:
+                raise OSError(28, "No space left on device", str(tmp_path))
+            write(self, state)
+
+        monkeypatch.setattr(SessionStore, "write", full)
+        with futures.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda sid: c.post(f"/v1/sessions/{sid}/text", json={"text": "The cat sat."}),
+                                    sids))
+        assert [r.status_code for r in replies] == [507, 200, 200, 200]
+        error = replies[0].json()["error"]
+        assert "could not be written" in error["reason"] and str(tmp_path) not in replies[0].text
+        monkeypatch.setattr(SessionStore, "write", write)
+        r = c.post(f"/v1/sessions/{sids[0]}/text", json={"text": " More."})
+        assert r.status_code == 200 and r.json()["session"]["tokens_read"] == len("The cat sat. More.")
+        assert all((tmp_path / f"{sid}.safetensors").is_file() for sid in sids)

@@ -224,7 +224,7 @@ REGISTRY: Mapping[str, CorpusSpec] = MappingProxyType({
     "recall": CorpusSpec(
         name="recall", level="word", metric="ppl", tokenizer={"specials": [], "unk": None, "add_eos": False},
         train=("train.txt",), valid=("valid.txt",), test=("test.txt",), generated="recall",
-        description="generated key-value recall (D k v ... Q k v) at log-uniform distances 3-512, seeded"),
+        description="generated key-value recall (k=v ... k v) at log-uniform distances 3-512, seeded"),
 })
 STDLIB_SEED = 0
 """The seed of the stdlib corpus's split (fixed: the same split on every machine)."""

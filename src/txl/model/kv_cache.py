@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from txl.model.memory import RowBuffer, append_rows
 from txl.model.positions import sinusoid
 
 
@@ -47,6 +48,10 @@ class KVCache:
     """One (B, M, H, D) tensor per layer: W_v h of the memory rows."""
     positions: tuple[torch.Tensor, ...] = ()
     """Relative attention: one (N, H, D) tensor per layer, row n = W_kR R(n); grown when K needs more."""
+    buffers: tuple[tuple[RowBuffer, RowBuffer, RowBuffer], ...] = ()
+    """Per layer, the storage (``txl.model.memory.RowBuffer``) that the memory, keys and values returned with it
+    are views of: the next call appends its rows there in place instead of copying all M of them. () when they
+    are plain tensors (under torch.compile, with ext_len, or a cache put together by hand)."""
     weights_version: int | None = None
     """Sum of the parameters' version counters when the cache was built: an optimiser step changes it
     (None: built under torch.compile, which cannot read them; not checked)."""
@@ -85,18 +90,28 @@ def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]]
 
 
 def cached_keys_values(keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
-                       memory: torch.Tensor | None, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache``.
+                       memory: torch.Tensor | None, cache: KVCache, layer: int, *, grow: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[RowBuffer, RowBuffer] | None]:
+    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache``; and, with
+    ``grow``, the RowBuffers they are views of (the cache's own, extended in place where it can be).
 
     ``keys_values``: the layer's projection of (B, N, d) rows to keys and values (B, N, H, D). Only the T
     new rows are projected; an empty cache projects the memory rows once, here.
     """
     rows = x if cache.keys or memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, T or K, d)
     k, val = keys_values(rows)  # (B, T or K, H, D) each
+    if not grow:
+        if cache.keys:
+            k = torch.cat([cache.keys[layer].to(k.dtype), k], dim=1)  # (B, K, H, D)
+            val = torch.cat([cache.values[layer].to(val.dtype), val], dim=1)  # (B, K, H, D)
+        return k, val, None
+    old_k = old_val = None  # an empty cache: the K rows projected here start the buffers
     if cache.keys:
-        k = torch.cat([cache.keys[layer].to(k.dtype), k], dim=1)  # (B, K, H, D)
-        val = torch.cat([cache.values[layer].to(val.dtype), val], dim=1)  # (B, K, H, D)
-    return k, val
+        old_k, old_val = cache.keys[layer].to(k.dtype), cache.values[layer].to(val.dtype)  # (B, M, H, D) each
+    had = cache.buffers[layer] if cache.buffers else (None, None, None)
+    k, k_buffer = append_rows(old_k, k, had[1])  # (B, K, H, D)
+    val, val_buffer = append_rows(old_val, val, had[2])  # (B, K, H, D)
+    return k, val, (k_buffer, val_buffer)
 
 
 __all__ = ["KVCache", "cached_keys_values", "position_table", "weights_version"]

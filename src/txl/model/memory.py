@@ -9,6 +9,8 @@ these pure functions are the only place where it is built, truncated and detache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 Memory = tuple[torch.Tensor, ...]
@@ -47,6 +49,68 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
             # A copy of the rows kept, so the dropped ones are freed with ``cat`` instead of living on under a view.
             new.append(cat[:, -mem_len:].detach().contiguous() if cat.size(1) > mem_len else cat.detach())
     return tuple(new)
+
+
+class RowBuffer:
+    """Storage that rows are appended to in place: a sequence grown a few rows at a time (a generation's memory
+    and cached keys/values, one row per (B, 1) step) is not copied whole at every step.
+
+    Without it every step's ``torch.cat`` copies each layer's (B, M, ...) rows to add one: O(M) bytes per token
+    and most of a batched generation step's time. ``data`` (B, C, ...) holds rows [0, ``end``); the tensors
+    handed out are views of windows of it ending at ``end``. Appending writes past ``end``, never into rows a
+    view already covers, so every view handed out keeps its values, as with ``torch.cat``. Only the view ending
+    at ``end`` is extended in place: an older one (a caller going back to an earlier memory) or one another
+    caller already extended is copied into a new buffer instead.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        """(B, C, ...) storage; rows past ``end`` are unwritten."""
+        self.end = 0
+
+    def ends(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a window of this buffer ending at ``end``: [t; new] may then be written in place."""
+        d, n = self.data, t.size(1)
+        return (0 < n <= self.end and t.dtype == d.dtype and t.device == d.device and t.shape[0] == d.shape[0]
+                and t.shape[2:] == d.shape[2:] and t.stride() == d.stride()
+                and t.data_ptr() == d[:, self.end - n].data_ptr())
+
+
+def append_rows(old: torch.Tensor | None, new: torch.Tensor,
+                buffer: RowBuffer | None) -> tuple[torch.Tensor, RowBuffer]:
+    """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
+    window and there is room) or of a new buffer twice the size needed (so each row is copied O(1) times,
+    amortised, however many steps it stays); and the buffer."""
+    n, T = (0 if old is None else old.size(1)), new.size(1)
+    fits = (buffer is not None and old is not None and buffer.ends(old) and new.dtype == buffer.data.dtype
+            and buffer.end + T <= buffer.data.size(1)
+            and (torch.is_inference_mode_enabled() or not buffer.data.is_inference()))  # writable here
+    if not fits:
+        buffer = RowBuffer(new.new_empty(new.size(0), 2 * (n + T), *new.shape[2:]))  # (B, C, ...)
+        if n:
+            buffer.data[:, :n] = old
+        buffer.end = n
+    buffer.data[:, buffer.end:buffer.end + T] = new
+    buffer.end += T
+    return buffer.data[:, buffer.end - n - T:buffer.end], buffer  # (B, n + T, ...)
+
+
+def last_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The last ``n`` rows along dim 1 (a view: a RowBuffer's window stays its last one)."""
+    return t[:, t.size(1) - n:] if t.size(1) > n else t
+
+
+def grow_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int,
+                buffers: Sequence[RowBuffer | None]) -> tuple[Memory, tuple[RowBuffer, ...]]:
+    """``update_memory`` (ext_len 0) with each layer's rows appended in place to its ``RowBuffer``: the memory
+    is views of the buffers, returned with them. Under ``torch.no_grad()`` (the KVCache's condition)."""
+    new, bufs = [], []
+    for l, h in enumerate(hiddens):
+        old = memory[l] if memory and memory[l].size(1) else None
+        rows, buffer = append_rows(old, h, buffers[l] if buffers else None)  # (B, M + T, d)
+        new.append(last_rows(rows, mem_len))
+        bufs.append(buffer)
+    return tuple(new), tuple(bufs)
 
 
 def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int) -> None:

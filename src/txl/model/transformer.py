@@ -24,7 +24,7 @@ from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
-from txl.model.memory import Memory, check_memory, memory_length, update_memory, zeros_memory
+from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.positions import Positions, attention_mask, padding_mask
 
 
@@ -197,7 +197,12 @@ class TransformerXL(nn.Module):
                                                   device=input_ids.device, drop=self.drop, table=table)
 
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
-        hiddens, keys, values = [], [], []
+        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
+        # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
+        # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
+        grow = (kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0
+                and not torch.compiler.is_compiling())
+        hiddens, keys, values, buffers = [], [], [], []
         for l, layer in enumerate(self.layers):
             hiddens.append(h)  # memory caches each layer's input, before any absolute positions
             x, mem, pos = h, mems[l], positions[l]
@@ -206,16 +211,28 @@ class TransformerXL(nn.Module):
                 mem = None if mem is None else mem + pos.absolute[:M]
             kv = None
             if kv_cache is not None:
-                kv, mem = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l), None  # (B, K, H, D) each
-                keys.append(kv[0])
-                values.append(kv[1])
+                k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
+                kv, mem = (k, val), None  # (B, K, H, D) each
+                keys.append(k)
+                values.append(val)
+                buffers.append(grown)
             h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
-        new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+        if grow:
+            had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
+            new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
+                                                     buffers=had)
+        else:
+            new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
 
         out = LMOutput(memory=new_memory, hidden=h)
-        if kv_cache is not None:
-            # keys/values cover all K rows, so truncating them as a whole keeps them aligned with new_memory.
+        if grow:
+            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
+            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
+                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
+                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
+                                   weights_version=self._weights_version())
+        elif kv_cache is not None:
             out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
                                    values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
                                    positions=table, weights_version=self._weights_version())

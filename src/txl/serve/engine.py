@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,9 @@ class Rows:
     values: tuple[torch.Tensor, ...]
     pads: list[int]
     """Each row's left pad count."""
+    buffers: tuple = ()
+    """The KVCache's RowBuffers that memory, keys and values are views of (the next step appends to them in
+    place); () for rows gathered or selected into new tensors."""
 
     @property
     def size(self) -> int:
@@ -105,6 +109,22 @@ class Rows:
             return tuple(t.index_select(0, i)[:, cut:] for t in ts)  # (B', M - cut, ...)
 
         return Rows(pick(self.memory), pick(self.keys), pick(self.values), [self.pads[b] - cut for b in idx])
+
+
+@dataclass
+class Kept:
+    """A generation's rows kept in its session (``SessionState.generation``) for the generation that follows."""
+
+    memory: torch.Tensor
+    """(L, m, d): the session's memory rows, then every token the generation read."""
+    kv: tuple[torch.Tensor, torch.Tensor] | None
+    """Their keys and values (L, m, H, D) each (None without a cache)."""
+    inputs: int
+    """How many of the session's tokens the rows read (m less the memory's rows)."""
+    session_memory: torch.Tensor | None
+    """The session's memory they started from (the same object: no segment ended since)."""
+    n_tokens: int
+    """The session's token count then (anything read since makes the rows stale)."""
 
 
 @dataclass
@@ -149,6 +169,10 @@ class Model:
         self.read_ctx = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
         self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
         self.cacheable = model.start_kv_cache() is not None
+        # Without same_length, a token the generation samples inside the session's unfinished segment sees what
+        # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
+        # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
+        self.generation_reads_alike = not same_length
         self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
         self.weights_version = weights_version(model)  # a server never changes its weights
 
@@ -184,7 +208,7 @@ class Model:
         rows = self._rows(kind, units, memory, pads)
         cache = None
         if self.cacheable:
-            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table,
+            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table, buffers=rows.buffers,
                             weights_version=self.weights_version)
         out = self.model(x, memory=rows.memory or None, context=self.gen_ctx, padding=rows.padding(T),
                          kv_cache=cache, return_log_probs=False)
@@ -192,7 +216,8 @@ class Model:
         if cache is not None:
             self.table = out.kv_cache.positions
         new = Rows(tuple(out.memory), tuple(out.kv_cache.keys) if cache is not None else (),
-                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads)  # (B, M + T, ...) per layer
+                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads,
+                   out.kv_cache.buffers if cache is not None else ())  # (B, M + T, ...) per layer
         return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
 
     def _rows(self, kind: str, units: list[Unit], memory, pads: list[int]) -> Rows:
@@ -238,6 +263,9 @@ class Job:
     delete: bool = False
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
+    ready: float = 0.0
+    """When its current unit became ready (monotonic; its first: when submitted): the group of the unit ready
+    longest runs first."""
     key: str = ""
     gen: Work | None = None
     unit: Unit | None = None
@@ -264,6 +292,12 @@ class Engine:
         self.active: dict[str, Job] = {}
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="txl-serve-engine", daemon=True)
+        # Durable writes (write, fsync, rename, fsync the directory) run on threads of their own: the sessions of a
+        # batch are written at once (their fsyncs wait on the disk together, not one after another) while the
+        # worker runs the next forward. A session stays active until its write returns, so nothing else touches
+        # it meanwhile and its next request starts after; the reply waits for the write ('request' durability).
+        self.writer = ThreadPoolExecutor(max(1, min(max_batch, 8)), "txl-serve-write") if durable else None
+        self.written: queue.SimpleQueue[tuple[Job, Any, OSError | None, float]] = queue.SimpleQueue()
         self._temp = 0
         self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
 
@@ -295,6 +329,8 @@ class Engine:
                 job.cancelled = True
             self.thread.join(timeout)
         busy = set(self.active) if self.thread.is_alive() else set()
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
         if busy:
             logger.error("the worker did not stop: %d sessions in use are not written", len(busy))
         n = self.store.flush(exclude=busy)
@@ -310,6 +346,7 @@ class Engine:
             torch.set_num_threads(self.threads)
         last_sweep = 0.0
         while True:
+            self._complete_writes()
             self._admit()
             if not self.active:
                 with self.lock:
@@ -318,8 +355,9 @@ class Engine:
                     return
                 self.wake.wait(0.2)
                 self.wake.clear()
-            else:
-                self._round()
+            elif not self._round():  # every active request waits for its write
+                self.wake.wait(0.2)
+                self.wake.clear()
             now = time.time()
             if now - last_sweep > min(60.0, self.store.ttl / 4):
                 last_sweep = now
@@ -376,48 +414,80 @@ class Engine:
             if not isinstance(job.gen, Generator):
                 self._finish(job, job.gen)
                 return
-            job.unit = next(job.gen)
+            job.unit, job.ready = next(job.gen), job.submitted
         except StopIteration as stop:
             self._finish(job, stop.value)
         except Exception as err:  # noqa: BLE001 - reported to the request, never kills the worker
             self._fail(job, err)
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """Run one batched forward; False when no active request has a unit ready."""
         groups: dict[tuple[str, int], list[Job]] = {}
         for job in self.active.values():
             if job.unit is not None:
                 groups.setdefault(job.unit.key, []).append(job)
         if not groups:
-            return
-        # The group holding the job that has waited longest goes first; up to max_batch rows of it.
-        key = min(groups, key=lambda k: min(j.submitted for j in groups[k]))
-        jobs = sorted(groups[key], key=lambda j: j.submitted)[:self.max_batch]
+            return False
+        # The group holding the unit that has been ready longest goes first; up to max_batch rows of it. Ready,
+        # not submitted: a generation's next step is ready after the step before, so a request that arrived
+        # meanwhile has its prefill run next and its steps join the others' batch (continuous batching),
+        # instead of waiting for every step of the older generations.
+        key = min(groups, key=lambda k: min((j.ready, j.submitted) for j in groups[k]))
+        jobs = sorted(groups[key], key=lambda j: (j.ready, j.submitted))[:self.max_batch]
+        start = time.perf_counter()
         try:
             results = self.m.run(key[0], [j.unit for j in jobs])
         except Exception as err:  # noqa: BLE001
             for job in jobs:
                 self._fail(job, err)
-            return
+            return True
         if self.metrics is not None:
+            self.metrics.forward_seconds.labels(key[0]).observe(time.perf_counter() - start)
             self.metrics.batch_rows.observe(len(jobs))
         for job, result in zip(jobs, results):
             try:
-                job.unit = job.gen.send(result)
+                job.unit, job.ready = job.gen.send(result), time.monotonic()
             except StopIteration as stop:
                 self._finish(job, stop.value)
             except Exception as err:  # noqa: BLE001
                 self._fail(job, err)
+        return True
 
     def _finish(self, job: Job, value: Any) -> None:
-        try:
-            if job.changes and job.state is not None and job.state.id and not job.delete:
-                self.store.changed(job.state, durable=self.durable)
-        except OSError as err:
-            logger.error("could not write session %s: %s", job.state.id, err)
-            self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
-            return
+        job.unit = None
+        if job.changes and job.state is not None and job.state.id and not job.delete:
+            self.store.changed(job.state, durable=False)
+            if self.writer is not None:  # replied to once written (_complete_writes)
+                self.writer.submit(self._write, job, value)
+                return
         self.active.pop(job.key, None)
         job.emit("done", value)
+
+    def _write(self, job: Job, value: Any) -> None:
+        """On a writer thread: the session's file, then hand the request back to the worker."""
+        start, error = time.perf_counter(), None
+        try:
+            self.store.write(job.state)
+        except OSError as err:
+            error = err
+        self.written.put((job, value, error, time.perf_counter() - start))
+        self.wake.set()
+
+    def _complete_writes(self) -> None:
+        while True:
+            try:
+                job, value, error, seconds = self.written.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:  # the session stays changed (dirty): written again at eviction or exit
+                logger.error("could not write session %s: %s", job.state.id, error)
+                self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+                continue
+            self.store.dirty.discard(job.state.id)
+            if self.metrics is not None:
+                self.metrics.write_seconds.observe(seconds)
+            self.active.pop(job.key, None)
+            job.emit("done", value)
 
     def _fail(self, job: Job, err: Exception) -> None:
         self.active.pop(job.key, None)
@@ -426,20 +496,43 @@ class Engine:
         job.emit("error", err)
 
     # -- the work of requests (generators run by the worker) ----------------------------------------------
-    def read_ids(self, state: SessionState, ids: list[int]) -> Generator[Unit, Result, list[float]]:
+    def read_ids(self, state: SessionState, ids: list[int], generated: tuple[list[float], Result] | None = None
+                 ) -> Generator[Unit, Result, list[float]]:
         """Read ``ids`` into the session; the log-probs of those that are scored (all but a document's first
-        token when there is no context token)."""
+        token when there is no context token).
+
+        ``generated``: ``ids`` were just sampled from the session by ``generate``, which gives their log-probs and
+        its last result (its batch row holds the hidden states of every token it read). Where the reading
+        context equals the generation's (``Model.generation_reads_alike``), the tokens up to the end of the
+        unfinished segment are not read again: their log-probs are the generation's, and the memory at the
+        segment's end (when they complete it) is the generation's rows up to there. Tokens past that boundary
+        are read (the generation showed them more than the reading's memory).
+        """
         S = self.m.segment_len
+        state.generation = None  # what is read now was not read by the last generation
         toks = state.tokens + ids
         offset = len(state.tokens)  # toks[offset:] are new; label j is toks[j + 1]
         out: list[float] = []
+        unfinished = True  # the unfinished segment is read again from the boundary
+        if generated is not None and self.m.generation_reads_alike and offset:
+            known, last = generated
+            if len(toks) - 1 < S:  # all in the unfinished segment: nothing to compute
+                out, unfinished = list(known), False
+            else:  # the segment completes: its memory from the generation's rows, as its reading would keep it
+                rows, b = last.row
+                memory, _ = rows.take(b)  # (L, m, d): the memory rows, then every token the generation read
+                end = (0 if state.memory is None else state.memory.size(1)) + S
+                keep = min(self.m.mem_len, end)
+                state.memory = memory[:, end - keep:end].clone() if keep and state.with_memory else None
+                out = list(known[:S - offset + 1])  # labels toks[offset..S]
+                toks, offset = toks[S:], 0
         while len(toks) - 1 >= S:  # a complete segment: S labels, its memory kept
             r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory)
             out.extend(r.logprobs[max(offset - 1, 0):])
             state.memory = r.memory
             toks, offset = toks[S:], max(offset - S, 0)
         first = max(offset - 1, 0)
-        if len(toks) >= 2 and first <= len(toks) - 2:  # the unfinished segment, read again from the boundary
+        if unfinished and len(toks) >= 2 and first <= len(toks) - 2:  # read again from the boundary
             r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory)
             out.extend(r.logprobs[first:])
         state.tokens = toks
@@ -483,8 +576,15 @@ class Engine:
         chosen: list[float] = []
         tops: list[dict[str, float]] = []
         shown, pending, finish = "", "", "length"
+        kept, start_memory = state.generation, state.memory
         if max_tokens:
-            r = yield Unit("prefill", state.tokens, state.memory)
+            if (kept is not None and kept.session_memory is state.memory and kept.n_tokens == state.n_tokens
+                    and kept.inputs == len(state.tokens) - 1):
+                # The last generation's rows read every token but its last one, with the same memory and the same
+                # context a prefill would give them: one step from them, batched with the others' steps.
+                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv)
+            else:
+                r = yield Unit("prefill", state.tokens, state.memory)
         for i in range(max_tokens):
             if job.cancelled:
                 finish = "cancelled"
@@ -521,7 +621,11 @@ class Engine:
         if self.metrics is not None:
             self.metrics.tokens_generated.inc(len(produced))
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
-        yield from self.read_ids(state, produced)
+        yield from self.read_ids(state, produced, (chosen, r) if produced else None)
+        if produced and state.memory is start_memory:  # no segment ended: the rows stay valid for the next one
+            memory, kv = r.row[0].take(r.row[1])  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
+            m0 = 0 if start_memory is None else start_memory.size(1)
+            state.generation = Kept(memory, kv, memory.size(1) - m0, start_memory, state.n_tokens)
         state.generated += len(produced)
         state.chars += len(self.tokenizer.decode(produced)) if produced else 0
         return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}

@@ -19,5 +19,12 @@ class Metrics:
                                       registry=r)
         self.evictions = Counter("txl_evictions", "Sessions written to disk and dropped from RAM", registry=r)
         self.queue_depth = Gauge("txl_queue_depth", "Requests waiting for the model", registry=r)
+        self.forward_seconds = Histogram("txl_forward_seconds", "Time of one batched forward pass, by kind of work",
+                                         ["kind"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                            1, 2.5), registry=r)
+        self.write_seconds = Histogram("txl_state_write_seconds", "Time to write a session's state file (atomic, "
+                                       "fsynced) after a request changed it", buckets=(0.0005, 0.001, 0.0025, 0.005,
+                                                                                     0.01, 0.025, 0.05, 0.1, 0.5),
+                                       registry=r)
         self.batch_rows = Histogram("txl_batch_rows", "Sessions per forward pass", buckets=(1, 2, 4, 8, 16, 32, 64),
                                     registry=r)

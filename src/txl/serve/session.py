@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +84,9 @@ class SessionState:
     """Requests that changed the session."""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    generation: Any = None
+    """RAM only, never written: the rows of the session's last generation (``engine.Kept``), so that a generation
+    that follows it directly steps on from them instead of reading its tokens again; None otherwise."""
 
     def info(self, *, n_layer: int, mem_len: int, d_model: int) -> dict:
         m = 0 if self.memory is None else int(self.memory.size(1))
@@ -218,8 +222,13 @@ class SessionStore:
         return state
 
     def save(self, state: SessionState) -> None:
-        atomic_write(self.path(state.id), state.to_file)
+        self.write(state)
         self.dirty.discard(state.id)
+
+    def write(self, state: SessionState) -> None:
+        """Write the session's file (atomic, fsynced) and touch nothing else: another thread may call it while
+        the session is in no other use (the engine keeps it active until then)."""
+        atomic_write(self.path(state.id), state.to_file)
 
     def changed(self, state: SessionState, *, durable: bool) -> None:
         self.dirty.add(state.id)
