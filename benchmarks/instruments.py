@@ -104,13 +104,15 @@ def device_name(device: torch.device) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name and whether it has AVX-512 and AMX (what bf16 and fp32 speed depend on)."""
+    """The CPU's model name and whether it has AVX-512 and AMX (what bf16 and fp32 speed depend on), and the
+    kernels torch runs on it (``ATEN_CPU_CAPABILITY=avx2`` picks the AVX2 ones on an AVX-512 CPU)."""
+    kernels = f"torch kernels {torch.backends.cpu.get_cpu_capability()}"
     try:
         info = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return "unknown CPU"
+        return f"unknown CPU; {kernels}"
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
     flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
     has = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(has) or 'no AVX2'}; {'no ' if 'avx512f' not in flags else ''}AVX-512, " \
-           f"{'no ' if 'amx_bf16' not in flags else ''}AMX)"
+           f"{'no ' if 'amx_bf16' not in flags else ''}AMX; {kernels})"

@@ -8,7 +8,10 @@ The oracle computes the attention the way the original PyTorch code does (einsum
 shift), so it stands in for "the original implementation". Both models get the same weights (txl's exported
 to the Hugging Face layout), the same batches and the same memory length, and their steps alternate in one
 process (txl, oracle, txl, oracle, ...): on a shared, noisy machine both see the same conditions, and the
-ratio of their median step times is what is reported, with the load average before and after.
+ratio of their median step times is what is reported, with the load average before and after. Each step's
+process CPU time is reported too (``cpu_speedup``): with ``--threads 1`` it counts the work a step does whatever
+else runs on the machine (waiting for a busy core is not counted), so on a shared machine it is the steadier
+ratio; with more threads it also counts the threads' spin-waits.
 
 Training: forward, backward and an Adam step on one segment, memory carried (each model's own), dropout as
 configured (``nn.Dropout`` in both; txl's default ``dropout_impl='torch'``). Evaluation: ``torch.no_grad()``
@@ -100,9 +103,10 @@ class Runner:
         self.memory = out.mems
         return out.loss if out.loss is not None else out.losses.mean()
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """One step: its wall-clock seconds and the process's CPU seconds."""
         x, y = self.batch()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.phase == "train":
             self.opt.zero_grad(set_to_none=True)
             with autocast(self.dtype):
@@ -112,7 +116,7 @@ class Runner:
         else:
             with torch.no_grad(), autocast(self.dtype):
                 self.forward(x, y)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(shape: Shape, phase: str, dtype: str, *, warmup: int, steps: int, seed: int = 0,
@@ -127,20 +131,24 @@ def measure(shape: Shape, phase: str, dtype: str, *, warmup: int, steps: int, se
     runners = [Runner(ours, "txl", phase, dtype, data, shape.tgt_len),
                Runner(oracle, "oracle", phase, oracle_dtype, data, shape.tgt_len)]
     times: dict[str, list[float]] = {r.name: [] for r in runners}
+    cpu: dict[str, list[float]] = {r.name: [] for r in runners}
     load = os.getloadavg()[0]
     for i in range(warmup + steps):
         for r in (runners if i % 2 == 0 else runners[::-1]):  # alternate who goes first
-            t = r.step()
+            t, c = r.step()
             if i >= warmup:
                 times[r.name].append(t)
+                cpu[r.name].append(c)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    med_cpu = {name: statistics.median(cs) for name, cs in cpu.items()}
     tokens = shape.batch * shape.tgt_len
     return dict(kind="oracle", phase=phase, dtype=dtype, oracle_dtype=oracle_dtype, batch=shape.batch,
                 tgt_len=shape.tgt_len,
                 mem_len=shape.mem_len, steps=steps, txl_tokens_per_s=tokens / med["txl"],
                 oracle_tokens_per_s=tokens / med["oracle"], speedup=med["oracle"] / med["txl"],
-                txl_step_s=med["txl"], oracle_step_s=med["oracle"], load_before=load, load_after=os.getloadavg()[0],
-                changes=changes)
+                txl_step_s=med["txl"], oracle_step_s=med["oracle"], cpu_speedup=med_cpu["oracle"] / med_cpu["txl"],
+                txl_cpu_s=med_cpu["txl"], oracle_cpu_s=med_cpu["oracle"], load_before=load,
+                load_after=os.getloadavg()[0], changes=changes)
 
 
 def profile(shape: Shape, phase: str, dtype: str, rows: int = 15) -> str:
@@ -194,10 +202,10 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     print(f"\n{'shape':<6} {'phase':<6} {'dtype':<5} {'txl tok/s':>10} {'oracle tok/s':>12} {'txl/oracle':>10} "
-          f"{'load':>10}")
+          f"{'(CPU time)':>10} {'load':>10}")
     for r in rows:
         print(f"{r['shape']:<6} {r['phase']:<6} {r['dtype']:<5} {r['txl_tokens_per_s']:>10,.0f} "
-              f"{r['oracle_tokens_per_s']:>12,.0f} {r['speedup']:>9.2f}x "
+              f"{r['oracle_tokens_per_s']:>12,.0f} {r['speedup']:>9.2f}x {r['cpu_speedup']:>9.2f}x "
               f"{r['load_before']:>4.1f}-{r['load_after']:<4.1f}")
 
 

@@ -160,4 +160,5 @@ def test_oracle_benchmark_times_the_same_model_side_by_side():
     ours, hf = oracle.build_pair(bench.SHAPES["tiny"])  # raises unless both give the same per-token NLL
     r = oracle.measure(bench.SHAPES["tiny"], "train", "fp32", warmup=0, steps=1)
     assert r["txl_step_s"] > 0 and r["oracle_step_s"] > 0 and r["speedup"] == r["oracle_step_s"] / r["txl_step_s"]
+    assert r["txl_cpu_s"] > 0 and r["cpu_speedup"] == r["oracle_cpu_s"] / r["txl_cpu_s"]
 

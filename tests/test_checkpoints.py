@@ -4,14 +4,16 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_config
 from hf_oracle import hf_model
 
 import txl
 from txl.convert import config_from_hf, state_dict_from_hf, state_dict_to_hf
 from txl.pretrained import load_weights, tied_keys
 
-SMALL = dict(vocab_size=80, n_layer=2, d_model=32, n_head=4, d_inner=48, dropout=0.0, mem_len=5,
-             cutoffs=[20, 40], div_val=2, d_embed=32)
+# Adaptive clusters of two widths: the tied embedding/softmax pairs and projections are what files must keep.
+ADAPTIVE = dict(cutoffs=[20, 40], div_val=2)
+V = tiny_config().vocab_size
 
 
 def outputs(model, tokens):
@@ -21,10 +23,10 @@ def outputs(model, tokens):
 
 
 def test_round_trip_reproduces_outputs_and_stores_tied_weights_once(tmp_path):
-    model = txl.TransformerXL(txl.ModelConfig(**SMALL)).eval()
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE)).eval()
     txl.save_pretrained(model, tmp_path)
     loaded = txl.from_pretrained(tmp_path)
-    tokens = torch.randint(0, 80, (2, 6))
+    tokens = torch.randint(0, V, (2, 6))
     assert torch.equal(outputs(model, tokens), outputs(loaded, tokens))
     assert loaded.config == model.config
     from safetensors import safe_open
@@ -54,17 +56,17 @@ def test_import_hf_directory_saved_by_transformers(tmp_path):
 def test_export_to_hf_is_loaded_by_transformers(tmp_path):
     from transformers import TransfoXLLMHeadModel
 
-    model = txl.TransformerXL(txl.ModelConfig(**{**SMALL, "untie_r": True})).eval()
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE, untie_r=True)).eval()
     txl.save_hf(model, tmp_path)
     hf = TransfoXLLMHeadModel.from_pretrained(tmp_path).eval()
-    tokens = torch.randint(0, 80, (2, 6))
+    tokens = torch.randint(0, V, (2, 6))
     with torch.no_grad():
         ref = hf(input_ids=tokens).prediction_scores
     torch.testing.assert_close(outputs(model, tokens), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_export_refuses_what_hf_cannot_express(tmp_path):
-    model = txl.TransformerXL(txl.ModelConfig(**{**SMALL, "attn_type": "shaw"}))
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE, attn_type="shaw"))
     with pytest.raises(ValueError, match="attn_type='shaw' cannot be exported"):
         txl.save_hf(model, tmp_path)
 
@@ -105,14 +107,16 @@ def test_published_wt103_configuration_every_key_every_shape_round_trip():
 
 
 def test_config_and_weights_that_disagree(tmp_path):
-    model = txl.TransformerXL(txl.ModelConfig(**SMALL))
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE))
     txl.save_pretrained(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["model"]["d_inner"] = 64
+    d_inner = config["model"]["d_inner"]
+    config["model"]["d_inner"] = d_inner + 16
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"layers\.0\.ff\.fc1\.\w+ has shape \(48.*\) but the config needs \(64"):
+    with pytest.raises(ValueError, match=rf"layers\.0\.ff\.fc1\.\w+ has shape \({d_inner}.*\) but the config needs "
+                                         rf"\({d_inner + 16}"):
         txl.from_pretrained(tmp_path)
-    config["model"]["d_inner"] = 48
+    config["model"]["d_inner"] = d_inner
     config["model"]["n_layer"] = 3
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"weights and config disagree: missing \['layers.2"):
@@ -120,7 +124,7 @@ def test_config_and_weights_that_disagree(tmp_path):
 
 
 def test_corrupt_and_truncated_checkpoints(tmp_path):
-    model = txl.TransformerXL(txl.ModelConfig(**SMALL))
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE))
     txl.save_pretrained(model, tmp_path)
     weights = tmp_path / "model.safetensors"
     data = weights.read_bytes()
@@ -186,7 +190,7 @@ def test_original_pytorch_cluster_order_is_reversed_on_import():
 
 
 def test_tied_keys_lists_aliases():
-    model = txl.TransformerXL(txl.ModelConfig(**SMALL))
+    model = txl.TransformerXL(tiny_config(**ADAPTIVE))
     aliases = tied_keys(model)
     assert aliases["softmax.layers.0.weight"] == "embed.layers.0.weight"
     assert aliases["softmax.projs.1"] == "embed.projs.1" and "softmax.projs.0" not in aliases

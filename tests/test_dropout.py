@@ -4,6 +4,7 @@ unbiased, reproducible, exact gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from torch import nn
 
 import txl
@@ -75,9 +76,7 @@ def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
 @pytest.mark.parametrize("impl, plain, relu", [("torch", nn.Dropout, ReLUDropout),
                                                ("fast16", Dropout, FastReLUDropout)])
 def test_dropout_impl_chooses_the_modules(impl, plain, relu):
-    config = txl.ModelConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_inner=16, dropout=0.1,
-                             dropout_impl=impl)
-    model = txl.TransformerXL(config)
+    model = txl.TransformerXL(tiny_config(dropout=0.1, dropout_impl=impl))  # with dropout: the modules exist
     assert type(model.drop) is plain and type(model.layers[0].attn.drop) is plain
     assert type(model.layers[0].ff.relu_drop) is relu and model.layers[0].ff.relu_drop.p == 0.1
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import txl
 import txl.data.corpora
@@ -26,7 +27,6 @@ import txl.fileio
 import txl.metrics
 import txl.train
 from txl.cli import main
-from txl.config import ModelConfig
 
 TINY = ["--preset", "tiny", "--model.n_layer", "1", "--model.d_model", "32", "--model.n_head", "2",
         "--model.d_head", "16", "--model.d_inner", "64", "--model.mem_len", "8", "--train.tgt_len", "8",
@@ -216,8 +216,8 @@ def test_plots_without_matplotlib_are_skipped_with_one_line(tmp_path, monkeypatc
 
 def test_model_config_refuses_same_length_without_memory():
     with pytest.raises(ValueError, match="same_length with mem_len=0 masks every key"):
-        ModelConfig(vocab_size=10, n_layer=1, d_model=8, n_head=2, mem_len=0, same_length=True)
-    ModelConfig(vocab_size=10, n_layer=1, d_model=8, n_head=2, mem_len=1, same_length=True)  # a memory of 1 is fine
+        tiny_config(mem_len=0, same_length=True)
+    tiny_config(mem_len=1, same_length=True)  # a memory of 1 is fine
 
 
 def test_matching_explicit_vocab_size_is_accepted(corpus, tmp_path):
@@ -494,7 +494,7 @@ def _generation_module():
 
 def test_whole_context_generation_beyond_free_memory_is_refused(monkeypatch):
     gen = _generation_module()
-    model = txl.TransformerXL(ModelConfig(vocab_size=20, n_layer=2, d_model=16, n_head=2, d_inner=32, mem_len=4))
+    model = txl.TransformerXL(tiny_config())
     free = gen.context_bytes(model.config, 1, 1000)
     monkeypatch.setattr(gen, "available_bytes", lambda device: free)
     with pytest.raises(ValueError, match=r"max_new_tokens=100,000,000 with the whole context kept \(mem_len none\) "
@@ -506,8 +506,9 @@ def test_whole_context_generation_beyond_free_memory_is_refused(monkeypatch):
 
 
 def test_context_bytes_counts_memory_and_key_value_cache():
-    c = ModelConfig(vocab_size=20, n_layer=3, d_model=16, n_head=2, d_head=8, d_inner=32)
-    assert _generation_module().context_bytes(c, 2, 10) == 2 * 10 * 3 * (16 + 2 * 2 * 8) * 4
+    c = tiny_config(n_layer=3)  # 3 layers, a batch of 2: a count that mixed them up would differ
+    # per position and layer: the memory's d_model floats, the cached key and value's n_head * d_head each
+    assert _generation_module().context_bytes(c, 2, 10) == 2 * 10 * 3 * (32 + 2 * 4 * 8) * 4
 
 
 # -- 10. advice that fits ---------------------------------------------------------------------------------------

@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
 import txl.train
 from experiments import ablation, char, common, longmem, recl, report, speedup
-from txl.config import ModelConfig
 from txl.model import TransformerXL
 
 WORDS = "the cat sat on a mat and dog ran to big red house with small green tree by river".split()
@@ -59,9 +59,8 @@ def test_position_losses_see_exactly_context_keys():
     """One layer, no memory effect beyond attention: the loss of position t at context c equals a fresh
     forward over the c-token window ending at t; and segment length does not matter."""
     torch.manual_seed(0)
-    model = TransformerXL(ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32, dropout=0.0,
-                                      mem_len=0)).eval()
-    tokens = np.random.default_rng(0).integers(0, 30, size=41)
+    model = TransformerXL(tiny_config(n_layer=1, mem_len=0)).eval()  # one layer: keys are the window's tokens
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, size=41)
     c, skip = 5, 7
     got = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=3, skip=skip)
     again = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=8, skip=skip)
@@ -80,9 +79,9 @@ def test_position_losses_as_trained_see_memory_plus_segment():
     """exact=False (the ablation table): segments of seg_len with a memory of context - seg_len, as in training;
     position t then sees the keys from its segment's start - memory to t."""
     torch.manual_seed(0)
-    model = TransformerXL(ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32, dropout=0.0,
-                                      mem_len=0, attn_type="al_rfou", learned_positions=16)).eval()
-    tokens = np.random.default_rng(1).integers(0, 30, size=41)
+    # One layer: its memory is the embeddings of the tokens before the segment (built below).
+    model = TransformerXL(tiny_config(n_layer=1, mem_len=0, attn_type="al_rfou", learned_positions=16)).eval()
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, size=41)
     c, seg, skip = 7, 3, 6
     got = common.position_losses(model, tokens, context=c, n_streams=1, seg_len=seg, skip=skip, exact=False)
     x, y = torch.as_tensor(tokens[:-1]), torch.as_tensor(tokens[1:])
@@ -97,7 +96,7 @@ def test_position_losses_as_trained_see_memory_plus_segment():
 
 
 def test_position_losses_rejects_too_few_tokens():
-    model = TransformerXL(ModelConfig(vocab_size=10, n_layer=1, d_model=8, n_head=2, d_inner=16))
+    model = TransformerXL(tiny_config())
     with pytest.raises(ValueError, match="skip"):
         common.position_losses(model, np.zeros(20, dtype=np.int64), context=4, n_streams=4, seg_len=4, skip=8)
 

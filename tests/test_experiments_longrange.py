@@ -50,8 +50,8 @@ def test_longrange_writes_accuracy_by_distance_and_reuses_runs(small_recall, tmp
 def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path):
     """The loss answer_scores reports for an answer is the model's loss for that token, read off the full pass."""
     import torch
+    from conftest import tiny_config
 
-    from txl.config import ModelConfig
     from txl.data import load_corpus
     from txl.model import TransformerXL
 
@@ -60,8 +60,8 @@ def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path)
     targets, distances = longrange.scored_targets(tokens, corpus, 2)
     assert len(targets) > 20 and (distances >= 3).all()
     torch.manual_seed(0)
-    model = TransformerXL(ModelConfig(vocab_size=corpus.vocab_size, n_layer=1, d_model=16, n_head=2, d_inner=32,
-                                      mem_len=2000, dropout=0.0)).eval()
+    # The corpus's vocabulary; a memory longer than a stream (1000 tokens): every pass sees the whole stream.
+    model = TransformerXL(tiny_config(vocab_size=corpus.vocab_size, mem_len=2000)).eval()
     nll, hit = longrange.answer_scores(model, tokens, targets, mem_len=2000, seg_len=7, n_streams=2,
                                        same_length=False)
     L = 1000

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.cli import main
@@ -13,15 +14,14 @@ from txl.export import SegmentStep, initial_state, load
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
-SEGMENTS = (4, 1, 7)  # longer than mem_len 5 at the end: the memory is cut to its last 5 rows
+SEGMENTS = (4, 1, 7)  # longer than mem_len 6 at the end: the memory is cut to its last 6 rows
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     torch.manual_seed(0)
-    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=5,
-                             cutoffs=[20], div_val=2, clamp_len=7, dropout=0.0)
-    model = txl.TransformerXL(config)
+    # A tail cluster (the exported graph holds the adaptive softmax's) and clamp_len below the keys' length.
+    model = txl.TransformerXL(tiny_config(cutoffs=[20], div_val=2, clamp_len=7))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -30,27 +30,27 @@ def model_dir(tmp_path_factory):
 
 def check_against_eager(model, step) -> None:
     """Three segments through ``step`` (numpy or torch in, out) from initial_state vs eager from memory=None."""
-    B = 3
+    B, M = 3, model.config.mem_len
     memory, padding = initial_state(model, B)
     eager_memory = None
     torch.manual_seed(1)
     for T in SEGMENTS:
-        ids = torch.randint(0, 50, (B, T))
+        ids = torch.randint(0, model.config.vocab_size, (B, T))
         log_probs, memory, padding = step(ids, memory, padding)
         with torch.no_grad():
             out = model(ids, memory=eager_memory, return_log_probs=True)
         eager_memory = out.memory
         torch.testing.assert_close(log_probs, out.log_probs, atol=2e-6, rtol=1e-5)
         filled = out.memory[0].size(1)  # the eager memory grows to mem_len; the exported one is padded
-        assert padding.tolist() == [[True] * (5 - filled) + [False] * filled] * B
+        assert padding.tolist() == [[True] * (M - filled) + [False] * filled] * B
         for layer in range(model.config.n_layer):
-            torch.testing.assert_close(memory[layer][:, 5 - filled:], out.memory[layer], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(memory[layer][:, M - filled:], out.memory[layer], atol=2e-6, rtol=1e-5)
 
 
 def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(model_dir), "--format", "torch-export",
                  "-o", str(tmp_path / "step.pt2")]) == 0
-    assert "inputs input_ids (B, T) int64, memory (2, B, 5, 16) float32" in capsys.readouterr().out
+    assert "inputs input_ids (B, T) int64, memory (2, B, 6, 32) float32" in capsys.readouterr().out
     step = load(tmp_path / "step.pt2")
     model = txl.from_pretrained(model_dir)
 
@@ -99,9 +99,7 @@ def test_rotary_segment_step_exports_and_equals_eager(tmp_path):
     """Rotary positions rotate by the index in [memory; segment]: the padded memory of the exported step shifts
     those indices, which relative scores do not see, so the exported program equals eager from memory=None."""
     torch.manual_seed(0)
-    config = txl.ModelConfig(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=5,
-                             attn_type="rotary", dropout=0.0)
-    model = txl.TransformerXL(config)
+    model = txl.TransformerXL(tiny_config(attn_type="rotary"))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -120,7 +118,6 @@ def test_rotary_segment_step_exports_and_equals_eager(tmp_path):
 
 
 def test_absolute_positions_cannot_be_exported():
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=8, n_head=2, d_inner=16,
-                                              mem_len=4, attn_type="absolute"))
+    model = txl.TransformerXL(tiny_config(attn_type="absolute"))
     with pytest.raises(ValueError, match="attn_type='absolute' cannot be exported as a segment step"):
         SegmentStep(model)

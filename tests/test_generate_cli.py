@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.cli import main
@@ -27,17 +28,21 @@ def hf_dir(tmp_path_factory):
     """A random transfo-xl in the Hugging Face layout, with a vocabulary in the HF plain format: saved by
     transformers where the oracle is installed (.ci/run's oracle environment), else by txl.save_hf, whose
     files test_checkpoints.py proves transformers reads."""
+    from txl.convert.hf import config_to_hf
+
     torch.manual_seed(0)
-    shape = dict(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, d_model=32, d_embed=32, n_head=4, d_head=8,
-                 d_inner=64, n_layer=2, mem_len=8, clamp_len=1000, same_length=True, dropout=0.0)
+    # The vocabulary below; wt103's kind of model: adaptive clusters, and an evaluation context (same_length,
+    # clamp_len, mem_len 8) that the score tests change from the command line.
+    config = tiny_config(vocab_size=len(WORDS), cutoffs=[10, 20], div_val=2, mem_len=8, clamp_len=1000,
+                         same_length=True)
     directory = tmp_path_factory.mktemp("hf")
     try:
         import transformers
     except ImportError:
-        txl.save_hf(txl.TransformerXL(txl.ModelConfig(**shape)), directory)
+        txl.save_hf(txl.TransformerXL(config), directory)
     else:
-        config = transformers.TransfoXLConfig(**shape, dropatt=0.0)
-        transformers.TransfoXLLMHeadModel(config).save_pretrained(directory)
+        transformers.TransfoXLLMHeadModel(transformers.TransfoXLConfig(**config_to_hf(config))).save_pretrained(
+            directory)
     write_vocab_txt(WORDS, directory / "vocab.txt")
     return directory
 
@@ -110,7 +115,7 @@ def test_cli_bad_input_is_one_line(hf_dir, capsys, extra, match):
 
 
 def test_cli_checkpoint_without_vocabulary(tmp_path, capsys):
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=30, n_layer=1, d_model=16, n_head=2, d_inner=32))
+    model = txl.TransformerXL(tiny_config())
     txl.save_pretrained(model, tmp_path)
     rc, _, err = run_cli(capsys, "generate", "--checkpoint", tmp_path, "--prompt", "hello")
     assert rc == 2 and "has no vocabulary" in err and len(err.strip().splitlines()) == 1
@@ -165,8 +170,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     text = tmp_path / "train.txt"
     text.write_text("hello world\nhello there\n")
     tok = fit_tokenizer(make_spec("byte"), [Source(text)])
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2,
-                                              d_inner=32, mem_len=4))
+    model = txl.TransformerXL(tiny_config(vocab_size=tok.vocab_size))  # the tokenizer's vocabulary
     ckpt = tmp_path / "run" / "checkpoints" / "step_1"  # a training run's layout: found through best.json
     txl.save_pretrained(model, ckpt)
     save_tokenizer(tok, ckpt / "tokenizer")
@@ -207,7 +211,7 @@ def _byte_checkpoint(tmp_path, run: dict | None = None):
     text = tmp_path / "train.txt"
     text.write_text("hello world\nhello there\n" * 3)
     tok = fit_tokenizer(make_spec("byte"), [Source(text)])
-    config = txl.ModelConfig(vocab_size=tok.vocab_size, n_layer=1, d_model=16, n_head=2, d_inner=32, mem_len=4)
+    config = tiny_config(vocab_size=tok.vocab_size)  # the tokenizer's vocabulary
     model = txl.TransformerXL(config)
     ckpt = tmp_path / "ckpt"
     txl.save_pretrained(model, ckpt)

@@ -37,10 +37,8 @@ def exact():
 
 
 def tiny(**changes) -> txl.ModelConfig:
-    fields = dict(vocab_size=61, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8, dropout=0.0,
-                  cutoffs=[20, 40], div_val=2)
-    fields.update(changes)
-    return txl.ModelConfig(**fields)
+    """The suite's tiny model with two adaptive clusters (the device path of the adaptive softmax)."""
+    return tiny_config(**{"cutoffs": [20, 40], "div_val": 2, **changes})
 
 
 @pytest.mark.oracle

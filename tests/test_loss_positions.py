@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from conftest import tiny_config
 
-from txl.config import ModelConfig, TrainConfig
+from txl.config import TrainConfig
 from txl.data import Batch
 from txl.model import TransformerXL
 from txl.train import IGNORE_INDEX, DistInfo, loss_labels, train_step
 
-V, B, C, T = 23, 3, 2, 7  # vocab, streams, carried context, segment
+V, B, C, T = tiny_config().vocab_size, 3, 2, 7  # vocab, streams, carried context, segment
 
 
 def _batch(seed: int = 0) -> Batch:
@@ -21,8 +22,7 @@ def _batch(seed: int = 0) -> Batch:
 
 def _model() -> TransformerXL:
     torch.manual_seed(0)
-    return TransformerXL(ModelConfig(vocab_size=V, n_layer=2, d_model=16, n_head=2, d_inner=32, dropout=0.0,
-                                     mem_len=4))
+    return TransformerXL(tiny_config())
 
 
 def test_last_half_ignores_context_and_first_half_of_segment():

@@ -2,42 +2,43 @@
 
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 
-BASE = dict(vocab_size=50, n_layer=2, d_model=32, n_head=4, d_inner=48, dropout=0.0, mem_len=4)
+V = tiny_config().vocab_size  # 61, d_model 32, 2 layers: the messages below name them
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(n_head=3), r"n_head=3 does not divide d_model=32.*set d_head"),
+    (dict(n_head=3, d_head=None), r"n_head=3 does not divide d_model=32.*set d_head"),  # d_head derived
     (dict(cutoffs=[20, 10]), r"cutoffs=\[20, 10\] must be strictly increasing"),
-    (dict(cutoffs=[10, 50]), r"cutoffs=\[10, 50\] must all be below vocab_size=50"),
+    (dict(cutoffs=[10, V]), rf"cutoffs=\[10, {V}\] must all be below vocab_size={V}"),
     (dict(cutoffs=[10], tie_projs=[True]), r"tie_projs has 1 entries but there are 2 clusters"),
     (dict(attn_type="nope"), r"attn_type='nope' is unknown; choose one of relative, shaw"),
     (dict(same_length_style="jax"), r"same_length_style='jax' is unknown"),
     (dict(dropout=1.5), r"dropout=1.5 must be in \[0, 1\)"),
     (dict(mem_len=-1), r"mem_len=-1 must be an integer >= 0"),
-    (dict(d_model=33, n_head=3), r"d_model=33 must be even"),
+    (dict(d_model=33, n_head=3, d_head=None), r"d_model=33 must be even"),
     (dict(div_val=8, cutoffs=[10, 20], d_embed=32), r"div_val=8 leaves the last cluster"),
 ])
 def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
-        txl.ModelConfig(**{**BASE, **overrides})
+        tiny_config(**overrides)
 
 
 def test_unknown_config_key():
     with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layers'\] \(did you mean n_layer\?\)"):
-        txl.ModelConfig.from_dict({**BASE, "n_layers": 3})
+        txl.ModelConfig.from_dict({**vars(tiny_config()), "n_layers": 3})
 
 
 @pytest.fixture
 def model():
-    return txl.TransformerXL(txl.ModelConfig(**BASE)).eval()
+    return txl.TransformerXL(tiny_config()).eval()
 
 
 def test_token_ids_out_of_range(model):
-    with pytest.raises(ValueError, match="token id 50 is out of range for vocab_size=50"):
-        model(torch.tensor([[1, 50]]))
+    with pytest.raises(ValueError, match=f"token id {V} is out of range for vocab_size={V}"):
+        model(torch.tensor([[1, V]]))
     with pytest.raises(ValueError, match="token id -1 is out of range"):
         model(torch.tensor([[-1, 2]]))
     with pytest.raises(ValueError, match="a label is out of range"):
@@ -68,6 +69,6 @@ def test_memory_errors(model):
 
 
 def test_ext_len_longer_than_segment():
-    m = txl.TransformerXL(txl.ModelConfig(**{**BASE, "ext_len": 3}))
+    m = txl.TransformerXL(tiny_config(ext_len=3))
     with pytest.raises(ValueError, match="ext_len=3 must be shorter than the segment"):
         m(torch.tensor([[1, 2, 3]]))

@@ -2,18 +2,16 @@
 
 import pytest
 import torch
-from conftest import ATTN_TYPES
+from conftest import ATTN_TYPES, tiny_config
 
 import txl
 from txl.model import kernels
 from txl.model.kernels import realign
 from txl.model.positions import Positions, attention_mask, rel_shift, relative_distances, sinusoid
 
-SMALL = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, dropout=0.0)
-
 
 def model_of(**overrides) -> txl.TransformerXL:
-    return txl.TransformerXL(txl.ModelConfig(**{**SMALL, **overrides})).eval()
+    return txl.TransformerXL(tiny_config(**overrides)).eval()  # vocab 61, d_model 32, 4 heads of 8
 
 
 @pytest.mark.parametrize("variant", [

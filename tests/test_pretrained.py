@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.cli import main
@@ -39,8 +40,7 @@ TOKENIZER_FILES = ("vocab.pkl", "tokenizer_config.json", "special_tokens_map.jso
 def tiny_model(seed: int) -> txl.TransformerXL:
     torch.manual_seed(seed)
     # The published wt103 checkpoint's evaluation context: mem_len 1600, clamp_len 1000, same_length.
-    config = txl.ModelConfig(vocab_size=len(WORDS), n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32,
-                             mem_len=1600, clamp_len=1000, same_length=True, dropout=0.0)
+    config = tiny_config(vocab_size=len(WORDS), mem_len=1600, clamp_len=1000, same_length=True)  # WORDS: its vocab
     return txl.TransformerXL(config).eval()
 
 
@@ -237,8 +237,8 @@ def test_finetune_from_a_hub_checkpoint_starts_at_its_loss_and_lowers_it(offline
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--model.d_model", "32"], r"--model.d_model 32 changes the architecture of the checkpoint \(model.d_model = "
-                                r"16\)"),
+    (["--model.d_model", "48"], r"--model.d_model 48 changes the architecture of the checkpoint \(model.d_model = "
+                                r"32\)"),
     (["--model.pre_ln", "true"], "--model.pre_ln True changes the architecture"),
     (["--data.level", "char"], "--data.level char differs from the checkpoint's tokenizer"),
     (["--data.corpus", "enwik8"], "corpus 'enwik8' is byte level but the checkpoint's tokenizer is word level"),

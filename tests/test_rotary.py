@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_config
 
 import txl
 from txl.model import rotary
@@ -43,21 +44,18 @@ def test_window_scores_depend_on_the_distance_alone():
 
 
 def test_rotary_model_has_no_positional_parameters_and_rejects_odd_heads():
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=16, n_head=2, d_inner=32,
-                                              attn_type="rotary"))
-    plain = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=16, n_head=2, d_inner=32,
-                                              attn_type="absolute"))
+    model = txl.TransformerXL(tiny_config(attn_type="rotary"))
+    plain = txl.TransformerXL(tiny_config(attn_type="absolute"))
     assert sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in plain.named_parameters())
     with pytest.raises(ValueError, match="d_head=3 must be even"):
-        txl.ModelConfig(vocab_size=20, d_model=18, n_head=6, attn_type="rotary")
+        tiny_config(d_model=18, n_head=6, d_head=None, attn_type="rotary")  # d_head derived: 18 // 6
 
 
 def test_longer_evaluation_memory_only_adds_farther_keys():
     """With every query's window covering all history, the mem_len at evaluation does not matter: a rotary
     model scores a stream the same with memory 12 and memory 40 (positions are relative to the query)."""
     torch.manual_seed(0)
-    model = txl.TransformerXL(txl.ModelConfig(vocab_size=30, n_layer=2, d_model=16, n_head=2, d_inner=32,
-                                              mem_len=12, attn_type="rotary", dropout=0.0)).eval()
+    model = txl.TransformerXL(tiny_config(mem_len=12, attn_type="rotary")).eval()
     tokens = torch.randint(0, 30, (2, 13))
     losses = []
     with torch.no_grad():

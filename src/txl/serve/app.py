@@ -135,10 +135,11 @@ class Server:
     def load_model(self) -> None:
         try:
             model, tokenizer, self.name = self.load()
-            c, s = model.config, self.config
-            m = Model(model, segment_len=s.segment_len, mem_len=c.mem_len if s.mem_len is None else s.mem_len,
-                      same_length=c.same_length if s.same_length is None else s.same_length,
-                      clamp_len=c.clamp_len if s.clamp_len is None else s.clamp_len)
+            s = self.config
+            # The one rule of an evaluation context (EvalConfig.context's): a field left unset is the model's.
+            ctx = model.config.context(mem_len=s.mem_len, same_length=s.same_length, clamp_len=s.clamp_len)
+            m = Model(model, segment_len=s.segment_len, mem_len=ctx.mem_len, same_length=ctx.same_length,
+                      clamp_len=ctx.clamp_len)
             store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl)
             engine = Engine(m, tokenizer, store, max_queue=s.max_queue, max_batch=s.max_batch,
                             durable=s.durability == "request", metrics=self.metrics, threads=s.threads)
