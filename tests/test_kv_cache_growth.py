@@ -25,9 +25,9 @@ def test_rows_are_appended_in_place_and_views_keep_their_values():
     torch.testing.assert_close(c2, torch.cat(rows[:2] + [rows[3]], 1), rtol=0, atol=0)
     # Past its capacity a buffer is replaced; the views of the old one keep their rows.
     d, newer = append_rows(c2, rows[4], other, headroom=2)
-    assert newer is other  # room for max(5, 2) rows after c2's 7: extended in place
+    assert newer is other  # room for 2 rows after c2's 10: extended in place
     e, newest = append_rows(d, rows[3], newer, headroom=2)
-    assert newest is not newer  # 5 rows more than the 12 it holds: replaced
+    assert newest is not newer  # 5 rows more than the 11 it holds (capacity 12): replaced
     torch.testing.assert_close(e, torch.cat(rows[:2] + rows[3:] + rows[3:4], 1), rtol=0, atol=0)
     torch.testing.assert_close(d, torch.cat(rows[:2] + rows[3:], 1), rtol=0, atol=0)
     torch.testing.assert_close(a, rows[0], rtol=0, atol=0)

@@ -81,17 +81,18 @@ class RowBuffer:
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
                 headroom: int = 64) -> tuple[torch.Tensor, RowBuffer]:
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
-    window and there is room) or of a new buffer with room for max(T, ``headroom``) more rows; and the buffer.
+    window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer.
 
     A (B, 1) step then copies the rows it keeps once every ``headroom`` steps instead of every step, and the
-    spare capacity stays small (doubling the capacity instead doubled a serving process's peak memory).
+    spare capacity stays small and fixed: doubling the capacity doubled a serving process's peak memory, and
+    room for T more rows made a segment-by-segment evaluation (T = M = 256, the base shape) hold 12% more.
     """
     n, T = (0 if old is None else old.size(1)), new.size(1)
     fits = (buffer is not None and old is not None and buffer.ends(old) and new.dtype == buffer.data.dtype
             and buffer.end + T <= buffer.data.size(1)
             and (torch.is_inference_mode_enabled() or not buffer.data.is_inference()))  # writable here
     if not fits:
-        buffer = RowBuffer(new.new_empty(new.size(0), n + T + max(T, headroom), *new.shape[2:]))  # (B, C, ...)
+        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:]))  # (B, C, ...)
         if n:
             buffer.data[:, :n] = old
         buffer.end = n
