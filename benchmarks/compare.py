@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-PHASES = ("train", "train-keep", "eval")
+PHASES = ("train", "train-keep", "train-recompute", "eval")
 
 
 def load(path: Path) -> list[dict]:

@@ -38,7 +38,8 @@ share of tokens that fall in it), L layers, H*D attention width and K = M + T ke
 where 6 L (H D) K is the forward cost of the three K-long attention products per query: the content
 score (q + u) k^T, the positional score (q + v) R^T, and the weighted sum of values. The causal mask
 is not subtracted (every score is computed). Work the implementation does on top of this -- in training
-the keys and values of the memory rows and the attention scores recomputed in backward; the W_kR
+the keys and values of the memory rows and (with ``recompute_attention``) the attention scores recomputed in
+backward; the W_kR
 projection of R, the embedding -- is not counted, as MFU conventionally leaves out recomputation.
 """
 
@@ -86,7 +87,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # and fp16 are autocast, fp16 with the gradient scaler (CUDA only).
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the trainer's precision names
-PHASES = ("train", "train-keep", "eval")
+PHASES = ("train", "train-keep", "train-recompute", "eval")
+DEFAULT_PHASES = ("train", "train-recompute", "eval")
 # Dai et al. 2019, Table 9: evaluation speed-up over Al-Rfou et al. (2018) on a GPU, by attention length.
 PAPER_SPEEDUP = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}
 CPU = torch.device("cpu")
@@ -149,13 +151,15 @@ def bf16_loss_check(model, x, y, memory) -> dict:
 
 
 def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
-                 recompute: bool = True, compile: bool = False, profile: bool = False,
+                 recompute: bool | None = None, compile: bool = False, profile: bool = False,
                  device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed training steps of the library's train_step (memory carried), peak samples around each; with
-    ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``)."""
+    ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``). ``recompute``:
+    ``ModelConfig.recompute_attention`` (None: the model's default, or ``--model``'s)."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = txl.TransformerXL(model_config(shape, recompute_attention=recompute)).to(device).train()
+    changes = {} if recompute is None else dict(recompute_attention=recompute)
+    model = txl.TransformerXL(model_config(shape, **changes)).to(device).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))  # the trainer's optimiser (fused Adam)
     precision = PRECISION[dtype_name]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -316,9 +320,10 @@ def run_worker(args) -> None:
         if args.worker == "eval":
             samples, extra = worker_eval(shape.for_phase("eval"), args.dtype, args.warmup, args.steps, peak,
                                          compile=args.compiled, profile=args.profile, device=device)
-        else:  # 'train' recomputes the attention scores in backward (the default), 'train-keep' keeps them
+        else:  # 'train': the model's default; 'train-keep' keeps the attention probabilities, 'train-recompute' not
+            recompute = {"train": None, "train-keep": False, "train-recompute": True}[args.worker]
             samples, extra = worker_train(shape, args.dtype, args.warmup, args.steps, peak,
-                                          recompute=args.worker == "train", compile=args.compiled,
+                                          recompute=recompute, compile=args.compiled,
                                           profile=args.profile, device=device)
         wall = time.perf_counter() - t0
     run_shape = shape.for_phase(args.worker)
@@ -488,9 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                    help="default: fp32 and bf16 on a CPU; bf16 and tf32 on a GPU (fp16: autocast with the "
                         "gradient scaler, GPU only)")
-    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES),
-                   help="train: the default (attention recomputed in backward); train-keep: "
-                        "recompute_attention=False, probabilities kept; eval: evaluation")
+    p.add_argument("--phases", nargs="+", default=list(DEFAULT_PHASES), choices=list(PHASES),
+                   help="train: the model as configured (the default keeps the attention probabilities); "
+                        "train-recompute / train-keep: recompute_attention=True / False; eval: evaluation")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run the phases through torch.compile (on), eagerly (off) or both, side by side")
     p.add_argument("--profile", action="store_true",

@@ -158,3 +158,26 @@ def test_inductor_compiled_loss_equals_eager(one_thread):
     model.train()
     compiled = torch.compile(model, fullgraph=True)
     assert abs(compiled(x, labels=y, memory=memory).loss.item() - model(x, labels=y, memory=memory).loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("recompute, kept", [(True, 0), (False, 1)])
+@pytest.mark.parametrize("attn_type", ["relative", "shaw"])
+def test_training_keeps_one_probability_tensor_per_layer_or_none(attn_type, recompute, kept):
+    """What autograd holds from forward to backward: with recompute_attention no (.., T, K) score-sized tensor,
+    without it exactly one per layer (the probabilities: neither the bias nor the scores are kept beside them)."""
+    config = tiny_config(vocab_size=50, attn_type=attn_type, learned_positions=8, recompute_attention=recompute)
+    model = txl.TransformerXL(config).train()
+    tokens = torch.randint(0, 50, (2, 12))
+    memory = model(tokens[:, :6]).memory
+    B, T, K = 2, 6, 12
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens[:, 6:], labels=torch.roll(tokens[:, 6:], -1, 1), memory=memory)
+    score_sized = {t.untyped_storage().data_ptr() for t in saved if t.numel() == B * config.n_head * T * K}
+    assert len(score_sized) == kept * config.n_layer
+    out.loss.backward()  # and the kept graph still runs

@@ -17,7 +17,7 @@ from typing import Any, Literal
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
-DropoutImpl = Literal["torch", "fast16"]
+DropoutImpl = Literal["fast32", "torch", "fast16"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -93,19 +93,23 @@ class ModelConfig:
     attn_impl: AttnImpl = "fused"
     """How attention is computed (``txl.model.kernels``); the numbers are the same up to rounding.
     'fused': the fast path. The fused kernel ``scaled_dot_product_attention`` with the positional scores
-    as its additive mask, realigned without rel_shift's padded copy; in training a backward that recomputes
-    the scores (see recompute_attention); the key/value cache's projected position table.
+    as its additive mask, realigned without rel_shift's padded copy; in training the scores accumulated into
+    the positional ones and a FlashAttention-style backward (see recompute_attention); the key/value cache's
+    projected position table.
     'reference': the paper's equation term by term (``Attention.reference``), every score materialised;
     the oracle the fused path is tested against. Timings of both: benchmarks/README.md."""
-    recompute_attention: bool = True
+    recompute_attention: bool = False
     """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
-    (B, H, T, M+T) probabilities of every layer (their size grows with the memory). No effect on the numbers;
-    False is faster where memory allows (benchmarks/README.md, phase train-keep). Ignored with dropatt > 0,
-    whose dropped probabilities are kept."""
-    dropout_impl: DropoutImpl = "torch"
-    """'torch': ``nn.Dropout`` (exactly p, torch's RNG stream). 'fast16': a cheaper mask
-    (``txl.model.dropout.FastDropout``): 16 random bits per element kept as one byte, p rounded to a
-    multiple of 2**-16 (0.1 -> 0.1000061), the masks a different draw of torch's generator."""
+    (B, H, T, M+T) probabilities of every layer (192 MiB at the base benchmark shape; their size grows with
+    the memory). No effect on the numbers; costs ~5% of a training step (benchmarks/README.md, phase
+    train-recompute): turn it on when memory is short (long memories, large batches on a GPU). Ignored with
+    dropatt > 0, whose dropped probabilities are kept."""
+    dropout_impl: DropoutImpl = "fast32"
+    """How dropout masks are drawn (``txl.model.dropout``). 'fast32': ``nn.Dropout``'s distribution (p to
+    within 2**-33, kept values scaled by 1 / (1 - p)) from a cheaper mask on CPU: 32 random bits per
+    element from torch's generator, kept as one byte; torch's own kernel on other devices. 'torch':
+    ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16 bits per element,
+    p rounded to a multiple of 2**-16 (0.1 -> 0.1000061), the cheapest."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02

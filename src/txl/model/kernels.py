@@ -12,7 +12,8 @@ attention type, train and eval):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
-  scores instead of keeping the (B, H, T, K) probabilities of every layer (training);
+  scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
+  ``_KeptAttention``, which keeps them and skips autograd's extra passes over them;
 * ``realign``: ``rel_shift`` as a strided view with the mask added in the same pass, and an exact
   backward written straight into the scores' layout;
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
@@ -196,6 +197,49 @@ class _RecomputedAttention(torch.autograd.Function):
                 *grad_inputs)
 
 
+class _KeptAttention(torch.autograd.Function):
+    """softmax(query k^T + bias) val for training with the probabilities kept (``recompute_attention=False``).
+
+    What autograd does for ``explicit_attention`` without dropout, in fewer passes over (B, H, T, K): the
+    scores accumulate into the bias (baddbmm) with no autograd record of the in-place write (autograd's
+    costs a zero-filled buffer, a clone and a copy per layer in backward), and backward forms
+    dS = P * (dP - rowsum(dO * O)) as FlashAttention does, from a (B, H, T, D) product instead of
+    softmax's backward pass over the probabilities. dS is the bias gradient; autograd takes it on to the
+    positional inputs (realign, W_kR R). Kept from forward: the probabilities, one (B, H, T, K) per layer.
+    """
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # query: (B, H, T, D) scaled; k, val: (B, H, K, D); any strides. bias: a fresh (B, H, T, K), consumed.
+        B, H, T, D = query.shape
+        K = k.size(2)
+        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
+        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
+        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
+        prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh)  # (B*H, T, K)
+        out = torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
+        device = query.device.type  # backward runs under the forward's autocast, to the same dtypes
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                            enabled=torch.is_autocast_enabled(device))
+        ctx.save_for_backward(qh, kh, vh, out, prob)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        with torch.autocast(**ctx.autocast):
+            qh, kh, vh, out, prob = ctx.saved_tensors
+            B, H, T, D = out.shape
+            K = kh.size(1)
+            go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
+            grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
+            delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
+            grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
+            grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
+            grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
+            return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
+                    grad_score.view(B, H, T, K))
+
+
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None) -> torch.Tensor:
     """softmax(query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``): (B, H, T, D).
@@ -242,16 +286,19 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
-    if dropout is not None or (grad and bias_fn is not None and not recompute):
-        # The probabilities are dropped, or kept for backward by choice: they must exist.
+    if dropout is not None:
+        # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
         return explicit_attention(query, k, val, bias, dropout)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~mask, scale=1.0)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
         # The fused kernel cannot return the gradient of its additive mask (the positional term), so
-        # training recomputes what it needs in backward instead of keeping it.
-        return _RecomputedAttention.apply(qh, kh, vh, functools.partial(bias_fn, mask_bias=mask_bias), *bias_inputs)
+        # training recomputes what it needs in backward, or keeps the probabilities.
+        if recompute:
+            return _RecomputedAttention.apply(qh, kh, vh, functools.partial(bias_fn, mask_bias=mask_bias),
+                                              *bias_inputs)
+        return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias))  # (B, H, T, D)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
