@@ -1,5 +1,8 @@
-"""Dropout: the cheaper masks ('fast32', the default, and 'fast16') and nn.Dropout ('torch'): identity in evaluation,
-the right drop rate, unbiased, reproducible, exact gradient; 'fast32' keeps nn.Dropout's distribution and scale."""
+"""Dropout: the cheaper samplers ('fast', the default, drawing the gaps between dropped elements, and 'fast16') and
+nn.Dropout ('torch'): identity in evaluation, nn.Dropout's distribution and scale, independence, reproducible,
+exact gradients."""
+
+import math
 
 import pytest
 import torch
@@ -9,7 +12,13 @@ from torch import nn
 
 import txl
 from txl.model.dropout import FastDropout as Dropout
-from txl.model.dropout import FastReLUDropout, ReLUDropout, keep_mask
+from txl.model.dropout import FastReLUDropout, ReLUDropout, keep_mask, rare_positions
+
+SAMPLERS = ["gaps", "bits16"]
+
+
+def scale_of(sampler: str, p: float) -> float:
+    return 1 / (1 - p) if sampler == "gaps" else 65536 / (65536 - round(p * 65536))
 
 
 def test_identity_in_eval_and_at_zero():
@@ -19,89 +28,107 @@ def test_identity_in_eval_and_at_zero():
 
 
 def test_drop_rate_and_expectation_16_bits():
-    keep, scale = keep_mask(torch.Size([1_000_000]), 0.1, torch.device("cpu"), bits=16)
+    keep, scale = keep_mask(torch.Size([1_000_000]), 0.1, torch.device("cpu"))
     assert abs(keep.float().mean().item() - 0.9) < 2e-3  # ~6 standard deviations
     assert abs(scale * (65536 - round(0.1 * 65536)) / 65536 - 1) < 1e-12  # scale = 1 / P(keep), exactly
-    out = Dropout(0.1, bits=16).train()(torch.ones(1_000_000))
+    out = Dropout(0.1, sampler="bits16").train()(torch.ones(1_000_000))
     assert abs(out.mean().item() - 1.0) < 3e-3
     assert set(out.unique().tolist()) == {0.0, torch.tensor(scale).item()}  # scale in float32
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-6])
-def test_32_bit_mask_drops_below_the_threshold_of_p(p):
-    """An element is dropped exactly when its 32-bit draw is among the lowest round(p * 2**32) of 2**32 values:
-    P(drop) is p to within 2**-33. The draws are the generator's int64 stream read as int32 pairs."""
-    n = 100_001  # odd: the last int64 is half used
-    torch.manual_seed(11)
-    keep, scale = keep_mask(torch.Size([n]), p, torch.device("cpu"), bits=32)
-    torch.manual_seed(11)
-    draws = torch.empty((n + 1) // 2, dtype=torch.int64).random_(-(2**63), None).view(torch.int32)[:n].long()
-    assert torch.equal(keep, draws + 2**31 >= round(p * 2**32))
-    assert scale == 1.0 / (1.0 - p)  # nn.Dropout's scale, not the quantised one
-    assert abs(keep.float().mean().item() - (1 - p)) < 6 * (p * (1 - p) / n) ** 0.5 + 1e-9
+@pytest.mark.parametrize("p", [0.02, 0.1, 0.3, 0.5, 0.7, 0.95])
+def test_gaps_give_independent_drops_at_rate_p(p):
+    """nn.Dropout's distribution: each element dropped with probability p, independently of its neighbour
+    (a pair differs with probability 2 p (1 - p)), and P(drop | the previous one dropped) = p."""
+    n = 2_000_000
+    torch.manual_seed(0)
+    out = Dropout(p).train()(torch.ones(n))
+    dropped = out == 0
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(dropped.float().mean().item() - p) < 6 * sd
+    changes = (dropped[1:] != dropped[:-1]).float().mean().item()
+    assert abs(changes - 2 * p * (1 - p)) < 6 * math.sqrt(2 * p * (1 - p) / n) * 2
+    after_drop = dropped[1:][dropped[:-1]].float().mean().item()
+    assert abs(after_drop - p) < 6 * math.sqrt(p * (1 - p) / (p * n))
+    assert torch.equal(out[~dropped], torch.full_like(out[~dropped], 1 / (1 - p)))  # nn.Dropout's scale
 
 
-def test_32_bit_dropout_scales_as_nn_dropout():
-    """'fast32' keeps what nn.Dropout keeps, scaled the same, in float32; every element, every rate."""
-    x = torch.randn(200_000)
-    for p in (0.1, 0.25, 0.7):
-        ours, theirs = Dropout(p).train()(x), F.dropout(x, p, training=True)
-        kept, kept_t = ours != 0, theirs != 0
-        torch.testing.assert_close(ours[kept], x[kept] / (1 - p), rtol=1e-6, atol=0)
-        torch.testing.assert_close(theirs[kept_t], x[kept_t] / (1 - p), rtol=1e-6, atol=0)
-        assert abs(kept.float().mean().item() - kept_t.float().mean().item()) < 6 * (2 * p * (1 - p) / x.numel()) ** 0.5
+@pytest.mark.parametrize("q", [1e-5, 0.1, 0.5])
+def test_rare_positions_are_sorted_and_independent_of_the_chunk_size(q):
+    """The process has no memory: drawn in chunks of 3 it continues where each chunk ended, so the positions
+    are the ones one big chunk gives from the same stream."""
+    n = 20_001
+    torch.manual_seed(4)
+    whole = rare_positions(n, q, torch.device("cpu"))
+    torch.manual_seed(4)
+    chunked = rare_positions(n, q, torch.device("cpu"), first=3)
+    assert torch.equal(whole, chunked)
+    assert whole.dtype == torch.int64 and (whole.numel() == 0 or (0 <= whole[0] and whole[-1] < n))
+    assert bool((whole[1:] > whole[:-1]).all())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.7])
+def test_gaps_keep_what_nn_dropout_keeps_scaled_the_same(p):
+    x = torch.randn(300_000)
+    ours, theirs = Dropout(p).train()(x), F.dropout(x, p, training=True)
+    kept, kept_t = ours != 0, theirs != 0
+    torch.testing.assert_close(ours[kept], x[kept] / (1 - p), rtol=1e-6, atol=0)
+    torch.testing.assert_close(theirs[kept_t], x[kept_t] / (1 - p), rtol=1e-6, atol=0)
+    assert abs(kept.float().mean().item() - kept_t.float().mean().item()) < 6 * math.sqrt(2 * p * (1 - p) / x.numel())
 
 
 @pytest.mark.parametrize("module", [Dropout, FastReLUDropout])
 def test_p_one_drops_everything_as_nn_dropout(module):
     x = torch.rand(5, 7) + 0.1
-    for bits in (16, 32):
-        assert torch.equal(module(1.0, bits=bits).train()(x), torch.zeros_like(x))
+    for sampler in SAMPLERS:
+        assert torch.equal(module(1.0, sampler=sampler).train()(x), torch.zeros_like(x))
 
 
-def test_torch_kernel_where_the_mask_would_not_pay():
-    """32 bits off the CPU: torch's fused kernel (same distribution); 16 bits: the mask everywhere."""
+def test_torch_kernel_where_the_sampler_would_not_pay():
+    """Gaps off the CPU: torch's fused kernel (same distribution); 16 bits: the mask everywhere."""
     meta = torch.empty(3, device="meta")
-    assert Dropout(0.1).torch_kernel(meta) and not Dropout(0.1, bits=16).torch_kernel(meta)
+    assert Dropout(0.1).torch_kernel(meta) and not Dropout(0.1, sampler="bits16").torch_kernel(meta)
     assert not Dropout(0.1).torch_kernel(torch.empty(3)) and Dropout(1.0).torch_kernel(torch.empty(3))
 
 
-@pytest.mark.parametrize("bits", [16, 32])
-def test_odd_shapes_and_reproducible(bits):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_odd_shapes_and_reproducible(sampler):
     x = torch.randn(3, 7, 5)
     torch.manual_seed(3)
-    a = Dropout(0.5, bits=bits).train()(x)
+    a = Dropout(0.5, sampler=sampler).train()(x)
     torch.manual_seed(3)
-    b = Dropout(0.5, bits=bits).train()(x)
+    b = Dropout(0.5, sampler=sampler).train()(x)
     assert a.shape == x.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bits", [16, 32])
-def test_gradient_is_the_mask_times_scale(bits):
+@pytest.mark.parametrize("p", [0.25, 0.8])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_gradient_is_the_mask_times_scale(sampler, p):
     x = torch.randn(6, 9, requires_grad=True)
-    weight = torch.randn(6, 9)
-    out = Dropout(0.25, bits=bits).train()(x)
+    weight = torch.randn(9, 6).t()  # a non-contiguous gradient
+    out = Dropout(p, sampler=sampler).train()(x)
     (out * weight).sum().backward()
     kept = out != 0
-    scale = 65536 / (65536 - round(0.25 * 65536)) if bits == 16 else 1 / 0.75
+    scale = scale_of(sampler, p)
     torch.testing.assert_close(out, torch.where(kept, x * scale, 0))
     torch.testing.assert_close(x.grad, torch.where(kept, weight * scale, 0))
 
 
-@pytest.mark.parametrize("bits", [16, 32])
-def test_relu_dropout_equals_dropout_of_relu(bits):
+@pytest.mark.parametrize("p", [0.2, 0.8])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_relu_dropout_equals_dropout_of_relu(sampler, p):
     x = torch.randn(5, 33, requires_grad=True)
     weight = torch.randn(5, 33)
     torch.manual_seed(7)
-    fused = FastReLUDropout(0.2, bits=bits).train()(x)
+    fused = FastReLUDropout(p, sampler=sampler).train()(x)
     (fused * weight).sum().backward()
     grad, x.grad = x.grad, None
     torch.manual_seed(7)
-    plain = Dropout(0.2, bits=bits).train()(torch.relu(x))
+    plain = Dropout(p, sampler=sampler).train()(torch.relu(x))
     (plain * weight).sum().backward()
     torch.testing.assert_close(fused, plain, atol=0, rtol=0)
     torch.testing.assert_close(grad, x.grad, atol=0, rtol=0)
-    assert torch.equal(FastReLUDropout(0.2).eval()(x), torch.relu(x))
+    assert torch.equal(FastReLUDropout(p).eval()(x), torch.relu(x))
 
 
 def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
@@ -115,19 +142,20 @@ def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
     assert torch.equal(y, x)  # with dropout the input is left alone
 
 
-@pytest.mark.parametrize("impl, plain, relu, bits", [("fast32", Dropout, FastReLUDropout, 32),
-                                                     ("torch", nn.Dropout, ReLUDropout, None),
-                                                     ("fast16", Dropout, FastReLUDropout, 16)])
-def test_dropout_impl_chooses_the_modules(impl, plain, relu, bits):
+@pytest.mark.parametrize("impl, plain, relu, sampler", [("fast", Dropout, FastReLUDropout, "gaps"),
+                                                        ("torch", nn.Dropout, ReLUDropout, None),
+                                                        ("fast16", Dropout, FastReLUDropout, "bits16")])
+def test_dropout_impl_chooses_the_modules(impl, plain, relu, sampler):
     model = txl.TransformerXL(tiny_config(dropout=0.1, dropout_impl=impl))  # with dropout: the modules exist
     assert type(model.drop) is plain and type(model.layers[0].attn.drop) is plain
     assert type(model.layers[0].ff.relu_drop) is relu and model.layers[0].ff.relu_drop.p == 0.1
-    assert getattr(model.drop, "bits", None) == bits and getattr(model.layers[0].ff.relu_drop, "bits", None) == bits
+    assert getattr(model.drop, "sampler", None) == sampler
+    assert getattr(model.layers[0].ff.relu_drop, "sampler", None) == sampler
 
 
-def test_the_default_model_draws_32_bit_masks():
+def test_the_default_model_draws_gaps():
     model = txl.TransformerXL(tiny_config(dropout=0.1))
-    assert all(type(m) in (Dropout, FastReLUDropout) and m.bits == 32 for m in model.modules()
+    assert all(type(m) in (Dropout, FastReLUDropout) and m.sampler == "gaps" for m in model.modules()
                if isinstance(m, nn.Dropout))
 
 

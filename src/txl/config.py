@@ -17,7 +17,7 @@ from typing import Any, Literal
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
-DropoutImpl = Literal["fast32", "torch", "fast16"]
+DropoutImpl = Literal["fast", "torch", "fast16"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -104,12 +104,12 @@ class ModelConfig:
     the memory). No effect on the numbers; costs ~5% of a training step (benchmarks/README.md, phase
     train-recompute): turn it on when memory is short (long memories, large batches on a GPU). Ignored with
     dropatt > 0, whose dropped probabilities are kept."""
-    dropout_impl: DropoutImpl = "fast32"
-    """How dropout masks are drawn (``txl.model.dropout``). 'fast32': ``nn.Dropout``'s distribution (p to
-    within 2**-33, kept values scaled by 1 / (1 - p)) from a cheaper mask on CPU: 32 random bits per
-    element from torch's generator, kept as one byte; torch's own kernel on other devices. 'torch':
-    ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16 bits per element,
-    p rounded to a multiple of 2**-16 (0.1 -> 0.1000061), the cheapest."""
+    dropout_impl: DropoutImpl = "fast"
+    """How dropout masks are drawn (``txl.model.dropout``). 'fast': ``nn.Dropout``'s distribution (each element
+    dropped independently with probability p, kept ones scaled by 1 / (1 - p)) drawn on CPU as the gaps between
+    dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
+    devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16
+    random bits per element, p rounded to a multiple of 2**-16 (0.1 -> 0.1000061)."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02
