@@ -22,7 +22,7 @@ import torch
 
 from experiments import ROOT
 from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
-from txl.config import RunConfig
+from txl.config import KERNEL_FIELDS, RunConfig
 from txl.data import Corpus, load_corpus
 from txl.evaluate import inference_context
 from txl.model import TransformerXL
@@ -162,15 +162,17 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
     done = out / DONE_FILE
     if done.is_file():
         record = json.loads(done.read_text(encoding="utf-8"))
-        if RunConfig.from_dict(record["run"]).to_dict() == cfg.to_dict():  # fields added since: their defaults
+        if same_run(RunConfig.from_dict(record["run"]), cfg):  # fields added since: their defaults
             log.info("%s: finished earlier (%d steps, %.0f s), skipped", out, record["steps"], record["wall_s"])
             return _with_train_seconds(record, out)
         raise ValueError(f"{out} holds a finished run of another config; delete it or choose another --out")
     resume = None
     if (out / "latest.json").is_file():
-        saved = RunConfig.from_dict(json.loads((out / "run.json").read_text(encoding="utf-8"))).to_dict()
-        if saved != cfg.to_dict():
+        saved = RunConfig.from_dict(json.loads((out / "run.json").read_text(encoding="utf-8")))
+        if not same_run(saved, cfg):
             raise ValueError(f"{out} holds an unfinished run of another config; delete it or choose another --out")
+        # It goes on as it started: with the kernels it was started with (its dropout draws, among others).
+        cfg = cfg.replace(model=cfg.model.replace(**{f: getattr(saved.model, f) for f in KERNEL_FIELDS}))
         resume = out
         log.info("%s: resuming an interrupted run", out)
     start = time.perf_counter()
@@ -182,6 +184,17 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
               "n_params": sum(p.numel() for p in load_trained(out).parameters())}
     done.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return _with_train_seconds(record, out)
+
+
+def same_run(saved: RunConfig, cfg: RunConfig) -> bool:
+    """Whether a saved run is the run ``cfg`` describes: equal configs, except for the kernel choices
+    (``txl.config.KERNEL_FIELDS``), which compute the same model (so a run from before a default kernel
+    changed is still the experiment's row)."""
+    def strip(c: RunConfig) -> dict[str, Any]:
+        d = c.to_dict()
+        d["model"] = {k: v for k, v in d["model"].items() if k not in KERNEL_FIELDS}
+        return d
+    return strip(saved) == strip(cfg)
 
 
 def _with_train_seconds(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:

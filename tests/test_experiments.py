@@ -156,6 +156,19 @@ def test_changed_config_is_not_silently_reused(ptb_dir, tmp_path):
         ablation.main([*args, "--lr", "0.002"])
 
 
+def test_a_run_with_other_kernels_is_the_same_run(ptb_dir, tmp_path):
+    """A finished row trained with other kernel choices (here the defaults of before: nn.Dropout, recomputed
+    attention) is skipped, not refused; a real change of config still is."""
+    args = ablation_args(ptb_dir, tmp_path, "--variants", "relative-rec")
+    assert ablation.main([*args, "--model.dropout_impl", "torch", "--model.recompute_attention", "true"]) == 0
+    done = next((tmp_path / "runs").rglob("done.json"))
+    before = done.read_text()
+    assert ablation.main(args) == 0
+    assert done.read_text() == before  # not trained again
+    with pytest.raises(ValueError, match="another config"):
+        ablation.main([*args, "--lr", "0.002"])
+
+
 def test_char_driver(char_dir, tmp_path):
     args = ["--data-dir", str(char_dir), "--steps", "2", "--tgt-len", "4", "--mem-len", "4", "--contexts", "4,8,16",
             *TINY_MODEL, "--out", str(tmp_path / "char"), "--results", str(tmp_path / "results")]
