@@ -251,7 +251,9 @@ class Checkpointer:
 # the figure it reports (an eval field): it is refused. A run.json written before a later field existed
 # (model.attn_impl, dropout_impl, recompute_attention; train.compile, tf32, loss_positions; eval.compile;
 # the [sample] section; any field added since) lacks only such fields: that documented older version loads,
-# each missing field taking its default, which by the rule for adding a field reproduces the older behaviour.
+# each missing field taking its default, which by the rule for adding a field reproduces the older behaviour
+# (except the kernel choices of txl.config.KERNEL_FIELDS, whose defaults changed since: such a run resumes with
+# today's kernels, which compute the same model; its dropout masks are other draws of the same distribution).
 FIRST_RUN_FIELDS = {
     "data": ("corpus", "data_dir", "level", "cache_dir", "max_bytes"),
     "model": ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "cutoffs", "div_val",
