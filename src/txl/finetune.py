@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from txl.config import ModelConfig, RunConfig
+from txl.config import KERNEL_FIELDS, ModelConfig, RunConfig
 from txl.data.corpora import Corpus, get_spec, resolve_sources
 from txl.data.tokenizer import Tokenizer, WordTokenizer, encode_source, load_model_tokenizer
 from txl.model import TransformerXL
@@ -34,8 +34,7 @@ from txl.presets import apply_overrides
 log = logging.getLogger(__name__)
 
 CONTEXT_FIELDS = frozenset({"mem_len", "ext_len", "clamp_len", "same_length", "same_length_style", "dropout",
-                            "dropatt", "recompute_attention", "attn_impl", "dropout_impl", "init_std",
-                            "proj_init_std"})
+                            "dropatt", *KERNEL_FIELDS, "init_std", "proj_init_std"})
 """Model fields a fine-tuning run may change: they own no parameters and do not change what the trained
 weights compute, only the context they see, the regularisation, or which kernel computes it."""
 

@@ -38,9 +38,9 @@ def rare_positions(n: int, q: float, device: torch.device, *, first: int | None 
     positions depend only on the generator's stream, not on the chunk sizes.
     """
     log_miss = math.log1p(-q)
-    k = first or int(n * q + 6 * math.sqrt(n * q) + 16)
     chunks, start = [], 0
     while True:
+        k = first or int((n - start) * q + 6 * math.sqrt((n - start) * q) + 16)
         u = torch.empty(k, dtype=torch.float64, device=device).uniform_()  # (k,)
         misses = torch.log1p(u.neg_()).div_(log_miss).floor_()  # (k,): G - 1, failures before each success
         pos = torch.cumsum(misses, 0).add_(torch.arange(start, start + k, dtype=torch.float64, device=device))
@@ -49,7 +49,6 @@ def rare_positions(n: int, q: float, device: torch.device, *, first: int | None 
         if end < k:
             break
         start = int(pos[-1]) + 1
-        k = first or int((n - start) * q + 6 * math.sqrt((n - start) * q) + 16)
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).long()  # (about n q,)
 
 
@@ -73,9 +72,15 @@ class _GapDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        if ctx.relu:  # threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own backward
-            return torch.ops.aten.threshold_backward(grad, saved, 0).mul_(ctx.scale), None, None, None, None
+        if ctx.relu:
+            return _relu_scale_backward(grad, saved, ctx.scale), None, None, None, None
         return _scatter_scaled(grad.contiguous(), saved, ctx.scale, ctx.dropped), None, None, None, None
+
+
+def _relu_scale_backward(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gradient of dropout(relu(x)) from its output: it passes, scaled, exactly where the output is positive
+    (kept and x > 0). threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own backward."""
+    return torch.ops.aten.threshold_backward(grad, out, 0).mul_(scale)
 
 
 def _scatter_scaled(y: torch.Tensor, pos: torch.Tensor, scale: float, dropped: bool,
@@ -153,15 +158,16 @@ class _ReLUScaleMask(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (out,) = ctx.saved_tensors
-        # threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own vectorised backward.
-        return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.scale), None, None
+        return _relu_scale_backward(grad, out, ctx.scale), None, None
 
 
 class _Sampler:
     """What the two fast modules share: which sampler draws the masks, and when torch's kernel runs instead."""
 
-    sampler: str = "gaps"
-    """'gaps' (``rare_positions``, nn.Dropout's distribution) or 'bits16' (``keep_mask``)."""
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, sampler: str = "gaps") -> None:
+        super().__init__(p, inplace)
+        self.sampler = sampler
+        """'gaps' (``rare_positions``, nn.Dropout's distribution) or 'bits16' (``keep_mask``)."""
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sampler={self.sampler}"
@@ -172,6 +178,13 @@ class _Sampler:
         return (torch.compiler.is_compiling() or self.p >= 1.0
                 or (self.sampler == "gaps" and x.device.type != "cpu"))
 
+    def draw(self, x: torch.Tensor, *, relu: bool) -> torch.Tensor:
+        """dropout(x), or dropout(relu(x)), in training with this module's sampler."""
+        if self.sampler == "gaps":
+            return gap_dropout(x, self.p, relu=relu)
+        keep, scale = keep_mask(x.shape, self.p, x.device)
+        return (_ReLUScaleMask if relu else _ScaleMask).apply(x, keep, scale)
+
 
 class FastDropout(_Sampler, nn.Dropout):
     """``nn.Dropout`` (same p field, same state dict) with a cheaper sampler (``sampler``: 'gaps', the
@@ -179,19 +192,12 @@ class FastDropout(_Sampler, nn.Dropout):
     ``nn.Dropout``; ``torch.manual_seed`` reproduces them. Identity in evaluation.
     """
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, sampler: str = "gaps") -> None:
-        super().__init__(p, inplace)
-        self.sampler = sampler
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         if self.torch_kernel(x):
             return F.dropout(x, self.p, training=True)
-        if self.sampler == "gaps":
-            return gap_dropout(x, self.p)
-        keep, scale = keep_mask(x.shape, self.p, x.device)
-        return _ScaleMask.apply(x, keep, scale)
+        return self.draw(x, relu=False)
 
 
 class ReLUDropout(nn.Dropout):
@@ -206,18 +212,11 @@ class ReLUDropout(nn.Dropout):
 class FastReLUDropout(_Sampler, nn.Dropout):
     """dropout(relu(x)) in one step with ``FastDropout``'s samplers: no ReLU input or mask kept for backward."""
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, sampler: str = "gaps") -> None:
-        super().__init__(p, inplace)
-        self.sampler = sampler
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0 or self.torch_kernel(x):
             r = torch.relu_(x) if self.inplace else torch.relu(x)
             return F.dropout(r, self.p, self.training)
-        if self.sampler == "gaps":
-            return gap_dropout(x, self.p, relu=True)
-        keep, scale = keep_mask(x.shape, self.p, x.device)
-        return _ReLUScaleMask.apply(x, keep, scale)
+        return self.draw(x, relu=True)
 
 
 def dropout(config: ModelConfig, p: float, *, relu: bool = False) -> nn.Module:

@@ -139,6 +139,34 @@ def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> t
     return torch.softmax(score, dim=-1, dtype=torch.float32).to(dt)  # (N, T, K)
 
 
+def _forward_autocast(device: torch.device) -> dict:
+    """The forward's autocast state, for a backward that must compute under it to the same dtypes."""
+    kind = device.type
+    return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
+
+
+def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tensor, qh: torch.Tensor,
+                     kh: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of softmax(qh kh^T + bias) vh from its probabilities, as FlashAttention's backward forms them.
+
+    grad_out, out: (B, H, T, D); prob: (B*H, T, K); qh, kh, vh: (B*H, ., D). dS = P * (dP - rowsum(dO * O))
+    with dP = dO vh^T: rowsum(dO * O) = rowsum(P * dP) is a (B, H, T, D) product, not a pass over the
+    (B, H, T, K) probabilities. Returns the gradients of the query, keys and values, (B, H, ., D), and dS,
+    (B, H, T, K), which is also the bias gradient.
+    """
+    B, H, T, D = out.shape
+    K = kh.size(1)
+    go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
+    grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
+    delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
+    grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
+    del prob  # a recomputed one is freed here, before the two products below
+    grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
+    grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
+    return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
+            grad_score.view(B, H, T, K))
+
+
 class _RecomputedAttention(torch.autograd.Function):
     """softmax(query k^T + bias) val for training, keeping neither the (B, H, T, K) bias nor the probabilities.
 
@@ -156,9 +184,7 @@ class _RecomputedAttention(torch.autograd.Function):
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
         out = F.scaled_dot_product_attention(query, k, val, attn_mask=bias, scale=1.0)  # (B, H, T, D)
-        device = query.device.type  # backward recomputes under the forward's autocast, to the same dtypes
-        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
-                            enabled=torch.is_autocast_enabled(device))
+        ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
         ctx.bias_fn = bias_fn
         ctx.save_for_backward(query, k, val, out, *bias_inputs)
         return out
@@ -179,22 +205,15 @@ class _RecomputedAttention(torch.autograd.Function):
         qh = query.reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
         # The scores accumulate into the recomputed bias (its gradient graph does not need its values). The
         # softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
         # on CPU, and the probabilities are the same up to rounding.
-        prob = _probabilities(bias.detach().view(B * H, T, K), qh, kh)  # (B*H, T, K), hidden keys 0
-        grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-        delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
-        grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
-        del prob
-        grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
-        grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
+        grad_query, grad_key, grad_val, grad_score = _attention_grads(  # the probabilities, hidden keys 0
+            grad_out, out, _probabilities(bias.detach().view(B * H, T, K), qh, kh), qh, kh, vh)
         wanted = [x for x in inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(bias, wanted, grad_score.view(B, H, T, K)) if wanted else ())
+        grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
         grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D), None,
-                *grad_inputs)
+        return grad_query, grad_key, grad_val, None, *grad_inputs
 
 
 class _KeptAttention(torch.autograd.Function):
@@ -203,9 +222,9 @@ class _KeptAttention(torch.autograd.Function):
     What autograd does for ``explicit_attention`` without dropout, in fewer passes over (B, H, T, K): the
     scores accumulate into the bias (baddbmm) with no autograd record of the in-place write (autograd's
     costs a zero-filled buffer, a clone and a copy per layer in backward), and backward forms
-    dS = P * (dP - rowsum(dO * O)) as FlashAttention does, from a (B, H, T, D) product instead of
-    softmax's backward pass over the probabilities. dS is the bias gradient; autograd takes it on to the
-    positional inputs (realign, W_kR R). Kept from forward: the probabilities, one (B, H, T, K) per layer.
+    dS with ``_attention_grads``, as ``_RecomputedAttention`` does, instead of softmax's backward pass over the
+    probabilities. dS is the bias gradient; autograd takes it on to the positional inputs (realign, W_kR R).
+    Kept from forward: the probabilities, one (B, H, T, K) per layer.
     """
 
     @staticmethod
@@ -218,26 +237,15 @@ class _KeptAttention(torch.autograd.Function):
         vh = val.reshape(B * H, K, D)  # (B*H, K, D)
         prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh)  # (B*H, T, K)
         out = torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
-        device = query.device.type  # backward runs under the forward's autocast, to the same dtypes
-        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
-                            enabled=torch.is_autocast_enabled(device))
+        ctx.autocast = _forward_autocast(query.device)  # backward runs under it, to the same dtypes
         ctx.save_for_backward(qh, kh, vh, out, prob)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        qh, kh, vh, out, prob = ctx.saved_tensors
         with torch.autocast(**ctx.autocast):
-            qh, kh, vh, out, prob = ctx.saved_tensors
-            B, H, T, D = out.shape
-            K = kh.size(1)
-            go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
-            grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-            delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
-            grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
-            grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
-            grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
-            return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
-                    grad_score.view(B, H, T, K))
+            return _attention_grads(grad_out, out, prob, qh, kh, vh)  # dS is the bias gradient
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
