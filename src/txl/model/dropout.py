@@ -7,7 +7,8 @@
   variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped element, by the
   inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws instead of
   n. Kept values are scaled by 1 / (1 - p) as ``nn.Dropout`` does. On CPU this is 5x cheaper than
-  ``nn.Dropout``'s serial per-element Bernoulli sampler, and most of what remains runs on every core; on
+  ``nn.Dropout``'s per-element Bernoulli sampler; both samplers' draws are serial (a second thread does not
+  speed them up), but here there are p * n of them and the passes over all n elements use every thread; on
   other devices, and under torch.compile, torch's own kernel runs;
 * 'torch': ``nn.Dropout`` (torch's RNG stream: the draws ``F.dropout`` makes from the same seed), and
   ``ReLUDropout`` for dropout(relu(x)) in place;
