@@ -34,7 +34,7 @@ class Profile:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.prof.__exit__(*exc)
-        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         self.table = self.prof.key_averages().table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
 
 

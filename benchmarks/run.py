@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,7 @@ from txl.config import OptimConfig
 from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.evaluate import autocast
+from txl.fileio import write_jsonl
 from txl.optim import build_optimizer
 from txl.presets import apply_overrides
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, retain_freed_memory, to_device
@@ -349,18 +351,41 @@ def spawn(args, *extra: str) -> list[dict]:
     model = [f"--{key}={value}" for key, value in overrides_from(args).items()]
     cmd = [sys.executable, "-m", "benchmarks.run", "--threads", str(args.threads), "--device", args.device, *resize,
            *model, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(f"benchmark worker failed: {' '.join(cmd)}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # A session of its own, so a timeout (or Ctrl-C here) ends the worker with whatever it started (torch.compile's
+    # compile workers).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.worker_timeout)
+        failure = f"exit status {proc.returncode}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        failure = f"over --worker-timeout {args.worker_timeout:g} s"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if failure is None:
+        return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    sys.stderr.write(stderr)
+    if not args.keep_going:
+        raise SystemExit(f"benchmark worker failed ({failure}): {' '.join(cmd)}")
+    # --keep-going: the failure is a row of its own (what ran, why it stopped, the error's last line), so a
+    # time-limited session keeps the measurements before and after it.
+    def value(flag: str) -> str | None:
+        return extra[extra.index(flag) + 1] if flag in extra else None
+
+    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
+    return [dict(kind="failed", phase=value("--worker"), shape=value("--shape"), dtype=value("--dtype"),
+                 compile="--compiled" in extra, model=overrides_from(args), failure=failure, error=last[-500:],
+                 command=" ".join(cmd[1:]))]
 
 
 def spawn_repeated(args, *extra: str) -> list[dict]:
     """``args.repeats`` fresh runs of one phase; the run with the median MFU stands for them, with every run's
     MFU, tokens/s and peak memory attached (a noisy machine moves single runs by 10% and more)."""
     runs = [r for _ in range(args.repeats) for r in spawn(args, *extra)]
-    if len(runs) == 1:
+    if len(runs) == 1 or any(r["kind"] == "failed" for r in runs):
         return runs
     median = sorted(runs, key=lambda r: r["mfu"])[len(runs) // 2]
     spread = {f"{k}_runs": [r[k] for r in runs] for k in ("mfu", "tokens_per_s", "peak_rss_mb")}
@@ -441,6 +466,10 @@ def print_tables(results: list[dict]) -> None:
             print(f"{row['length']:>5} {row['xl_ms_per_token']:>10.3f} {row['vanilla_ms_per_token']:>15.2f} "
                   f"{row['speedup']:>8.0f}x {row['flop_ratio']:>10.0f}x {paper:>12}")
         print("paper, Table 9: " + ", ".join(f"{v}x at {k}" for k, v in PAPER_SPEEDUP.items()))
+    for r in (r for r in results if r["kind"] == "failed"):
+        how = " compiled" if r["compile"] else ""
+        what = " ".join(str(v) for v in (r["shape"], r["dtype"], r["phase"]) if v)
+        print(f"FAILED {what}{how} ({r['failure']}): {r['error']}")
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -515,7 +544,12 @@ def main(argv: list[str] | None = None) -> None:
                         "the paper's 800 1800 2800 3800 on a GPU")
     p.add_argument("--speedup-shape", default="small", choices=list(SHAPES))
     p.add_argument("--reps", type=int, default=3, help="timed segments / windows per length")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+                   help="results.jsonl (rewritten after every measurement) and speedup.png go here")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a worker that fails or runs out of time is a 'failed' row; the others still run")
+    p.add_argument("--worker-timeout", type=float, default=None,
+                   help="seconds one measurement (a fresh subprocess) may take; default: no limit")
     p.add_argument("--force-bf16", action="store_true",
                    help="time the bf16 phases even on a CPU without bf16 matrix instructions (very slow there)")
     add_config_arguments(p, ["model"])  # e.g. --model.dropout_impl fast16, --model.attn_impl reference
@@ -530,6 +564,12 @@ def main(argv: list[str] | None = None) -> None:
         apply_overrides({}, overrides_from(args))
     except ValueError as err:
         p.error(str(err))
+    for flag, value, least in (("--steps", args.steps, 1), ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0),
+                               ("--reps", args.reps, 1)):
+        if value < least:
+            p.error(f"{flag} {value}: give at least {least}")
+    if args.worker_timeout is not None and args.worker_timeout <= 0:
+        p.error(f"--worker-timeout {args.worker_timeout:g}: give a positive number of seconds")
     if args.worker:
         return run_worker(args)
     device = check_device(args.device)
@@ -544,7 +584,13 @@ def main(argv: list[str] | None = None) -> None:
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
 
     t0 = time.perf_counter()
-    results = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+
+    def record(rows: list[dict]) -> None:  # written out whole after every measurement: a time limit keeps them
+        results.extend(rows)
+        write_jsonl(args.out / "results.jsonl", results)
+
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--clock", args.clock,
               *(["--profile"] if args.profile else [])]
     if "bf16" in dtypes and not gpu and not args.force_bf16 and cpu_has_native_bf16() is False:
@@ -552,22 +598,20 @@ def main(argv: list[str] | None = None) -> None:
         # timing them says nothing about this implementation. The loss check is still made.
         dtypes.remove("bf16")
         for shape in shapes:
-            results += spawn(args, "--worker", "bf16check", "--shape", shape)
+            record(spawn(args, "--worker", "bf16check", "--shape", shape))
     for shape in shapes:
         for dtype in dtypes:
             for phase in args.phases:
                 for compiled in compiles:
-                    results += spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common,
-                                              *(["--compiled"] if compiled else []))
+                    record(spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common,
+                                          *(["--compiled"] if compiled else [])))
     if lengths:
-        results += spawn(args, "--worker", "speedup", "--shape", args.speedup_shape, "--reps", str(args.reps),
-                         "--lengths", *map(str, lengths))
+        record(spawn(args, "--worker", "speedup", "--shape", args.speedup_shape, "--reps", str(args.reps),
+                     "--lengths", *map(str, lengths)))
     print_tables(results)
     print()
     for r in results:
         print(json.dumps(r))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     plot(results, args.out / "speedup.png")
     print(f"total {time.perf_counter() - t0:.0f} s")
 

@@ -163,3 +163,25 @@ def test_oracle_benchmark_times_the_same_model_side_by_side():
     assert r["txl_step_s"] > 0 and r["oracle_step_s"] > 0 and r["speedup"] == r["oracle_step_s"] / r["txl_step_s"]
     assert r["txl_cpu_s"] > 0 and r["cpu_speedup"] == r["oracle_cpu_s"] / r["txl_cpu_s"]
 
+
+
+def test_a_failed_worker_is_a_row_with_keep_going_and_stops_the_run_without(tmp_path, capsys):
+    """--keep-going: a measurement over --worker-timeout is a 'failed' row naming why, written to results.jsonl as
+    soon as it is known (a time-limited GPU session keeps what was measured); without it the run stops there."""
+    tiny = ["--shapes", "tiny", "--dtypes", "fp32", "--phases", "eval", "--warmup", "0", "--steps", "1",
+            "--threads", "1", "--lengths", "--worker-timeout", "0.01", "--out", str(tmp_path)]
+    bench.main([*tiny, "--keep-going"])
+    (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert (row["kind"], row["phase"], row["shape"], row["dtype"], row["failure"]) == \
+        ("failed", "eval", "tiny", "fp32", "over --worker-timeout 0.01 s")
+    assert "FAILED tiny fp32 eval (over --worker-timeout 0.01 s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"benchmark worker failed \(over --worker-timeout 0.01 s\): .* --worker eval"):
+        bench.main(tiny)
+
+
+@pytest.mark.parametrize("option,message", [(["--steps", "0"], "--steps 0: give at least 1"),
+                                            (["--worker-timeout", "-1"], "--worker-timeout -1: give a positive")])
+def test_counts_that_measure_nothing_are_refused(option, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tiny", *option])
+    assert message in capsys.readouterr().err
