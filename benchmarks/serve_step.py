@@ -7,6 +7,7 @@ tokens/s of each printed with its ratio to B = 1. ``--profile`` prints torch.pro
 for one read and one generation at the largest B.
 
     OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--profile]
+    python -m benchmarks.serve_step --device cuda --batch 1 8 32     # on a GPU (the results come back to the host)
 
 ``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
 tree's ``src/txl`` copied as ``txl_old`` with its imports renamed, e.g. for commit C:
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--segment-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the engine's model runs")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
         directory = make_model_dir(Path(tmp) / "model")
         engines = {}
         for name, package in trees.items():
-            model = importlib.import_module(package).from_pretrained(directory)
+            model = importlib.import_module(package).from_pretrained(directory).to(args.device)
             engine = importlib.import_module(f"{package}.serve.engine")
             engines[name] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False,
                                           clamp_len=0), engine.Unit)
@@ -100,7 +102,8 @@ def main() -> None:
         B = max(args.batch)
         for tree in trees:
             for what, fn in (("read", read), ("generate", generate)):
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                cuda = [ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else []
+                with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
                     fn(tree, B)
                 print(f"-- {tree}{what}, B={B}")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

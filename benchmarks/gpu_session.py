@@ -1,0 +1,304 @@
+"""Issue 26's GPU checks in one command, sized to a lease of device time.
+
+A GPU is lent to a session by chance and for minutes (at present 15 minutes of device time, the machine's
+start included, at most 10 minutes a command). So the checks are prepared here, run as one command, most
+valuable first, each in a subprocess with its own time limit, and everything they measure is written as it
+comes: a step cut off by the budget keeps its finished measurements, and a second call runs what is left
+(``--skip`` the steps done). On the lent machine (its python3 holds a CUDA PyTorch; nothing can be fetched):
+
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_session --out $OUT --budget 420
+
+    python3 -m benchmarks.gpu_session --list                 # the steps, their limits and commands
+    python3 -m benchmarks.gpu_session --smoke --out /tmp/s   # the same machinery on a CPU, tiny shapes
+
+Written to --out (at most 8 files, as the device tool brings back): ``summary.md`` (each step's outcome and
+its tables; also printed at the end), ``session.log`` (every step's whole output), ``env.json`` (GPU,
+driver, torch and CUDA versions), ``results.jsonl`` (the benchmark rows of every step, each with its
+step's name), ``speedup.md`` / ``speedup.json`` (the paper's Table 9 lengths).
+
+The oracle on CUDA (``test_hf_parity_on_cuda``) needs transformers 4.37.2, which the GPU image lacks (it
+has 5.x, without TransfoXL): carry its wheels (benchmarks/README.md, "A GPU session") and pass
+``--oracle-site /tmp/site``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from txl.fileio import write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_LENGTHS = "800,1800,2800,3800"  # Dai et al. 2019, Table 9
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str  # the issue's step it answers
+    argv: tuple[str, ...]
+    cap_s: float  # the most it may run
+    min_s: float  # not started with less of the budget left
+    env: dict[str, str] = field(default_factory=dict)
+    bench: str | None = None  # a benchmarks.run --out directory: its results.jsonl is merged
+    files: tuple[str, ...] = ()  # files the step writes, copied to --out after it
+    needs: tuple[str, ...] = ()  # modules that must import, else the step is skipped and says why
+
+
+def bench_argv(device: str, out: Path, worker_timeout: float, *more: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "benchmarks.run", "--device", device, "--lengths", "--keep-going",
+            "--worker-timeout", f"{worker_timeout:g}", "--out", str(out), *more)
+
+
+def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | None = None) -> list[Step]:
+    """The checks in the order they run: the issue's steps 1, 2, 3, 5 and then the whole suite. Step 4 (DDP and
+    FSDP over NCCL) needs two GPUs and step 6 (WikiText-2 rows, ~15 minutes each) more time than a lease has."""
+    py = sys.executable
+    if smoke:  # the same steps on a CPU at the smallest sizes: the machinery, not the figures
+        shapes, dtypes, reps = ["tiny"], ["fp32"], ["--steps", "1", "--warmup", "0", "--threads", "1"]
+        lengths, speedup_shape, serve_batch = "8,16", "tiny", ["1", "2"]
+    else:
+        shapes, dtypes, reps = ["base", "nvidia"], ["bf16", "tf32"], []
+        lengths, speedup_shape, serve_batch = PAPER_LENGTHS, "small", ["1", "8", "32"]
+    pytest = (py, "-m", "pytest", "-p", "no:cacheprovider")
+    steps = [
+        Step("env", "the device", (py, "-m", "benchmarks.gpu_session", "--describe", device,
+                                   "--env-out", str(work / "env.json")), 60, 10, files=(str(work / "env.json"),)),
+        Step("gpu-tests", "1: pytest -m gpu", (*pytest, "-q", "-rfEs", "-m", "gpu", "tests/test_gpu.py",
+                                               "tests/test_dropout.py"), 240, 45),
+    ]
+    if oracle_site:
+        steps.append(Step("oracle-cuda", "1: the oracle on CUDA", (*pytest, "-q", "-rfEs", "-m", "gpu and oracle",
+                                                                   "tests/test_gpu.py"), 120, 30,
+                          env={"PYTHONPATH": os.pathsep.join([oracle_site, os.environ.get("PYTHONPATH", "")])}))
+    steps += [
+        Step("bench-eager", "2: eager, fused attention", bench_argv(
+            device, work / "bench-eager", 100, "--shapes", *shapes, "--dtypes", *dtypes, "--phases", "train", "eval",
+            *reps), 420, 60, bench=str(work / "bench-eager")),
+        Step("speedup", "3: evaluation speed-up", (py, "-m", "experiments.speedup", "--device", device, "--shape",
+                                                   speedup_shape, "--lengths", lengths, "--reps", "2" if smoke else "3",
+                                                   "--results", str(work / "speedup")), 180, 30,
+             files=(str(work / "speedup" / "speedup.md"), str(work / "speedup" / "speedup.json"))),
+        Step("bench-compiled", "2: compiled beside eager", bench_argv(
+            device, work / "bench-compiled", 200, "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train",
+            "eval", "--compile", "on", *reps), 480, 120, bench=str(work / "bench-compiled")),
+        Step("bench-reference", "2: reference attention beside fused", bench_argv(
+            device, work / "bench-reference", 100, "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train",
+            "eval", "--model.attn_impl", "reference", *reps), 300, 60, bench=str(work / "bench-reference")),
+        Step("profile", "2: where the time goes", bench_argv(
+            device, work / "profile", 100, "--shapes", shapes[-1], "--dtypes", dtypes[0], "--phases", "train", "eval",
+            "--profile", *(reps or ["--steps", "3", "--warmup", "2"])), 200, 45, bench=str(work / "profile")),
+        Step("serve-engine", "5: serving, the engine's batched read and generation",
+             (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
+              "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 150, 30),
+        Step("serve-http", "5: txl serve, sessions read concurrently",
+             (py, "-m", "benchmarks.serve_throughput", "--sessions", *(["1", "2"] if smoke else ["1", "4", "16"]),
+              "--seconds", "1" if smoke else "5", "--rounds", "1"), 180, 60,
+             needs=("fastapi", "uvicorn", "httpx")),
+        Step("suite", "1: the whole suite on the GPU machine",
+             (*pytest, "-v", "--tb=line", "-rfE", *(["tests/test_imports.py"] if smoke else [])), 600, 120),
+    ]
+    return steps
+
+
+# -- running -----------------------------------------------------------------------------------------------
+def run_step(step: Step, limit: float, log: Path) -> tuple[str, float, str]:
+    """Run one step for at most ``limit`` seconds; (outcome, seconds, its output). The step writes straight into
+    ``log``, so one killed at its limit keeps what it printed."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    with open(log, "a+b") as f:
+        f.write(f"\n===== {step.name}: {' '.join(step.argv)}\n".encode())
+        f.flush()
+        offset = f.tell()
+        start = time.monotonic()
+        # A session of its own: at the limit the step ends with everything it started (servers, compile workers).
+        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                env=env, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        seconds = time.monotonic() - start
+        outcome = f"stopped at its limit ({limit:.0f} s)" if timed_out else \
+            ("ok" if proc.returncode == 0 else f"failed (exit status {proc.returncode})")
+        f.seek(offset)  # the file is opened for appending: reads go where asked, writes to its end
+        output = f.read().decode(errors="replace")
+        f.write(f"===== {step.name}: {outcome} in {seconds:.0f} s\n".encode())
+    return outcome, seconds, output
+
+
+def tables(output: str, keep: int = 80) -> str:
+    """A step's printed tables and verdicts: its output less JSON rows, pytest's progress dots and PASSED lines."""
+    text = [line for line in output.splitlines()
+            if line.strip() and not line.startswith("{") and " PASSED" not in line
+            and not set(line.split("[")[0].strip()) <= set(".sxX")]
+    return "\n".join(text[-keep:])
+
+
+def merge_results(step: Step, out: Path) -> int:
+    """Append the step's benchmark rows (as many as were written before it ended) to --out's results.jsonl."""
+    path = Path(step.bench) / "results.jsonl"
+    if not path.is_file():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open(out / "results.jsonl", "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"step": step.name, **row}) + "\n")
+    return len(rows)
+
+
+def missing(modules: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def summary(done: list[tuple[str, str, float]], sections: list[str], budget: float, used: float, out: Path) -> str:
+    head = ["# GPU session", "", f"budget {budget:.0f} s, used {used:.0f} s", "",
+            "| step | outcome | seconds |", "|---|---|---|", *(f"| {n} | {o} | {s:.0f} |" for n, o, s in done), ""]
+    env = out / "env.json"
+    if env.is_file():
+        head += ["```", env.read_text().strip(), "```", ""]
+    return "\n".join(head + sections)
+
+
+def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, str, float]]:
+    """Run ``steps`` in order within ``budget`` seconds; returns (name, outcome, seconds). summary.md is written
+    after every step (a command killed from outside keeps it) and printed at the end."""
+    start = time.monotonic()
+    done: list[tuple[str, str, float]] = []
+    sections: list[str] = []
+    log = out / "session.log"
+    for step in steps:
+        left = budget - (time.monotonic() - start)
+        if left < step.min_s:
+            done.append((step.name, f"not run: {left:.0f} s of the budget left, it needs {step.min_s:.0f}", 0.0))
+            continue
+        if absent := missing(step.needs):
+            done.append((step.name, f"not run: {', '.join(absent)} not installed", 0.0))
+            continue
+        print(f"[{time.monotonic() - start:5.0f} s] {step.name} ({step.what}), up to {min(left, step.cap_s):.0f} s",
+              flush=True)
+        outcome, seconds, output = run_step(step, min(left, step.cap_s), log)
+        if step.bench:
+            outcome += f"; {merge_results(step, out)} benchmark rows"
+        for name in map(Path, step.files):
+            if name.is_file():
+                shutil.copy(name, out / name.name)
+        done.append((step.name, outcome, seconds))
+        sections.append(f"## {step.name}: {step.what} ({outcome}, {seconds:.0f} s)\n\n`{' '.join(step.argv[1:])}`"
+                        f"\n\n```\n{tables(output)}\n```\n")
+        print(f"        {outcome} in {seconds:.0f} s", flush=True)
+        write_text(out / "summary.md", summary(done, sections, budget, time.monotonic() - start, out))
+    text = summary(done, sections, budget, time.monotonic() - start, out)
+    write_text(out / "summary.md", text)
+    print(text)
+    return done
+
+
+# -- the env step --------------------------------------------------------------------------------------------
+def describe(device: str, path: Path) -> dict:
+    """The device, its driver, torch and CUDA versions, where txl is imported from, and a quick bf16 matmul rate."""
+    import torch
+
+    import txl
+
+    info: dict = dict(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0],
+                      txl=txl.__version__, txl_from=str(Path(txl.__file__).parent), device=device)
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1), bf16=torch.cuda.is_bf16_supported())
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+        except (OSError, subprocess.TimeoutExpired) as err:
+            info["nvidia_smi"] = f"unavailable: {err}"
+        n = 8192
+        a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize(dev)
+        info["bf16_mm_tflops"] = round(2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12, 1)
+    else:
+        from benchmarks.instruments import cpu_model
+        info["name"] = cpu_model()
+    write_text(path, json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_session", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="where the results go (the device tool's $OUT); emptied of ours first")
+    p.add_argument("--budget", type=float, default=420, help="seconds for all the steps together (default 420)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cuda:N; cpu with --smoke")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one step each: check the machinery on a CPU")
+    p.add_argument("--skip", default="", help="comma-separated steps not to run (a second call: the ones done)")
+    p.add_argument("--only", default="", help="comma-separated steps to run, in the plan's order")
+    p.add_argument("--oracle-site", help="a directory holding transformers 4.37.2 and its pins (carried wheels)")
+    p.add_argument("--list", action="store_true", help="print the plan and exit")
+    p.add_argument("--describe", help=argparse.SUPPRESS)  # the env step, run as a subprocess
+    p.add_argument("--env-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.describe:
+        describe(args.describe, args.env_out)
+        return 0
+    device = "cpu" if args.smoke and args.device == "cuda" else args.device
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "txl-gpu-session"
+    steps = plan(device, work, smoke=args.smoke, oracle_site=args.oracle_site)
+    names = [s.name for s in steps]
+    for flag, value in (("--skip", args.skip), ("--only", args.only)):
+        unknown = [n for n in value.split(",") if n and n not in names]
+        if unknown:
+            p.error(f"{flag} {value}: no step {', '.join(unknown)}; the steps are {', '.join(names)}")
+    if args.only:
+        steps = [s for s in steps if s.name in args.only.split(",")]
+    steps = [s for s in steps if s.name not in args.skip.split(",")]
+    if args.list:
+        for s in steps:
+            print(f"{s.name:<16} up to {s.cap_s:4.0f} s (not started under {s.min_s:3.0f} s)  {s.what}\n"
+                  f"{'':<16} {' '.join(s.argv[1:])}")
+        return 0
+    if args.out is None:
+        p.error("--out DIR is needed (on the device machine: --out $OUT)")
+    if args.budget <= 0:
+        p.error(f"--budget {args.budget:g}: give a positive number of seconds")
+    if device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            p.error(f"--device {device}: CUDA is not available on this machine; --smoke checks the steps on a CPU")
+    try:
+        import txl  # noqa: F401 (the steps' subprocesses import it the same way)
+    except ImportError:
+        p.error("txl does not import: pip install --no-deps --no-build-isolation --no-index -e . first")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("summary.md", "session.log", "env.json", "results.jsonl", "speedup.md", "speedup.json"):
+        (args.out / name).unlink(missing_ok=True)
+    done = run_session(steps, args.out, args.budget)
+    return 0 if all(o.startswith(("ok", "not run")) for _, o, _ in done) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

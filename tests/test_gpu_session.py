@@ -1,0 +1,126 @@
+"""The prepared GPU session (benchmarks.gpu_session): its steps keep to their limits and the budget, what they
+measured survives a step cut off, and the plan holds the issue's checks. Run here on a CPU; the figures
+themselves come from a lent GPU."""
+
+import importlib.metadata
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ORACLE_VERSION, oracle_absent
+
+from benchmarks import gpu_session as gs
+
+PY = sys.executable
+
+
+def step(name, code, cap=30.0, least=0.0, **kw):
+    return gs.Step(name, f"{name} check", (PY, "-c", code), cap, least, **kw)
+
+
+def gone(pid: int, wait: float = 5.0) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie not yet reaped), waiting up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_step_over_its_limit_is_stopped_and_keeps_its_output(tmp_path):
+    """A step past its cap is killed with what it started; what it printed stays in session.log and summary.md,
+    the next steps still run, and one that no longer fits the budget is listed as not run, with why."""
+    pid_file = tmp_path / "child.pid"
+    steps = [step("slow", "import subprocess, sys, time\n"
+                          "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                          f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+                          "print('measured 42 tokens/s', flush=True); time.sleep(60)", cap=2.0),
+             step("fine", "print('| table | row |')"),
+             step("big", "print('never')", least=10_000),
+             step("absent", "print('never')", needs=("no_such_module_here",))]
+    done = gs.run_session(steps, tmp_path, budget=60)
+    outcomes = {name: outcome for name, outcome, _ in done}
+    assert outcomes["slow"] == "stopped at its limit (2 s)" and outcomes["fine"] == "ok"
+    assert outcomes["big"].startswith("not run:") and "it needs 10000" in outcomes["big"]
+    assert outcomes["absent"] == "not run: no_such_module_here not installed"
+    log = (tmp_path / "session.log").read_text()
+    assert "measured 42 tokens/s" in log and "===== slow: stopped at its limit" in log and "never" not in log
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| slow | stopped at its limit (2 s) |" in summary and "measured 42 tokens/s" in summary
+    assert "| table | row |" in summary
+    assert gone(int(pid_file.read_text())), "the step's child outlived the step"
+
+
+def test_a_benchmark_step_cut_off_keeps_the_rows_it_wrote(tmp_path):
+    """benchmarks.run rewrites results.jsonl after every measurement; the session merges whatever is there, each
+    row tagged with its step, and copies the step's files to --out."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    code = (f"import json, time\nopen({str(bench / 'results.jsonl')!r}, 'w').write(json.dumps({{'kind': 'eval', "
+            f"'tokens_per_s': 5.0}}) + '\\n')\nopen({str(bench / 'speedup.md')!r}, 'w').write('| L |')\n"
+            "time.sleep(60)")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = gs.run_session([step("bench", code, cap=3.0, bench=str(bench), files=(str(bench / "speedup.md"),))],
+                          out, budget=60)
+    assert done[0][1] == "stopped at its limit (3 s); 1 benchmark rows"
+    assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == \
+        [{"step": "bench", "kind": "eval", "tokens_per_s": 5.0}]
+    assert (out / "speedup.md").read_text() == "| L |"
+
+
+def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
+    """On a GPU: pytest -m gpu first, then base and NVIDIA's shape in bf16 and TF32, the paper's four speed-up
+    lengths, compiled and reference attention beside eager, a profile, serving, the whole suite."""
+    steps = gs.plan("cuda", tmp_path)
+    names = [s.name for s in steps]
+    assert names == ["env", "gpu-tests", "bench-eager", "speedup", "bench-compiled", "bench-reference", "profile",
+                     "serve-engine", "serve-http", "suite"]
+    by = {s.name: " ".join(s.argv) for s in steps}
+    assert "-m gpu tests/test_gpu.py" in by["gpu-tests"]
+    assert "--shapes base nvidia --dtypes bf16 tf32 --phases train eval" in by["bench-eager"]
+    assert "--device cuda" in by["bench-eager"] and "--keep-going" in by["bench-eager"]
+    assert "--lengths 800,1800,2800,3800" in by["speedup"]
+    assert "--compile on" in by["bench-compiled"] and "--model.attn_impl reference" in by["bench-reference"]
+    assert "--profile" in by["profile"] and "--device cuda" in by["serve-engine"]
+    assert sum(s.min_s for s in steps[:4]) < 420, "the first call's budget must reach the speed-up table"
+    oracle = gs.plan("cuda", tmp_path, oracle_site="/tmp/site")
+    assert [s.name for s in oracle][2] == "oracle-cuda" and oracle[2].env["PYTHONPATH"].startswith("/tmp/site")
+
+
+@pytest.mark.slow  # real subprocesses: the env step and one tiny measurement, on this CPU
+def test_smoke_session_on_a_cpu(tmp_path, capsys):
+    rc = gs.main(["--smoke", "--only", "env,bench-eager", "--out", str(tmp_path), "--budget", "200"])
+    assert rc == 0
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["device"] == "cpu" and env["txl_from"].endswith("src/txl")
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["kind"], r["shape"]) for r in rows) == \
+        [("bench-eager", "eval", "tiny"), ("bench-eager", "train", "tiny")]
+    assert "| bench-eager | ok; 2 benchmark rows |" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys):
+    for argv, message in ((["--list", "--skip", "bench"], "--skip bench: no step bench; the steps are env, "),
+                          (["--smoke"], "--out DIR is needed"),
+                          (["--smoke", "--out", str(tmp_path), "--budget", "0"], "--budget 0: give a positive")):
+        with pytest.raises(SystemExit):
+            gs.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_another_transformers_than_the_oracle_skips_the_oracle_tests(monkeypatch):
+    """A GPU image ships transformers 5 (no TransfoXL): the oracle tests skip there, naming what is installed,
+    instead of failing on an import."""
+    def version(name, real=importlib.metadata.version):
+        return "5.17.0" if name == "transformers" else real(name)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert oracle_absent() == "is not installed here (transformers 5.17.0 is)"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: ORACLE_VERSION)
+    assert oracle_absent() is None
