@@ -236,3 +236,33 @@ def test_zero_memory_is_attended_to():
         empty = model(tokens).log_probs
         zeros = model(tokens, memory=model.init_memory(1, 4)).log_probs
     assert not torch.allclose(empty, zeros)
+
+
+@pytest.mark.parametrize("tie_weight", [True, False], ids=["tied", "untied"])
+def test_every_cluster_gives_unused_clusters_zero_gradients_and_changes_nothing_else(tie_weight):
+    """What FSDP needs (txl.parallel.shard sets it): with ``every_cluster`` a tail cluster no token falls in runs on
+    no rows, so its parameters get zero gradients instead of none; the loss and every other gradient are the
+    same, bit for bit."""
+    config = tiny_config(vocab_size=60, cutoffs=[20, 40], div_val=2, d_embed=32, tie_weight=tie_weight)
+    torch.manual_seed(0)
+    model = txl.TransformerXL(config)
+    torch.manual_seed(1)
+    x = torch.randint(0, 20, (2, 5))  # inputs and labels in the head only: both tail clusters unused
+    y = torch.randint(0, 20, (2, 5))
+    grads = {}
+    for every in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.embed.every_cluster = model.softmax.every_cluster = every
+        out = model(x, labels=y)
+        out.loss.backward()
+        grads[every] = (out.loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (loss_skip, skip), (loss_all, every_) = grads[False], grads[True]
+    assert torch.equal(loss_skip, loss_all)
+    unused = [n for n, g in skip.items() if g is None]
+    assert unused, "the test must leave some parameters without a gradient"
+    for name, g in every_.items():
+        assert g is not None, name
+        if name in unused:
+            assert not g.any(), name
+        else:
+            assert torch.equal(g, skip[name]), name

@@ -281,3 +281,67 @@ def test_size_command(capsys):
     assert "| fsdp | 2 | on |" in out and "3 processes: the batch of 8 streams does not split" in out
     assert main(["size", "--world-size", "two"]) == 2
     assert "--world-size 'two' must be comma-separated integers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tail_clusters_used_by_one_process_only_train_as_one_process(tmp_path, monkeypatch):
+    """An adaptive softmax and adaptive inputs whose last cluster (bytes >= 128) only process 1 ever sees: its
+    streams come from the second half of the text, where every line has an accented letter; process 0's are
+    ASCII. DDP (find_unused_parameters) and FSDP2 (every cluster runs, on no rows where unused) must reduce the
+    same tensors on both processes and train exactly as one process does."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    ascii_lines = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(120))
+    accented = "".join(f"caf\u00e9 n\u00b0{i} d\u00e9j\u00e0 vu\n" for i in range(300))
+    (data / "train.txt").write_text(ascii_lines + accented[:len(ascii_lines)])
+    for split in ("valid", "test"):
+        (data / f"{split}.txt").write_text(ascii_lines[:400] + accented[:400])
+    common = ["--max-steps", "4", "--train.batch_size", "8", "--model.cutoffs", "100,128", "--model.div_val", "2",
+              "--train.ckpt_interval", "4"]
+    single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
+    assert main(["train", *args(str(data), single, *common)]) == 0
+    run(torchrun("--standalone", "--nproc_per_node", "2") + args(str(data), ddp, *common))
+    run(torchrun("--standalone", "--nproc_per_node", "2") + args(str(data), fsdp, *common, "--train.parallel", "fsdp"))
+    a, b, c = losses(single), losses(ddp), losses(fsdp)
+    assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4]
+    for other in (b, c):
+        torch.testing.assert_close(torch.tensor([other[s] for s in a]), torch.tensor(list(a.values())),
+                                   rtol=0, atol=1e-5)
+    last = Path("checkpoints") / "step_00000004"
+    assert max_difference(weights(single / last), weights(ddp / last)) < 1e-5
+    assert main(["consolidate", str(fsdp), "-o", str(tmp_path / "model")]) == 0
+    assert max_difference(weights(single / last), weights(tmp_path / "model")) < 1e-5
+
+
+@pytest.mark.slow  # a subprocess that joins a process group of one
+def test_ddp_and_fsdp_on_one_device_equal_the_plain_model_and_resume_from_dcp():
+    """benchmarks.parallel_one (what a one-GPU machine can run of DDP and FSDP2, over NCCL there): on a CPU over
+    gloo, in fp32, DDP and FSDP2 over one process train exactly as the plain model, and a sharded model loaded
+    from the FSDP run's distributed checkpoint continues exactly as the run; one not loaded does not."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_one", "--device", "cpu", "--steps", "3"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert row["precision"] == "fp32" and row["steps"] == 3
+    for key in ("ddp_vs_plain_loss", "fsdp_vs_plain_loss", "ddp_vs_plain_weights", "fsdp_vs_plain_weights",
+                "resumed_vs_continued_loss"):
+        assert row[key] <= 1e-6, (key, row)
+    assert row["not_loaded_vs_continued_loss"] > 1e-3
+
+
+def test_fsdp_on_a_torch_without_fsdp2_is_refused_in_one_line(monkeypatch):
+    """txl's core runs on torch >= 2.4; FSDP2 (fully_shard) became public in 2.6: an older torch gets a clear
+    message naming the fix, not an ImportError from inside the trainer."""
+    import torch.distributed.fsdp
+
+    from txl import parallel
+    from txl.distributed import DistInfo
+
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    model = txl.TransformerXL(txl.ModelConfig(vocab_size=20, n_layer=1, d_model=8, n_head=2, d_head=4, d_inner=16,
+                                              mem_len=2))
+    with pytest.raises(ValueError, match=r"--train.parallel fsdp needs torch >= 2.6 .*use --train.parallel ddp"):
+        parallel.shard(model, DistInfo(rank=0, world_size=2, device=torch.device("cpu")), precision="fp32")

@@ -60,7 +60,11 @@ def shared_parameters(a: nn.Module, b: nn.Module) -> bool:
 def shard(model: nn.Module, info: DistInfo, *, precision: str) -> None:
     """Apply FSDP2 to ``model`` in place: each decoder layer, then embedding and softmax, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # FSDP2 became public in torch 2.6; txl's core runs on older releases
+        raise ValueError(f"--train.parallel fsdp needs torch >= 2.6 (FSDP2's fully_shard); this is torch "
+                         f"{torch.__version__}: upgrade torch, or use --train.parallel ddp") from None
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kw: dict[str, Any] = {"mesh": mesh}
@@ -78,9 +82,11 @@ def shard(model: nn.Module, info: DistInfo, *, precision: str) -> None:
         fully_shard(model.softmax, **kw)
     fully_shard(model, **kw)
     if model.config.cutoffs:
-        # A tail cluster no token of a process's shard falls in gets no gradient there; reduce a zero
-        # for it so every process reduce-scatters the same tensors (DDP: find_unused_parameters).
-        model.set_reduce_scatter_unused_params(True)
+        # A tail cluster no token of a process's shard falls in would get no gradient there, and the processes
+        # would reduce-scatter different tensors: every cluster runs (on no rows, a zero gradient) instead. (DDP:
+        # find_unused_parameters. torch 2.13's set_reduce_scatter_unused_params does this inside FSDP; older
+        # FSDP2 releases have no such option.)
+        model.embed.every_cluster = model.softmax.every_cluster = True
 
 
 def wrap(model: nn.Module, info: DistInfo, *, parallel: str, activation_checkpointing: bool,

@@ -8,6 +8,12 @@ clusters. The head softmax scores the shortlist plus one logit per tail cluster;
 log-probability is log p(cluster) + log p(token | cluster). Tail cluster i (1-based) is scored by head
 column shortlist + i - 1, the order of Hugging Face and the TensorFlow original (the original PyTorch
 code reads column -i, i.e. the cluster rows reversed; the converter reorders such checkpoints).
+
+Eagerly, a tail cluster that no token of the batch falls in is skipped, so its parameters get no gradient.
+``every_cluster = True`` (set by ``txl.parallel.shard``) runs it anyway on no rows: its gradient is then zeros.
+FSDP needs that: every process must reduce-scatter the same gradients, whichever clusters its shard of the
+batch used (torch 2.13's ``set_reduce_scatter_unused_params`` does the same inside FSDP; this works with every
+FSDP2 release).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.bounds = cluster_bounds(config)
+        self.every_cluster = False  # see the module docstring
         self.d_proj = config.d_model
         self.scale = config.d_model ** 0.5
         widths = cluster_widths(config)
@@ -74,7 +81,7 @@ class AdaptiveEmbedding(nn.Module):
         for i, layer in enumerate(self.layers):
             lo, hi = self.bounds[i], self.bounds[i + 1]
             idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)  # (N_i,)
-            if idx.numel():
+            if idx.numel() or self.every_cluster:
                 parts.append((idx, F.linear(layer(flat[idx] - lo), self.projs[i])))  # (N_i, d)
         out = parts[0][1].new_zeros(flat.size(0), self.d_proj)  # (N, d)
         for idx, emb in parts:
@@ -88,6 +95,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.bounds = cluster_bounds(config)
+        self.every_cluster = False  # see the module docstring
         self.vocab_size = config.vocab_size
         self.shortlist = self.bounds[1]
         self.n_clusters = config.n_clusters
@@ -153,7 +161,7 @@ class AdaptiveLogSoftmax(nn.Module):
             return -self._tails_static(hidden, target, cluster, logp).masked_fill(~valid, 0.0)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
-            if idx.numel():
+            if idx.numel() or self.every_cluster:
                 tail = self._log_softmax(hidden[idx], i)  # (N_i, V_i)
                 tail_logp = tail.gather(1, (target[idx] - self.bounds[i])[:, None]).squeeze(1)
                 logp = logp.index_add(0, idx, tail_logp)
