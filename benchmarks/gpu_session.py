@@ -61,8 +61,9 @@ def bench_argv(device: str, out: Path, worker_timeout: float, *more: str) -> tup
 
 
 def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | None = None) -> list[Step]:
-    """The checks in the order they run: the issue's steps 1, 2, 3, 5 and then the whole suite. Step 4 (DDP and
-    FSDP over NCCL) needs two GPUs and step 6 (WikiText-2 rows, ~15 minutes each) more time than a lease has."""
+    """The checks in the order they run: the issue's steps 1, 2, 3, what one GPU can run of 4, 5, then the whole
+    suite. Step 4 proper (DDP and FSDP across GPUs) needs two, and step 6 (WikiText-2 rows, ~15 minutes each)
+    more time than a lease has."""
     py = sys.executable
     if smoke:  # the same steps on a CPU at the smallest sizes: the machinery, not the figures
         shapes, dtypes, reps = ["tiny"], ["fp32"], ["--steps", "1", "--warmup", "0", "--threads", "1"]
@@ -89,6 +90,9 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
                                                    speedup_shape, "--lengths", lengths, "--reps", "2" if smoke else "3",
                                                    "--results", str(work / "speedup")), 180, 30,
              files=(str(work / "speedup" / "speedup.md"), str(work / "speedup" / "speedup.json"))),
+        Step("parallel-one", "4, on one GPU: DDP and FSDP2 over NCCL in a group of one, a DCP round trip",
+             (py, "-m", "benchmarks.parallel_one", "--device", device,
+              *(["--precisions", "fp32", "--steps", "2"] if smoke else [])), 150, 30),
         Step("bench-compiled", "2: compiled beside eager", bench_argv(
             device, work / "bench-compiled", 200, "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train",
             "eval", "--compile", "on", *reps), 480, 120, bench=str(work / "bench-compiled")),

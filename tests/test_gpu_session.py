@@ -80,8 +80,8 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     lengths, compiled and reference attention beside eager, a profile, serving, the whole suite."""
     steps = gs.plan("cuda", tmp_path)
     names = [s.name for s in steps]
-    assert names == ["env", "gpu-tests", "bench-eager", "speedup", "bench-compiled", "bench-reference", "profile",
-                     "serve-engine", "serve-http", "suite"]
+    assert names == ["env", "gpu-tests", "bench-eager", "speedup", "parallel-one", "bench-compiled",
+                     "bench-reference", "profile", "serve-engine", "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
     assert "-m gpu tests/test_gpu.py" in by["gpu-tests"]
     assert "--shapes base nvidia --dtypes bf16 tf32 --phases train eval" in by["bench-eager"]
@@ -89,6 +89,7 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     assert "--lengths 800,1800,2800,3800" in by["speedup"]
     assert "--compile on" in by["bench-compiled"] and "--model.attn_impl reference" in by["bench-reference"]
     assert "--profile" in by["profile"] and "--device cuda" in by["serve-engine"]
+    assert "benchmarks.parallel_one --device cuda" in by["parallel-one"]
     assert sum(s.min_s for s in steps[:4]) < 420, "the first call's budget must reach the speed-up table"
     oracle = gs.plan("cuda", tmp_path, oracle_site="/tmp/site")
     assert [s.name for s in oracle][2] == "oracle-cuda" and oracle[2].env["PYTHONPATH"].startswith("/tmp/site")
