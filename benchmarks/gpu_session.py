@@ -116,6 +116,21 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
 
 
 # -- running -----------------------------------------------------------------------------------------------
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End a step's session: SIGTERM first, so a step that started sessions of its own (benchmarks.run's workers)
+    ends them, then SIGKILL for whatever is left in it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left in the session
+        pass
+    proc.wait()
+
+
 def run_step(step: Step, limit: float, log: Path) -> tuple[str, float, str]:
     """Run one step for at most ``limit`` seconds; (outcome, seconds, its output). The step writes straight into
     ``log``, so one killed at its limit keeps what it printed."""
@@ -133,10 +148,9 @@ def run_step(step: Step, limit: float, log: Path) -> tuple[str, float, str]:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc)
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop(proc)
             raise
         seconds = time.monotonic() - start
         outcome = f"stopped at its limit ({limit:.0f} s)" if timed_out else \
@@ -295,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         import txl  # noqa: F401 (the steps' subprocesses import it the same way)
     except ImportError:
         p.error("txl does not import: pip install --no-deps --no-build-isolation --no-index -e . first")
+    # SIGTERM (a time limit from outside) as an exception: the running step's session is killed on the way out
+    # (each step has a session of its own, which a machine keeps running after the command otherwise).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -582,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         if name in dtypes and not gpu:
             raise SystemExit(f"--dtypes {name}: {name} needs --device cuda; use fp32 or bf16 on a CPU")
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a running worker's session is killed too (spawn)
 
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,20 @@ def test_a_step_over_its_limit_is_stopped_and_keeps_its_output(tmp_path):
     assert gone(int(pid_file.read_text())), "the step's child outlived the step"
 
 
+def test_a_step_is_asked_to_stop_first_so_the_sessions_it_started_end_too(tmp_path):
+    """benchmarks.run starts each worker in a session of its own, out of reach of a kill of the step's session:
+    the step gets SIGTERM first (benchmarks.run then kills its worker), and SIGKILL only after."""
+    pid_file = tmp_path / "worker.pid"
+    code = ("import os, signal, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "signal.signal(signal.SIGTERM, lambda *_: (os.killpg(child.pid, signal.SIGKILL), sys.exit(143)))\n"
+            "print('working', flush=True); time.sleep(60)")
+    done = gs.run_session([step("nested", code, cap=2.0)], tmp_path, budget=60)
+    assert done[0][1] == "stopped at its limit (2 s)"
+    assert gone(int(pid_file.read_text())), "the worker in a session of its own outlived the step"
+
+
 def test_a_benchmark_step_cut_off_keeps_the_rows_it_wrote(tmp_path):
     """benchmarks.run rewrites results.jsonl after every measurement; the session merges whatever is there, each
     row tagged with its step, and copies the step's files to --out."""
