@@ -13,7 +13,7 @@ comes: a step cut off by the budget keeps its finished measurements, and a secon
     python3 -m benchmarks.gpu_session --smoke --out /tmp/s   # the same machinery on a CPU, tiny shapes
 
 Written to --out (at most 8 files, as the device tool brings back): ``summary.md`` (each step's outcome and
-its tables; also printed at the end), ``session.log`` (every step's whole output), ``env.json`` (GPU,
+its tables, and the benchmark rows of every step against the issue's targets; also printed at the end), ``session.log`` (every step's whole output), ``env.json`` (GPU,
 driver, torch and CUDA versions), ``results.jsonl`` (the benchmark rows of every step, each with its
 step's name), ``speedup.md`` / ``speedup.json`` (the paper's Table 9 lengths).
 
@@ -185,12 +185,66 @@ def missing(modules: tuple[str, ...]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
+# Issue 26's targets on one H100 (bf16, NVIDIA's WikiText-103 base shape): tokens/s and MFU of the bf16 peak.
+TARGETS = {("nvidia", "train"): 200_000, ("nvidia", "eval"): 400_000}
+TARGET_MFU = 0.30
+
+
+def verdicts(rows: list[dict]) -> str:
+    """The benchmark rows of every step side by side, against the issue's targets: eager tokens/s, MFU (of the
+    bf16 peak on a GPU) and memory; compiled / eager and fused (eager) / reference ratios; targets met or not."""
+    def table(step: str) -> dict[tuple, dict]:
+        return {(r["shape"], r["dtype"], r["kind"]): r for r in rows
+                if r.get("step") == step and r.get("kind") in ("train", "eval")}
+
+    eager, compiled, reference = table("bench-eager"), table("bench-compiled"), table("bench-reference")
+    if not eager:
+        return ""
+
+    def mfu(r: dict) -> float:
+        return r.get("mfu_vs_bf16_peak", r["mfu"])
+
+    def memory(r: dict) -> float:
+        return r.get("peak_mem_mb", r.get("peak_rss_mb", float("nan")))
+
+    lines = ["## Against the targets", "",
+             "| shape | dtype | phase | tokens/s | MFU | memory MB | compiled / eager | fused / reference (speed, "
+             "memory) |", "|---|---|---|---|---|---|---|---|"]
+    checks = []
+    for key, r in sorted(eager.items()):
+        c, ref = compiled.get(key), reference.get(key)
+        ratio = f"{c['tokens_per_s'] / r['tokens_per_s']:.2f}x" if c else ""
+        fused = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x, {memory(r) / memory(ref):.2f}x" if ref else ""
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {r['tokens_per_s']:,.0f} | {mfu(r):.3f} | {memory(r):,.0f} "
+                     f"| {ratio} | {fused} |")
+        target = TARGETS.get((key[0], key[2])) if key[1] == "bf16" else None
+        if target:
+            met = "met" if r["tokens_per_s"] >= target else "missed"
+            checks.append(f"- {key[0]} {key[2]} bf16: {r['tokens_per_s']:,.0f} tokens/s against >= {target:,}: {met}")
+        if key[1] == "bf16" and key[0] == "nvidia" and key[2] == "train":
+            met = "met" if mfu(r) >= TARGET_MFU else "missed"
+            checks.append(f"- nvidia train bf16 MFU {mfu(r):.3f} against >= {TARGET_MFU}: {met}")
+        if c:
+            met = "met" if c["tokens_per_s"] > r["tokens_per_s"] else "missed"
+            checks.append(f"- {' '.join(key)}: compiled faster than eager: {met}")
+        if ref:
+            met = "met" if r["tokens_per_s"] > ref["tokens_per_s"] and memory(r) < memory(ref) else "missed"
+            checks.append(f"- {' '.join(key)}: fused faster and smaller than reference: {met}")
+    failed = [r for r in rows if r.get("kind") == "failed"]
+    checks += [f"- FAILED {r['step']}: {r['shape']} {r['dtype']} {r['phase']}: {r['failure']} {r['error']}"
+               for r in failed]
+    return "\n".join(lines + [""] + checks + [""])
+
+
 def summary(done: list[tuple[str, str, float]], sections: list[str], budget: float, used: float, out: Path) -> str:
     head = ["# GPU session", "", f"budget {budget:.0f} s, used {used:.0f} s", "",
             "| step | outcome | seconds |", "|---|---|---|", *(f"| {n} | {o} | {s:.0f} |" for n, o, s in done), ""]
     env = out / "env.json"
     if env.is_file():
         head += ["```", env.read_text().strip(), "```", ""]
+    results = out / "results.jsonl"
+    if results.is_file():
+        head.append(verdicts([json.loads(line) for line in results.read_text().splitlines() if line.strip()]))
     return "\n".join(head + sections)
 
 

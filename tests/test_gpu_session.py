@@ -139,3 +139,29 @@ def test_another_transformers_than_the_oracle_skips_the_oracle_tests(monkeypatch
     assert oracle_absent() == "is not installed here (transformers 5.17.0 is)"
     monkeypatch.setattr(importlib.metadata, "version", lambda name: ORACLE_VERSION)
     assert oracle_absent() is None
+
+
+def test_verdicts_read_the_steps_side_by_side_against_the_targets():
+    """summary.md's 'Against the targets': eager tokens/s, MFU of the bf16 peak and GPU memory, compiled / eager and
+    fused / reference from their own steps, each of the issue's targets met or missed, failed measurements named."""
+    def row(step, shape, kind, tokens, mfu, mem):
+        return dict(step=step, shape=shape, dtype="bf16", kind=kind, tokens_per_s=tokens, mfu=mfu / 2,
+                    mfu_vs_bf16_peak=mfu, peak_mem_mb=mem)
+    rows = [row("bench-eager", "nvidia", "train", 250_000, 0.25, 30_000),
+            row("bench-eager", "nvidia", "eval", 300_000, 0.2, 8_000),
+            row("bench-compiled", "nvidia", "train", 300_000, 0.3, 28_000),
+            row("bench-reference", "nvidia", "train", 200_000, 0.2, 40_000),
+            row("bench-reference", "nvidia", "eval", 310_000, 0.2, 7_000),
+            dict(step="bench-compiled", kind="failed", shape="nvidia", dtype="bf16", phase="eval",
+                 failure="over --worker-timeout 200 s", error="")]
+    text = gs.verdicts(rows)
+    assert "| nvidia | bf16 | train | 250,000 | 0.250 | 30,000 | 1.20x | 1.25x, 0.75x |" in text
+    assert "| nvidia | bf16 | eval | 300,000 | 0.200 | 8,000 |  | 0.97x, 1.14x |" in text
+    assert "- nvidia train bf16: 250,000 tokens/s against >= 200,000: met" in text
+    assert "- nvidia eval bf16: 300,000 tokens/s against >= 400,000: missed" in text
+    assert "- nvidia train bf16 MFU 0.250 against >= 0.3: missed" in text
+    assert "- nvidia bf16 train: compiled faster than eager: met" in text
+    assert "- nvidia bf16 train: fused faster and smaller than reference: met" in text
+    assert "- nvidia bf16 eval: fused faster and smaller than reference: missed" in text
+    assert "- FAILED bench-compiled: nvidia bf16 eval: over --worker-timeout 200 s" in text
+    assert gs.verdicts([]) == ""
