@@ -12,10 +12,11 @@ comes: a step cut off by the budget keeps its finished measurements, and a secon
     python3 -m benchmarks.gpu_session --list                 # the steps, their limits and commands
     python3 -m benchmarks.gpu_session --smoke --out /tmp/s   # the same machinery on a CPU, tiny shapes
 
-Written to --out (at most 8 files, as the device tool brings back): ``summary.md`` (each step's outcome and
-its tables, and the benchmark rows of every step against the issue's targets; also printed at the end), ``session.log`` (every step's whole output), ``env.json`` (GPU,
-driver, torch and CUDA versions), ``results.jsonl`` (the benchmark rows of every step, each with its
-step's name), ``speedup.md`` / ``speedup.json`` (the paper's Table 9 lengths).
+Written to --out (at most 8 files, as the device tool brings back): ``summary.md`` (each step's outcome and its
+tables, and the benchmark rows of every step against the issue's targets; also printed at the end),
+``session.log`` (every step's whole output), ``env.json`` (GPU, driver, torch and CUDA versions),
+``results.jsonl`` (the benchmark rows of every step, each with its step's name), ``speedup.md`` /
+``speedup.json`` (the paper's Table 9 lengths).
 
 The oracle on CUDA (``test_hf_parity_on_cuda``) needs transformers 4.37.2, which the GPU image lacks (it
 has 5.x, without TransfoXL): carry its wheels (benchmarks/README.md, "A GPU session") and pass
