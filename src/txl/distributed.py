@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import time
@@ -158,8 +159,13 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Destroy the process group. The run's garbage (the wrapped or sharded model, its DTensors and device mesh,
+    which hold the group) is collected first, so the group's C++ objects go now, in an interpreter still whole,
+    not in its teardown, where gloo's could abort the finished process (benchmarks/README.md)."""
     if info.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 class OtherRankFailed(RuntimeError):
