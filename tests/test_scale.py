@@ -283,35 +283,88 @@ def test_size_command(capsys):
     assert "--world-size 'two' must be comma-separated integers" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_tail_clusters_used_by_one_process_only_train_as_one_process(tmp_path, monkeypatch):
-    """An adaptive softmax and adaptive inputs whose last cluster (bytes >= 128) only process 1 ever sees: its
-    streams come from the second half of the text, where every line has an accented letter; process 0's are
-    ASCII. DDP (find_unused_parameters) and FSDP2 (every cluster runs, on no rows where unused) must reduce the
-    same tensors on both processes and train exactly as one process does."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    data = tmp_path / "data"
-    data.mkdir()
-    ascii_lines = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(120))
-    accented = "".join(f"caf\u00e9 n\u00b0{i} d\u00e9j\u00e0 vu\n" for i in range(300))
-    (data / "train.txt").write_text(ascii_lines + accented[:len(ascii_lines)])
-    for split in ("valid", "test"):
-        (data / f"{split}.txt").write_text(ascii_lines[:400] + accented[:400])
-    common = ["--max-steps", "4", "--train.batch_size", "8", "--model.cutoffs", "100,128", "--model.div_val", "2",
-              "--train.ckpt_interval", "4"]
-    single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
-    assert main(["train", *args(str(data), single, *common)]) == 0
-    run(torchrun("--standalone", "--nproc_per_node", "2") + args(str(data), ddp, *common))
-    run(torchrun("--standalone", "--nproc_per_node", "2") + args(str(data), fsdp, *common, "--train.parallel", "fsdp"))
-    a, b, c = losses(single), losses(ddp), losses(fsdp)
-    assert sorted(a) == sorted(b) == sorted(c) == [1, 2, 3, 4]
-    for other in (b, c):
-        torch.testing.assert_close(torch.tensor([other[s] for s in a]), torch.tensor(list(a.values())),
-                                   rtol=0, atol=1e-5)
-    last = Path("checkpoints") / "step_00000004"
-    assert max_difference(weights(single / last), weights(ddp / last)) < 1e-5
-    assert main(["consolidate", str(fsdp), "-o", str(tmp_path / "model")]) == 0
-    assert max_difference(weights(single / last), weights(tmp_path / "model")) < 1e-5
+def _tail_cluster_config() -> txl.ModelConfig:
+    # vocab 256 split at 100 and 128 (div_val 2): the last cluster is tokens >= 128.
+    return txl.ModelConfig(vocab_size=256, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, mem_len=8,
+                           dropout=0.0, cutoffs=[100, 128], div_val=2)
+
+
+def _tail_cluster_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(4, 9) token rows per step: rows 0-1 (process 0's) below 100 only; rows 2-3 (process 1's) cycle through the
+    three clusters, so every cluster is used every step (where one is unused by all processes, FSDP steps Adam with
+    its zero gradient while one process and DDP skip it: README, "FSDP")."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        low = torch.randint(0, 100, (2, 9), generator=g)
+        mixed = torch.stack([torch.randint(0, 100, (2, 3), generator=g), torch.randint(100, 128, (2, 3), generator=g),
+                             torch.randint(128, 256, (2, 3), generator=g)], dim=2).reshape(2, 9)  # (2, 9): a b c a b c
+        rows = torch.cat([low, mixed])  # (4, 9)
+        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    return out
+
+
+def _train_rows(parallel_mode: str, rank: int, world_size: int, steps: int) -> tuple[list[float], dict]:
+    """The library's wrap and step on this process's rows of every batch; (losses, full final weights)."""
+    from txl import parallel
+    from txl.config import OptimConfig
+    from txl.data import Batch
+    from txl.distributed import DistInfo
+    from txl.optim import build_optimizer
+    from txl.train import train_step
+
+    info = DistInfo(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = txl.TransformerXL(_tail_cluster_config()).train()
+    step_model = parallel.wrap(model, info, parallel=parallel_mode, activation_checkpointing=False,
+                               precision="fp32")
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    per = 4 // world_size
+    memories, losses = [None], []
+    for s, (x, y) in enumerate(_tail_cluster_batches(steps)):
+        batch = Batch(input_ids=x[rank * per:(rank + 1) * per], labels=y[rank * per:(rank + 1) * per],
+                      context_len=0, start=s * 8)
+        stats, memories = train_step(step_model, optimizer, scaler, batch, memories, lr=1e-3, clip=0.25,
+                                     precision="fp32", info=info)
+        losses.append(stats.loss)
+    with parallel.gathered(model):
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in model.state_dict().items()}
+    return losses, weights
+
+
+def _tail_cluster_worker(rank: int, parallel_mode: str, store_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(store_file, 2))
+    losses, weights = _train_rows(parallel_mode, rank, 2, steps=3)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"losses": losses, "weights": weights}, out)
+    # Out without the interpreter's teardown: gloo's can rarely abort a process after destroy_process_group (seen
+    # with and without this change; benchmarks/README.md), which is not what this test is about.
+    os._exit(0)
+
+
+@pytest.mark.slow  # two spawned processes per mode
+@pytest.mark.parametrize("parallel_mode", ["fsdp", "ddp"])
+def test_tail_clusters_used_by_one_process_only_train_as_one_process(parallel_mode, tmp_path):
+    """The last cluster of the adaptive input and softmax (tokens >= 128) occurs only in process 1's rows: DDP
+    (find_unused_parameters) and FSDP2 (every cluster runs, on no rows where unused) reduce the same tensors on both
+    processes and train exactly as one process on all rows. FSDP aborted in gloo here before every_cluster, and
+    needed torch 2.13 before that (set_reduce_scatter_unused_params)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_tail_cluster_worker, args=(parallel_mode, str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn", join=True)
+    got = torch.load(out)
+    losses, weights = _train_rows("none", 0, 1, steps=3)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=0, atol=1e-5)
+    assert max_difference(got["weights"], weights) < 1e-5
 
 
 @pytest.mark.slow  # a subprocess that joins a process group of one
