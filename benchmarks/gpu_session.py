@@ -30,14 +30,14 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from txl.fileio import write_text
+from benchmarks import sessions
+from txl.fileio import append_jsonl, read_jsonl, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_LENGTHS = "800,1800,2800,3800"  # Dai et al. 2019, Table 9
@@ -56,9 +56,13 @@ class Step:
     needs: tuple[str, ...] = ()  # modules that must import, else the step is skipped and says why
 
 
-def bench_argv(device: str, out: Path, worker_timeout: float, *more: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "benchmarks.run", "--device", device, "--lengths", "--keep-going",
-            "--worker-timeout", f"{worker_timeout:g}", "--out", str(out), *more)
+def bench_step(name: str, what: str, work: Path, device: str, worker_timeout: float, cap_s: float, min_s: float,
+               *more: str) -> Step:
+    """A ``benchmarks.run`` step (no speed-up sweep; a failed measurement is a row) writing into ``work / name``."""
+    out = work / name
+    return Step(name, what, (sys.executable, "-m", "benchmarks.run", "--device", device, "--lengths", "--keep-going",
+                             "--worker-timeout", f"{worker_timeout:g}", "--out", str(out), *more), cap_s, min_s,
+                bench=str(out))
 
 
 def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | None = None) -> list[Step]:
@@ -84,9 +88,8 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
                                                                    "tests/test_gpu.py"), 120, 30,
                           env={"PYTHONPATH": os.pathsep.join([oracle_site, os.environ.get("PYTHONPATH", "")])}))
     steps += [
-        Step("bench-eager", "2: eager, fused attention", bench_argv(
-            device, work / "bench-eager", 100, "--shapes", *shapes, "--dtypes", *dtypes, "--phases", "train", "eval",
-            *reps), 420, 60, bench=str(work / "bench-eager")),
+        bench_step("bench-eager", "2: eager, fused attention", work, device, 100, 420, 60,
+                   "--shapes", *shapes, "--dtypes", *dtypes, "--phases", "train", "eval", *reps),
         Step("speedup", "3: evaluation speed-up", (py, "-m", "experiments.speedup", "--device", device, "--shape",
                                                    speedup_shape, "--lengths", lengths, "--reps", "2" if smoke else "3",
                                                    "--results", str(work / "speedup")), 180, 30,
@@ -94,15 +97,14 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         Step("parallel-one", "4, on one GPU: DDP and FSDP2 over NCCL in a group of one, a DCP round trip",
              (py, "-m", "benchmarks.parallel_one", "--device", device,
               *(["--precisions", "fp32", "--steps", "2"] if smoke else [])), 150, 30),
-        Step("bench-compiled", "2: compiled beside eager", bench_argv(
-            device, work / "bench-compiled", 200, "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train",
-            "eval", "--compile", "on", *reps), 480, 120, bench=str(work / "bench-compiled")),
-        Step("bench-reference", "2: reference attention beside fused", bench_argv(
-            device, work / "bench-reference", 100, "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train",
-            "eval", "--model.attn_impl", "reference", *reps), 300, 60, bench=str(work / "bench-reference")),
-        Step("profile", "2: where the time goes", bench_argv(
-            device, work / "profile", 100, "--shapes", shapes[-1], "--dtypes", dtypes[0], "--phases", "train", "eval",
-            "--profile", *(reps or ["--steps", "3", "--warmup", "2"])), 200, 45, bench=str(work / "profile")),
+        bench_step("bench-compiled", "2: compiled beside eager", work, device, 200, 480, 120,
+                   "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train", "eval", "--compile", "on", *reps),
+        bench_step("bench-reference", "2: reference attention beside fused", work, device, 100, 300, 60,
+                   "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train", "eval",
+                   "--model.attn_impl", "reference", *reps),
+        bench_step("profile", "2: where the time goes", work, device, 100, 200, 45,
+                   "--shapes", shapes[-1], "--dtypes", dtypes[0], "--phases", "train", "eval", "--profile",
+                   *(reps or ["--steps", "3", "--warmup", "2"])),
         Step("serve-engine", "5: serving, the engine's batched read and generation",
              (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
               "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 150, 30),
@@ -117,21 +119,6 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
 
 
 # -- running -----------------------------------------------------------------------------------------------
-def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """End a step's session: SIGTERM first, so a step that started sessions of its own (benchmarks.run's workers)
-    ends them, then SIGKILL for whatever is left in it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # nothing left in the session
-        pass
-    proc.wait()
-
-
 def run_step(step: Step, limit: float, log: Path) -> tuple[str, float, str]:
     """Run one step for at most ``limit`` seconds; (outcome, seconds, its output). The step writes straight into
     ``log``, so one killed at its limit keeps what it printed."""
@@ -142,17 +129,8 @@ def run_step(step: Step, limit: float, log: Path) -> tuple[str, float, str]:
         offset = f.tell()
         start = time.monotonic()
         # A session of its own: at the limit the step ends with everything it started (servers, compile workers).
-        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                env=env, start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stop(proc)
-        except BaseException:
-            stop(proc)
-            raise
+        proc, _, _, timed_out = sessions.run(step.argv, limit, stdout=f, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
         seconds = time.monotonic() - start
         outcome = f"stopped at its limit ({limit:.0f} s)" if timed_out else \
             ("ok" if proc.returncode == 0 else f"failed (exit status {proc.returncode})")
@@ -170,16 +148,14 @@ def tables(output: str, keep: int = 80) -> str:
     return "\n".join(text[-keep:])
 
 
-def merge_results(step: Step, out: Path) -> int:
-    """Append the step's benchmark rows (as many as were written before it ended) to --out's results.jsonl."""
+def merge_results(step: Step, out: Path) -> list[dict]:
+    """The step's benchmark rows (as many as were written before it ended), tagged with the step and appended to
+    --out's results.jsonl."""
     path = Path(step.bench) / "results.jsonl"
-    if not path.is_file():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    with open(out / "results.jsonl", "a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps({"step": step.name, **row}) + "\n")
-    return len(rows)
+    rows = [{"step": step.name, **row} for row in read_jsonl(path)[0]] if path.is_file() else []
+    for row in rows:
+        append_jsonl(out / "results.jsonl", row)
+    return rows
 
 
 def missing(modules: tuple[str, ...]) -> list[str]:
@@ -237,16 +213,14 @@ def verdicts(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + checks + [""])
 
 
-def summary(done: list[tuple[str, str, float]], sections: list[str], budget: float, used: float, out: Path) -> str:
+def summary(done: list[tuple[str, str, float]], sections: list[str], rows: list[dict], budget: float, used: float,
+            out: Path) -> str:
     head = ["# GPU session", "", f"budget {budget:.0f} s, used {used:.0f} s", "",
             "| step | outcome | seconds |", "|---|---|---|", *(f"| {n} | {o} | {s:.0f} |" for n, o, s in done), ""]
     env = out / "env.json"
     if env.is_file():
         head += ["```", env.read_text().strip(), "```", ""]
-    results = out / "results.jsonl"
-    if results.is_file():
-        head.append(verdicts([json.loads(line) for line in results.read_text().splitlines() if line.strip()]))
-    return "\n".join(head + sections)
+    return "\n".join(head + [verdicts(rows)] + sections)
 
 
 def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, str, float]]:
@@ -255,6 +229,7 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
     start = time.monotonic()
     done: list[tuple[str, str, float]] = []
     sections: list[str] = []
+    rows: list[dict] = []  # every benchmark step's rows, as in --out's results.jsonl
     log = out / "session.log"
     for step in steps:
         left = budget - (time.monotonic() - start)
@@ -268,7 +243,9 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
               flush=True)
         outcome, seconds, output = run_step(step, min(left, step.cap_s), log)
         if step.bench:
-            outcome += f"; {merge_results(step, out)} benchmark rows"
+            new = merge_results(step, out)
+            rows += new
+            outcome += f"; {len(new)} benchmark rows"
         for name in map(Path, step.files):
             if name.is_file():
                 shutil.copy(name, out / name.name)
@@ -276,8 +253,8 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
         sections.append(f"## {step.name}: {step.what} ({outcome}, {seconds:.0f} s)\n\n`{' '.join(step.argv[1:])}`"
                         f"\n\n```\n{tables(output)}\n```\n")
         print(f"        {outcome} in {seconds:.0f} s", flush=True)
-        write_text(out / "summary.md", summary(done, sections, budget, time.monotonic() - start, out))
-    text = summary(done, sections, budget, time.monotonic() - start, out)
+        write_text(out / "summary.md", summary(done, sections, rows, budget, time.monotonic() - start, out))
+    text = summary(done, sections, rows, budget, time.monotonic() - start, out)
     write_text(out / "summary.md", text)
     print(text)
     return done
@@ -285,7 +262,7 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
 
 # -- the env step --------------------------------------------------------------------------------------------
 def describe(device: str, path: Path) -> dict:
-    """The device, its driver, torch and CUDA versions, where txl is imported from, and a quick bf16 matmul rate."""
+    """The device, its driver, torch and CUDA versions, where txl is imported from, the bf16 and TF32 matmul peaks."""
     import torch
 
     import txl
@@ -303,16 +280,10 @@ def describe(device: str, path: Path) -> dict:
             info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
         except (OSError, subprocess.TimeoutExpired) as err:
             info["nvidia_smi"] = f"unavailable: {err}"
-        n = 8192
-        a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        for _ in range(3):
-            a @ b
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        torch.cuda.synchronize(dev)
-        info["bf16_mm_tflops"] = round(2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12, 1)
+        from benchmarks.instruments import make_clock
+        from benchmarks.run import device_peaks
+        info.update({k.replace("_flops", "_tflops"): round(v / 1e12, 1)
+                     for k, v in device_peaks(dev, make_clock(dev)).items()})  # as every benchmark worker measures
     else:
         from benchmarks.instruments import cpu_model
         info["name"] = cpu_model()
@@ -364,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         import txl  # noqa: F401 (the steps' subprocesses import it the same way)
     except ImportError:
         p.error("txl does not import: pip install --no-deps --no-build-isolation --no-index -e . first")
-    # SIGTERM (a time limit from outside) as an exception: the running step's session is killed on the way out
-    # (each step has a session of its own, which a machine keeps running after the command otherwise).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # A time limit from outside stops the running step's session too (a machine keeps a session of its own
+    # running after the command otherwise).
+    sessions.exit_on_sigterm()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)

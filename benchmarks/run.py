@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 import torch
 
 import txl
+from benchmarks import sessions
 from benchmarks.flops import (  # noqa: F401 (Shape, SHAPES, ... are this driver's vocabulary: bench.SHAPES)
     NVIDIA_A100,
     SHAPES,
@@ -351,20 +351,12 @@ def spawn(args, *extra: str) -> list[dict]:
     model = [f"--{key}={value}" for key, value in overrides_from(args).items()]
     cmd = [sys.executable, "-m", "benchmarks.run", "--threads", str(args.threads), "--device", args.device, *resize,
            *model, *extra]
-    # A session of its own, so a timeout (or Ctrl-C here) ends the worker with whatever it started (torch.compile's
+    # A session of its own: a timeout (or Ctrl-C here) ends the worker with whatever it started (torch.compile's
     # compile workers).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.worker_timeout)
-        failure = f"exit status {proc.returncode}" if proc.returncode else None
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        failure = f"over --worker-timeout {args.worker_timeout:g} s"
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    proc, stdout, stderr, timed_out = sessions.run(cmd, args.worker_timeout, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    failure = f"over --worker-timeout {args.worker_timeout:g} s" if timed_out else \
+        (f"exit status {proc.returncode}" if proc.returncode else None)
     if failure is None:
         return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     sys.stderr.write(stderr)
@@ -582,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
         if name in dtypes and not gpu:
             raise SystemExit(f"--dtypes {name}: {name} needs --device cuda; use fp32 or bf16 on a CPU")
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so a running worker's session is killed too (spawn)
+    sessions.exit_on_sigterm()  # a running worker's session is stopped too
 
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
