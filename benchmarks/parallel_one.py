@@ -51,6 +51,8 @@ def batches(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def build(kind: str, info: DistInfo, precision: str):
+    # txl.parallel.wrap leaves a model of one process alone (DistInfo.enabled), so the group of one is wrapped
+    # here, as wrap would wrap it in a group of many.
     torch.manual_seed(0)
     model = txl.TransformerXL(config()).to(info.device).train()
     if kind == "fsdp":

@@ -15,16 +15,9 @@ ORACLE_VERSION = "4.37.2"  # transformers' last release whose deprecated Transfo
 
 def pytest_configure(config):
     """TXL_ORACLE=required (.ci/run's oracle environment): the oracle must be there, so no oracle test skips."""
-    if os.environ.get("TXL_ORACLE") != "required":
-        return
-    try:
-        import transformers
-    except ImportError:
-        raise pytest.UsageError("TXL_ORACLE=required but transformers is not installed: "
-                                "pip install -e '.[dev,oracle]'") from None
-    if transformers.__version__ != ORACLE_VERSION:
-        raise pytest.UsageError(f"TXL_ORACLE=required but transformers is {transformers.__version__}, not the oracle "
-                                f"{ORACLE_VERSION}: pip install -e '.[dev,oracle]'")
+    if os.environ.get("TXL_ORACLE") == "required" and (why := oracle_absent()):
+        raise pytest.UsageError(f"TXL_ORACLE=required but the oracle transformers=={ORACLE_VERSION} {why}: "
+                                "pip install -e '.[dev,oracle]'")
 
 
 def oracle_absent() -> str | None:

@@ -306,12 +306,11 @@ def _tail_cluster_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 def _train_rows(parallel_mode: str, rank: int, world_size: int, steps: int) -> tuple[list[float], dict]:
     """The library's wrap and step on this process's rows of every batch; (losses, full final weights)."""
+    from benchmarks import parallel_one
     from txl import parallel
     from txl.config import OptimConfig
-    from txl.data import Batch
     from txl.distributed import DistInfo
     from txl.optim import build_optimizer
-    from txl.train import train_step
 
     info = DistInfo(rank=rank, world_size=world_size, device=torch.device("cpu"))
     torch.manual_seed(0)
@@ -319,19 +318,10 @@ def _train_rows(parallel_mode: str, rank: int, world_size: int, steps: int) -> t
     step_model = parallel.wrap(model, info, parallel=parallel_mode, activation_checkpointing=False,
                                precision="fp32")
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    per = 4 // world_size
-    memories, losses = [None], []
-    for s, (x, y) in enumerate(_tail_cluster_batches(steps)):
-        batch = Batch(input_ids=x[rank * per:(rank + 1) * per], labels=y[rank * per:(rank + 1) * per],
-                      context_len=0, start=s * 8)
-        stats, memories = train_step(step_model, optimizer, scaler, batch, memories, lr=1e-3, clip=0.25,
-                                     precision="fp32", info=info)
-        losses.append(stats.loss)
-    with parallel.gathered(model):
-        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                   for k, v in model.state_dict().items()}
-    return losses, weights
+    mine = slice(rank * 4 // world_size, (rank + 1) * 4 // world_size)  # this process's rows of the 4
+    data = [(x[mine], y[mine]) for x, y in _tail_cluster_batches(steps)]
+    losses, _ = parallel_one.train(step_model, optimizer, info, "fp32", data)
+    return losses, parallel_one.full_weights(model)
 
 
 def _tail_cluster_worker(rank: int, parallel_mode: str, store_file: str, out: str) -> None:
