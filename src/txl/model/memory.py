@@ -130,8 +130,9 @@ def grow_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: 
     return tuple(new), tuple(bufs)
 
 
-def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int) -> None:
-    """Raise a ValueError naming what is wrong with a memory passed in by a caller."""
+def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int,
+                 device: torch.device | None = None) -> None:
+    """Raise a ValueError naming what is wrong with a memory passed in by a caller (``device``: the model's)."""
     if not isinstance(memory, (tuple, list)):
         raise ValueError(f"memory must be a tuple of {n_layer} tensors of shape (B, M, {d_model}); "
                          f"got {type(memory).__name__}. Pass the .memory of the previous output, or None")
@@ -145,3 +146,6 @@ def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int)
                 f"memory[{l}] has shape {tuple(m.shape)}; expected (B={batch_size}, M, d_model={d_model}) "
                 "with the same M in every layer (memory is batch-first; a Hugging Face memory is "
                 "(M, B, d): transpose it with .transpose(0, 1))")
+        if device is not None and m.device != device:
+            raise ValueError(f"memory[{l}] is on {m.device} but the model is on {device}: move the memory with "
+                             "tuple(m.to(device) for m in memory), or pass the .memory this model returned")

@@ -274,7 +274,8 @@ class TransformerXL(nn.Module):
         self._check_inputs(input_ids, labels, ctx)
         B = input_ids.size(0)
         if memory is not None:
-            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
+            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
+                         device=self.embed.layers[0].weight.device)
         if kv_cache is not None:
             self._check_kv_cache(kv_cache, memory_length(memory), B)
 
