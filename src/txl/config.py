@@ -28,9 +28,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl")
+KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16). A finished experiment
+('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype': where
+autocast rounds the memory and u, v). A finished experiment
 run that differs from its config only in them is the same run (experiments.common.train_or_skip)."""
 
 

@@ -50,6 +50,10 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
             h = (h[:, : h.size(1) - ext_len] if ext_len else h).detach()  # (B, T, ...)
             dt = dtype or h.dtype
             T = h.size(1)
+            if torch.compiler.is_compiling():  # one form for every T: torch.export's segment length is dynamic
+                cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
+                new.append((cat[:, -mem_len:] if cat.size(1) > mem_len else cat).to(dt, copy=True))
+                continue
             old = memory[l] if memory and memory[l].size(1) and T < mem_len else None
             if old is None:  # the segment's last mem_len rows, as a copy (dropped rows are freed with h)
                 rows = h[:, T - mem_len:] if T > mem_len else h  # (B, M', ...)
