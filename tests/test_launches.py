@@ -120,6 +120,19 @@ def test_static_cluster_rows_and_padded_widths_give_the_same_numbers(div_val, ch
         torch.testing.assert_close(grad, base[2].get(name, torch.zeros_like(grad)), atol=1e-6, rtol=1e-6)
 
 
+def test_a_padded_plain_softmax_gives_the_same_log_probs_and_nll():
+    """No cutoffs: one matmul 61 wide, padded to 64 with -inf columns that the log-probabilities leave out."""
+    torch.manual_seed(0)
+    padded = txl.TransformerXL(tiny_config(softmax_pad=64)).eval()
+    plain = txl.TransformerXL(tiny_config(softmax_pad=1)).eval()
+    plain.load_state_dict(padded.state_dict())
+    x, y = torch.randint(0, 61, (2, 5)), torch.randint(0, 61, (2, 5))
+    a, b = padded(x, labels=y, return_log_probs=True), plain(x, labels=y, return_log_probs=True)
+    assert a.log_probs.shape == (2, 5, 61)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.nll, b.nll, atol=1e-6, rtol=1e-6)
+
+
 def test_padded_softmax_widths_are_multiples_of_the_pad():
     model = txl.TransformerXL(tiny_config(vocab_size=267, cutoffs=[20, 40, 200], softmax_pad=64))
     widths = [w.size(0) for w, _, _ in model.softmax._clusters(torch.float32, torch.device("cpu"))]
