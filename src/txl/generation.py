@@ -24,6 +24,10 @@ training or evaluation segments. The model's own config is restored after every 
 The memory starts empty (the original PyTorch code), not as the zeros that Hugging Face and the
 TensorFlow original attend to at the start of a stream.
 
+The work is ``txl.decoding``'s, the core `txl serve` generates with too: ``Decoder.run`` reads a segment or a
+step into left-padded rows whose memory and keys grow in place, ``Picker`` chooses the tokens, ``StopText`` finds
+the stop strings.
+
 Prompts of different lengths are read as one batch, left-padded: the pad positions are masked as keys
 (``padding=`` of the model's forward) for as long as they stay in the memory, and relative attention does
 not see the shift, so each row is generated exactly as it would be alone (with the default ``mem_len``,

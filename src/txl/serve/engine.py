@@ -16,9 +16,10 @@ steps that batch's tensors as they are (or the subset still running, one index_s
 per-step cost does not grow with copying every row's memory and keys/values in and out; rows from different
 batches (a generation joining others) are gathered once into a new batch.
 
-Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`).
-Generation continues from the memory as `txl generate` does (same_length off, the memory growing with
-the tokens generated, keys and values cached); what it generates is then read into the session like text.
+Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`, through
+``txl.decoding.read``). Generation continues from the memory as `txl generate` does, with its units, sampler
+and stop-text matcher (``txl.decoding``: same_length off, the memory growing with the tokens generated, keys
+and values cached, rows on the model's device); what it generates is then read into the session like text.
 """
 
 from __future__ import annotations
