@@ -43,9 +43,6 @@ from txl.serve.session import ClientError, SessionState, SessionStore, take_text
 
 logger = logging.getLogger(__name__)
 
-CONTEXT_IDS = 8
-"""Tokens before a generation that its text is decoded after (enough for a detokeniser's rules)."""
-
 
 
 @dataclass
@@ -511,7 +508,7 @@ class Engine:
         except ValueError as err:
             raise ClientError(400, "stop_token_ids", str(err)) from None
         pick.see(torch.tensor([state.tokens]))
-        stream = TextStream(self.tokenizer, context=state.tokens[-CONTEXT_IDS:])
+        stream = TextStream(self.tokenizer, context=state.tokens)
         texts = StopText(stop)
         produced: list[int] = []
         chosen: list[float] = []
