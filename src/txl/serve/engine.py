@@ -44,7 +44,6 @@ from txl.serve.session import ClientError, SessionState, SessionStore, take_text
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Unit:
     """One row of model work. kind 'score': inputs and labels from ``memory`` (L, m, d); 'prefill': inputs
@@ -111,9 +110,7 @@ class Model:
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
         self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False)
-        self.gen_ctx = self.decoder.context
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
-        self.cacheable = self.decoder.cacheable
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
