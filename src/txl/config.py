@@ -130,9 +130,9 @@ class ModelConfig:
     state_dtype: StateDtype = "compute"
     """Under autocast, the dtype of the memory rows kept for the next segment and of the biases u, v the queries
     are shifted by. 'compute': autocast's (bf16 or fp16): every layer then reads its memory and adds u and v
-    without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': the residual
-    stream's (float32 with float32 weights; before issue 34), which autocast casts again in every layer and
-    step. The same without autocast (both are the weights' dtype)."""
+    without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': each layer
+    input's own dtype and float32 u, v (before issue 34): autocast casts them again in every layer and step.
+    The same without autocast (both are the weights' dtype)."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a

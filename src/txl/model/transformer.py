@@ -201,8 +201,8 @@ class TransformerXL(nn.Module):
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
         # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
         # once here, not by autocast in every layer (q + u would promote the query to float32).
-        state = kernels.compute_dtype(h) if c.state_dtype == "compute" else h.dtype
-        u, v = (None if b is None else b.to(state) for b in (u, v))
+        state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
+        u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
