@@ -22,6 +22,7 @@ Two instruments, each where it sees what a GPU would do:
 
     python -m benchmarks.launches              # train and eval, bf16 autocast and fp32, as on this CPU
     python -m benchmarks.launches --cuda-mode  # and the train step in the mode a GPU runs (no syncs there)
+    python -m benchmarks.launches --device cuda  # the same counts on a GPU
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from txl.distributed import DistInfo
 from txl.optim import build_optimizer
 from txl.train import train_step
 
+CPU = torch.device("cpu")
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 """Ops that make the host wait for the device (profiler names)."""
 OPAQUE = ("aten::_fused_adam_", "aten::_fused_adamw_")
@@ -112,10 +114,14 @@ class _Dispatched(TorchDispatchMode):
 
 
 def count(fn) -> Counts:
-    """Run ``fn()`` under both instruments and count its ops (see the module docstring)."""
+    """Run ``fn()`` twice, once under each instrument, and count its ops (see the module docstring): the steps
+    must be alike (a step with a full memory, a segment with a full memory). Apart, so that neither instrument
+    changes what the other sees (a Python dispatch mode sends some CPU kernels down paths that read scalars)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof, _Dispatched() as mode:
+    with _Dispatched() as mode:
+        fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     syncs = collections.Counter(e.name for e in prof.events() if e.name in SYNC_OPS and not _inside(e, OPAQUE))
     return Counts(ops=mode.ops, launched=mode.launched, syncs=syncs)
@@ -132,16 +138,16 @@ def _inside(event, names: tuple[str, ...]) -> bool:
 
 
 def train_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int = 4, tgt_len: int = 24,
-                 seed: int = 0) -> Counts:
+                 seed: int = 0, device: torch.device = CPU) -> Counts:
     """The counts of one ``txl.train.train_step`` (forward, backward, clip, fused Adam), memory carried from a
     first, uncounted step (the second sees a full memory when tgt_len >= mem_len, as every step after it)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = txl.TransformerXL(config).train()
+    model = txl.TransformerXL(config).to(device).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    info = DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
-    stream = zipf_tokens(config.vocab_size, (batch, 2 * tgt_len + 1), gen)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    info = DistInfo(rank=0, world_size=1, device=device)
+    stream = zipf_tokens(config.vocab_size, (batch, 2 * tgt_len + 1), gen).to(device)  # (B, 2T + 1)
     memories = [None]
 
     def step(i: int) -> None:
@@ -152,27 +158,27 @@ def train_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int
                                  info=info)
 
     step(0)
-    return count(lambda: step(1))
+    return count(lambda: step(1))  # each count runs step 1 again: the same full memory, the same shapes
 
 
 def eval_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int = 4, tgt_len: int = 8,
-                mem_len: int = 80, seed: int = 0) -> Counts:
+                mem_len: int = 80, seed: int = 0, device: torch.device = CPU) -> Counts:
     """The counts of one evaluation segment as ``txl.evaluate`` runs it (no_grad, memory and key/value cache
     carried) once the memory is full (NVIDIA's evaluation geometry: short segments, long memory)."""
     from txl.evaluate import autocast
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = txl.TransformerXL(config).eval()
+    model = txl.TransformerXL(config).to(device).eval()
     ctx = config.context(mem_len=mem_len)
     n = mem_len // tgt_len + 1
-    stream = zipf_tokens(config.vocab_size, (batch, (n + 1) * tgt_len + 1), gen)
+    stream = zipf_tokens(config.vocab_size, (batch, (n + 1) * tgt_len + 1), gen).to(device)
     state = dict(memory=None, cache=model.start_kv_cache())
 
     @torch.no_grad()
     def segment(i: int) -> None:
         x, y = stream[:, i * tgt_len:(i + 1) * tgt_len], stream[:, i * tgt_len + 1:(i + 1) * tgt_len + 1]
-        with autocast(torch.device("cpu"), precision):
+        with autocast(device, precision):
             out = model(x, labels=y, memory=state["memory"], kv_cache=state["cache"], context=ctx)
         state.update(memory=out.memory, cache=out.kv_cache)
 
@@ -185,15 +191,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
                    help="a ModelConfig field of the narrow NVIDIA-structured model (e.g. --model attn_impl reference)")
-    p.add_argument("--cuda-mode", action="store_true", help="also the train row in the mode a GPU runs")
+    p.add_argument("--cuda-mode", action="store_true", help="also the rows in the mode a GPU runs (on a CPU)")
+    p.add_argument("--device", default="cpu", help="count on this device (cuda: the real thing, no emulation needed)")
     args = p.parse_args(argv)
-    changes = {k: txl.ModelConfig.__dataclass_fields__[k].type and _parse(v) for k, v in args.model}
     torch.set_num_threads(1)
-    config = narrow_nvidia(**changes)
+    device = torch.device(args.device)
+    config = narrow_nvidia(**{k: _parse(v) for k, v in args.model})
+    print(f"device {device}")
     print("phase  precision  launched  copies  cat  syncs  _local_scalar_dense  nonzero")
     for phase, fn in (("train", train_counts), ("eval", eval_counts)):
         for precision in ("bf16", "fp32"):
-            r = fn(config, precision=precision).row()
+            r = fn(config, precision=precision, device=device).row()
             print(f"{phase:6} {precision:9} {r['launched']:9} {r['copies']:7} {r['cat']:4} {r['syncs']:6} "
                   f"{r['_local_scalar_dense']:20} {r['nonzero']:8}")
     if args.cuda_mode:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # runs it (``as_on_cuda``, dropout_impl 'torch', cluster_rows 'all'), counted by ``launches.count``:
 #
 #                         launched   copies   cat   syncs (_local_scalar_dense + nonzero)
-#   a4a52e2 (before)          2166      756    51      23  (16 + 7)
+#   a4a52e2 (before)          2166      756    51      12  (8 + 4)
 #   issue 34 (now)            1882      509    37       0
 #   issue 34's target        <=1083    <=252  <=25      0
 #
