@@ -34,7 +34,11 @@ try:
 except ImportError as err:  # one line, with the fix
     raise ImportError("txl's lm-evaluation-harness model needs lm-eval: pip install 'txl[lmeval]'") from err
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TxlLM", "main"]
 
@@ -60,7 +64,7 @@ class TxlLM(TemplateLM):
                  same_length: bool | str | None = None, clamp_len: int | None = None, max_gen_toks: int = 256,
                  **kwargs: Any) -> None:
         super().__init__()
-        unknown = sorted(k for k in kwargs if k not in ("dtype", "trust_remote_code", "max_length"))
+        unknown = sorted(k for k in kwargs if k not in ("dtype", "trust_remote_code", "max_length", "max_batch_size"))
         if unknown:
             raise ValueError(f"unknown model_args for the txl model: {', '.join(unknown)}; it takes pretrained, "
                              "revision, device, batch_size, segment_len, mem_len, same_length, clamp_len, max_gen_toks")
@@ -69,6 +73,10 @@ class TxlLM(TemplateLM):
         from txl.distributed import resolve_device
         from txl.pretrained import resolve_model_dir
 
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's command line passes device=cuda:0 unless told otherwise; its own models fall back too.
+            logger.warning("device %s: CUDA is not available on this machine; the model runs on the CPU", device)
+            device = "cpu"
         directory = resolve_model_dir(pretrained, revision=revision)
         self.model = txl.from_pretrained(directory, device=resolve_device(device)).eval()
         self.tokenizer = load_model_tokenizer(directory, vocab_size=self.model.config.vocab_size)
