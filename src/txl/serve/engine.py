@@ -35,11 +35,16 @@ from typing import Any
 
 import torch
 
+from txl.config import Context
+from txl.data.tokenizer.stream import TextStream
 from txl.model.kv_cache import KVCache, weights_version
 from txl.sampling import sample_next
 from txl.serve.session import ClientError, SessionState, SessionStore, take_text
 
 logger = logging.getLogger(__name__)
+
+CONTEXT_IDS = 8
+"""Tokens before a generation that its text is decoded after (enough for a detokeniser's rules)."""
 
 BIG = 1 << 30
 """mem_len while generating: nothing read is dropped (as `txl generate` by default)."""
@@ -147,7 +152,8 @@ def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
     if M == 0:
         return None, lengths
     if min(lengths) == M:  # all rows full (the usual case when reading): one copy, no zeros
-        return torch.stack(rows, 1), [0] * len(rows)  # (L, B, M, ...)
+        # On the model's device and in its dtype: a session read back from disk (or spilled) holds CPU rows.
+        return torch.stack([r.to(device=device, dtype=dtype) for r in rows], 1), [0] * len(rows)  # (L, B, M, ...)
     L = next(r for r in rows if r is not None).size(0)
     out = torch.zeros(L, len(rows), M, *shape, dtype=dtype, device=device)  # (L, B, M, ...)
     for b, r in enumerate(rows):
@@ -159,20 +165,24 @@ def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
 class Model:
     """The model and the batched forward passes of the three kinds of unit."""
 
-    def __init__(self, model, *, segment_len: int, mem_len: int, same_length: bool, clamp_len: int) -> None:
+    def __init__(self, model, *, segment_len: int, context: Context | None = None, mem_len: int | None = None,
+                 same_length: bool | None = None, clamp_len: int | None = None) -> None:
+        """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's."""
         self.model = model.eval()
         c = model.config
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
-        self.segment_len, self.mem_len = segment_len, mem_len
+        if context is None:
+            context = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
+        self.read_ctx = context
+        self.segment_len, self.mem_len = segment_len, context.mem_len
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.read_ctx = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
-        self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
+        self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=context.clamp_len, ext_len=0)
         self.cacheable = model.start_kv_cache() is not None
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
-        self.generation_reads_alike = not same_length
+        self.generation_reads_alike = not context.same_length
         self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
         self.weights_version = weights_version(model)  # a server never changes its weights
 
@@ -551,26 +561,41 @@ class Engine:
         state.chars += len(text)
         return ids, lps
 
-    def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
-                 top_logprobs: int = 0) -> Generator[Unit, Result, dict]:
-        """Continue the session: sample up to ``max_tokens`` tokens, then read them into it."""
+    def read_tail(self, state: SessionState) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+        """Read the session's unfinished line as it stands (a prompt's end, or the text a generation continues):
+        its ids and the log-probs of those scored."""
         if state.raw:
             raise ClientError(400, "session", "the session holds an unfinished UTF-8 character: send its "
                               "remaining bytes first")
-        if state.tail:  # an unfinished line: generation continues it, so it is read as it stands
-            try:
-                ids = [int(i) for i in self.tokenizer.encode_prompt(state.tail)]
-            except ValueError as err:
-                raise ClientError(400, "text", str(err)) from None
-            state.chars += len(state.tail)
-            state.tail = ""
-            yield from self.read_ids(state, ids)
+        if not state.tail:
+            return [], []
+        try:
+            ids = [int(i) for i in self.tokenizer.encode_prompt(state.tail)]
+        except ValueError as err:
+            raise ClientError(400, "text", str(err)) from None
+        state.chars += len(state.tail)
+        state.tail = ""
+        lps = yield from self.read_ids(state, ids)
+        return ids, lps
+
+    def read_prompt(self, state: SessionState, text: str) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+        """Read a completion's prompt: whole text, its last line (a word-level model's last word) read as it
+        stands instead of held back for more text, as a session's text is."""
+        ids, lps = yield from self.read_text(state, text, final=False)
+        more, more_lps = yield from self.read_tail(state)
+        return ids + more, lps + more_lps
+
+    def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
+                 seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
+                 top_logprobs: int = 0) -> Generator[Unit, Result, dict]:
+        """Continue the session: sample up to ``max_tokens`` tokens, then read them into it. The text is what
+        the tokens add to the session's text (for words: after a space, unless a line just ended)."""
+        yield from self.read_tail(state)  # an unfinished line: generation continues it
         if not state.tokens:
             raise ClientError(400, "session", "the session has read no text yet: give a prompt or read some text "
                               "first (generation continues a text)")
         generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        stream = self.tokenizer.stream()
+        stream = TextStream(self.tokenizer, context=state.tokens[-CONTEXT_IDS:])
         hold = max((len(s) for s in stop), default=1) - 1
         produced: list[int] = []
         chosen: list[float] = []

@@ -23,9 +23,11 @@ class TextStream:
     streamed text can differ from ``tokenizer.decode(ids)`` in spacing there; ``decode`` stays exact.
     """
 
-    def __init__(self, tokenizer: _Decoder) -> None:
-        self.tokenizer, self.ids = tokenizer, []
-        self.shown = ""
+    def __init__(self, tokenizer: _Decoder, context: Sequence[int] = ()) -> None:
+        """``context``: ids already shown (the text being continued), so that the first text shown is what the
+        new ids add to it (for words: a space before the first word)."""
+        self.tokenizer, self.ids = tokenizer, [int(i) for i in context]
+        self.shown = tokenizer.decode(self.ids) if self.ids else ""
         self.base, self.prefix = 0, ""  # the current run decodes ids[base:], after the text prefix
 
     def _emit(self, end: int, *, final: bool = False) -> str:
