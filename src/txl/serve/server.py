@@ -50,6 +50,7 @@ class Server:
         try:
             model, tokenizer, self.name = self.load()
             s = self.config
+            self.name = s.model_name or self.name
             m = Model(model, segment_len=s.segment_len, context=s.context(model.config))  # resolved here, once
             store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl)
             engine = Engine(m, tokenizer, store, max_queue=s.max_queue, max_batch=s.max_batch,
@@ -118,7 +119,9 @@ async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], firs
                     err = data if isinstance(data, ClientError) else ClientError(500, None, "internal error")
                     yield f"data: {json.dumps({'error': {'field': err.field, 'reason': err.reason}})}\n\n"
                     break
-                yield f"data: {json.dumps(render(kind, data))}\n\n"
+                chunk = render(kind, data)
+                if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 if kind == "done":
                     break
                 kind, data = await events.queue.get()
