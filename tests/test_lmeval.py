@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -115,6 +116,40 @@ def test_in_process_loglikelihood_and_generation(tmp_path):
     stop = made[0][len(made[0]) // 2]
     cut = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": [stop], "max_gen_toks": 9}), 0)])
     assert cut[0] == made[0][:made[0].index(stop)]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("level", ["word", "char"])
+def test_local_completions_against_txl_serve_equal_txl_score(tmp_path, capsys, level):
+    """`lm_eval --model local-completions --model_args base_url=.../v1/completions,model=tiny`, nothing else: lm-eval
+    finds the tokenizer endpoints (/tokenizer_info, /tokenize), reads the prefix from eos_token, sends token-id
+    prompts with echo and logprobs, and reads dict top_logprobs. TEXT fits one lm-eval window (2047 tokens), read
+    by the server in segments of 128 with memory: bits_per_byte equals `txl score`'s, and the in-process model's."""
+    pytest.importorskip("fastapi")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from serve_util import loader, running
+
+    from txl.serve import ServeConfig, create_app
+
+    # lm-eval probes /tokenize with the word 'test': a word vocabulary needs its <unk> (as WikiText's has).
+    directory = make_model_dir(tmp_path / "model", level=level, spec={"specials": ["<eos>", "<unk>"]} if
+                               level == "word" else None)
+    task = write_task(tmp_path / "task", [TEXT])
+    app = create_app(ServeConfig(state_dir=str(tmp_path / "state"), durability="shutdown"), loader(directory))
+    with running(app) as url:
+        out = lm_eval.simple_evaluate(model="local-completions", model_args=f"base_url={url}/v1/completions,model=tiny",
+                                      tasks=["txl_text"], bootstrap_iters=0, log_samples=False,
+                                      task_manager=TaskManager(include_path=str(task), include_defaults=False))
+    result = out["results"]["txl_text"]
+    text = tmp_path / "doc.txt"
+    text.write_text(TEXT if level == "word" else "\n" + TEXT, encoding="utf-8")
+    nll = txl_score_nll(capsys, directory, text)
+    n_bytes = len(TEXT.encode("utf-8"))
+    assert result["bits_per_byte,none"] == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-6)
+    words = len(re.split(r"\s+", TEXT))  # as lm-eval counts them
+    assert result["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-6)
 
 
 def test_unknown_model_args_are_refused_in_one_line(tmp_path):
