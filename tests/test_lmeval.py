@@ -157,3 +157,14 @@ def test_unknown_model_args_are_refused_in_one_line(tmp_path):
 
     with pytest.raises(ValueError, match="unknown model_args for the txl model: colour"):
         TxlLM(pretrained=str(make_model_dir(tmp_path / "model")), colour="red")
+
+
+def test_registering_txl_keeps_lm_evals_own_models():
+    """lm-eval fills its registry with its own models only while the registry is empty: importing txl.lmeval
+    first must not hide them (it imports them before registering 'txl')."""
+    from lm_eval.api.registry import get_model
+
+    from txl.lmeval import TxlLM
+
+    assert get_model("txl") is TxlLM
+    assert get_model("local-completions").__name__ == "LocalCompletionsAPI"

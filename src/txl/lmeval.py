@@ -29,6 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 try:
+    # lm-eval fills its model registry with its own models only when the registry is empty: import them first,
+    # or registering ``txl`` would hide 'local-completions' and the rest from get_model.
+    import lm_eval.models  # noqa: F401
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as err:  # one line, with the fix
