@@ -62,7 +62,7 @@ SPEC = [  # (field, value, status, what the answer says: the reason of a refusal
     ("stream", True, OK, None), ("stream", None, OK, None), ("stream", "yes", 422, None),
     ("stream_options", {"include_usage": True}, OK, None), ("stream_options", None, OK, None),
     ("suffix", "", OK, None), ("suffix", None, OK, None), ("suffix", " the end", 400, "is not supported"),
-    ("temperature", 0, OK, None), ("temperature", None, OK, None), ("temperature", -1, 400, "must be a finite"),
+    ("temperature", 0, OK, None), ("temperature", None, OK, None), ("temperature", -1, 400, "must be >= 0"),
     ("top_p", 0.9, OK, None), ("top_p", None, OK, None), ("top_p", 0, 400, "must be in (0, 1]"),
     ("user", "u-1", OK, None), ("user", None, OK, None), ("user", 5, 422, None),
 ]

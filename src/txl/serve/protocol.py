@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from txl.config import check_sampling
 from txl.serve.session import ClientError
 
 RANGE = "value_out_of_range"
@@ -69,11 +70,17 @@ TEXT_TYPES = ("application/json", "text/plain", "application/octet-stream")
 # -- generation ----------------------------------------------------------------------------------------------
 
 class Sampling(Body):
+    """The sampling settings of a generation, as `txl generate` takes them (vLLM's names for the two OpenAI
+    lacks: ``repetition_penalty``, ``stop_token_ids``). Their rule is ``txl.config.check_sampling``, the one
+    every command applies; what is the server's own (``serve.max_tokens``, at most 4 stop texts) is here."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
     stream: bool = False
 
@@ -87,25 +94,15 @@ class Sampling(Body):
             raise out_of_range(f"must be <= {limit} (serve.max_tokens), got {v}")
         return v
 
-    @field_validator("temperature")
+    @field_validator("temperature", "top_p", "top_k", "repetition_penalty")
     @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not v >= 0 or v == float("inf"):  # NaN too
-            raise out_of_range(f"must be a finite number >= 0 (0: greedy), got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise out_of_range(f"must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < 0:
-            raise out_of_range(f"must be >= 0 (0: every token), got {v}")
+    def _sampling(cls, v: float, info: ValidationInfo) -> float:
+        if info.field_name == "temperature" and v == float("inf"):  # JSON's Infinity: no distribution left
+            raise out_of_range("must be a finite number >= 0 (0: greedy)")
+        try:
+            check_sampling(**{info.field_name: v})
+        except ValueError as err:
+            raise out_of_range(str(err)) from None
         return v
 
     @field_validator("seed")

@@ -71,7 +71,9 @@ def generation(engine: Engine, state, req, job, events: Events | None, top_logpr
     """The engine's generation with a request's sampling settings (its text pieces to ``events``, and with
     ``tokens`` each token drawn, (id, log-prob, top alternatives), as a 'token' event before its text)."""
     return engine.generate(state, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                           top_p=req.top_p, seed=req.seed, stop=req.stop_texts, job=job, top_logprobs=top_logprobs,
+                           top_p=req.top_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+                           stop=req.stop_texts, stop_tokens=req.stop_token_ids or (), job=job,
+                           top_logprobs=top_logprobs,
                            on_text=(lambda piece: events.emit("text", piece)) if events else None,
                            on_token=(lambda *t: events.emit("token", t)) if events and tokens else None)
 
