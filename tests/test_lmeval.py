@@ -142,6 +142,20 @@ def test_local_completions_against_txl_serve_equal_txl_score(tmp_path, capsys, l
         out = lm_eval.simple_evaluate(model="local-completions", model_args=f"base_url={url}/v1/completions,model=tiny",
                                       tasks=["txl_text"], bootstrap_iters=0, log_samples=False,
                                       task_manager=TaskManager(include_path=str(task), include_defaults=False))
+        # loglikelihood (multiple-choice tasks): the HTTP model's answers are the in-process model's, is_greedy too.
+        from lm_eval.api.instance import Instance
+        from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+        from txl.lmeval import TxlLM
+
+        made = TxlLM(pretrained=str(directory)).generate_until(
+            [Instance("generate_until", {}, ("The cat sat", {"until": ["zzz"], "max_gen_toks": 3}), 0)])[0]
+        pairs = [("The cat sat", " on the"), ("", "The cat"), ("The cat sat", made)]
+        reqs = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+        remote = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model="tiny").loglikelihood(reqs)
+    local = TxlLM(pretrained=str(directory)).loglikelihood(reqs)
+    assert [g for _, g in remote] == [g for _, g in local] and remote[2][1]  # the greedy continuation is greedy
+    assert [lp for lp, _ in remote] == pytest.approx([lp for lp, _ in local], abs=1e-5)
     result = out["results"]["txl_text"]
     text = tmp_path / "doc.txt"
     text.write_text(TEXT if level == "word" else "\n" + TEXT, encoding="utf-8")

@@ -17,9 +17,10 @@ negative of ``txl score``'s total NLL on the same text; at char or byte level it
 text after a line break. The reading context (segment length, mem_len, same_length, clamp_len) is
 ``txl score``'s: a run's ``[eval]`` section, else the model's, each field overridable in ``--model_args``.
 
-``loglikelihood`` scores the continuation after the context the same way (the prefix before an empty
-context); its ``is_greedy`` is whether the library's greedy decoding (``txl.generate``, temperature 0)
-produces the continuation's tokens. ``generate_until`` is ``txl.generate``: greedy unless the task asks for
+``loglikelihood`` reads the context and the continuation the same way (the prefix before an empty context,
+a context's own first token otherwise, as lm-eval's HTTP models send it): the continuation's log-prob, and
+``is_greedy``, whether each of its tokens is the most likely one where it is read (what `txl serve`'s
+``top_logprobs`` give lm-eval over HTTP). ``generate_until`` is ``txl.generate``: greedy unless the task asks for
 a temperature, cut at the first stop text. Text is tokenised as a prompt (``Tokenizer.encode_prompt``), as
 ``txl serve``'s ``/tokenize`` does: a word-level text ending without a line break gets no final ``<eos>``.
 """
@@ -134,24 +135,37 @@ class TxlLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         # Each request: ((context, continuation), context ids, continuation ids); the context's first token
         # is read as the context of the rest (it is the prefix when the context text was empty).
-        docs = [list(ctx) + list(cont) for _, ctx, cont in requests]
-        scores = self._score(docs, None)
         out = []
-        for (key, ctx, cont), doc in zip(requests, scores):
-            logprob = float(doc.logprobs[len(doc.logprobs) - len(cont):].sum()) if cont else 0.0
-            answer = (logprob, self._greedy(list(ctx), list(cont)))
+        for key, ctx, cont in requests:
+            answer = self._read(list(ctx) + list(cont), len(cont))
             out.append(answer)
             self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
 
-    def _greedy(self, ctx: list[int], cont: list[int]) -> bool:
-        """Whether greedy decoding after ``ctx`` produces ``cont`` (txl.generate, temperature 0)."""
-        from txl.generation import generate
+    @torch.no_grad()
+    def _read(self, ids: list[int], n: int) -> tuple[float, bool]:
+        """Read ``ids`` as txl score does (segments, memory carried: txl.decoding.read); the summed log-prob of
+        the last ``n`` and whether each of them is the most likely token where it stands."""
+        from txl.decoding import read
 
-        if not cont:
-            return True
-        made = generate(self.model, ctx, max_new_tokens=len(cont), temperature=0.0, segment_len=self.segment_len)
-        return made[0].tolist() == cont
+        c = self.context
+        context = self.model.config.context(mem_len=c.mem_len, same_length=c.same_length, clamp_len=c.clamp_len,
+                                            ext_len=0)
+        x = torch.tensor([ids[:-1]], dtype=torch.long, device=self._device)  # (1, N - 1): inputs
+        y = torch.tensor([ids[1:]], dtype=torch.long, device=self._device)  # (1, N - 1): labels
+        first = x.size(1) - n  # the continuation's labels start here
+        memory, logprob, greedy = None, 0.0, True
+        for start in range(0, x.size(1), self.segment_len):
+            xs, ys = x[:, start:start + self.segment_len], y[:, start:start + self.segment_len]  # (1, S) each
+            lp, out = read(self.model, xs, ys, memory, context=context)
+            memory = out.memory
+            skip = max(first - start, 0)  # positions of this segment before the continuation
+            if skip >= xs.size(1):
+                continue
+            logprob += float(lp[0, skip:].sum())
+            best = self.model.softmax.log_prob(out.hidden[0, skip:]).argmax(-1)  # (S - skip,)
+            greedy = greedy and bool((best == ys[0, skip:]).all())
+        return logprob, greedy
 
     # -- generation --------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
