@@ -150,8 +150,11 @@ def test_echoed_prompt_tokens_have_dict_top_logprobs(api, word_dir):
         assert (max(top.values()) == lp) == (int(full[t].argmax()) == ids[t + 1])
 
 
-def test_streamed_chunks_each_carry_their_tokens_logprobs(api):
-    body = {"prompt": "The cat", "max_tokens": 8, "seed": 3, "temperature": 0.9, "logprobs": 1}
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_chunks_each_carry_their_tokens_logprobs(api, echo):
+    """Every chunk with text has the logprobs of the tokens it completes (the echoed prompt's first); together
+    they are the whole answer's, offsets included."""
+    body = {"prompt": "The cat", "max_tokens": 8, "seed": 3, "temperature": 0.9, "logprobs": 1, "echo": echo}
     whole = api.post(C, json=body).json()["choices"][0]
     r = api.post(C, json={**body, "stream": True})
     chunks = [json.loads(line[6:])["choices"][0] for line in r.text.split("\n\n") if line.startswith("data: {")]
@@ -163,6 +166,10 @@ def test_streamed_chunks_each_carry_their_tokens_logprobs(api):
     assert tokens == whole["logprobs"]["tokens"] and lps == pytest.approx(whole["logprobs"]["token_logprobs"])
     offsets = [x for c in chunks for x in c["logprobs"]["text_offset"]]
     assert offsets == whole["logprobs"]["text_offset"]
+    tops = [x for c in chunks for x in c["logprobs"]["top_logprobs"]]
+    assert len(tops) == len(whole["logprobs"]["top_logprobs"])
+    for a, b in zip(tops, whole["logprobs"]["top_logprobs"]):
+        assert (a is None) == (b is None) and (a is None or a == pytest.approx(b))
 
 
 # -- the tokenizer, the model's name, HEAD, CORS -----------------------------------------------------------------
