@@ -43,10 +43,6 @@ from txl.serve.session import ClientError, SessionState, SessionStore, take_text
 
 logger = logging.getLogger(__name__)
 
-CONTEXT_IDS = 8
-"""Tokens before a generation that its text is decoded after (enough for a detokeniser's rules)."""
-
-
 
 @dataclass
 class Unit:
@@ -118,9 +114,7 @@ class Model:
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
         self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False)
-        self.gen_ctx = self.decoder.context
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
-        self.cacheable = self.decoder.cacheable
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
@@ -534,7 +528,7 @@ class Engine:
         except ValueError as err:
             raise ClientError(400, "stop_token_ids", str(err)) from None
         pick.see(torch.tensor([state.tokens]))
-        stream = TextStream(self.tokenizer, context=state.tokens[-CONTEXT_IDS:])
+        stream = TextStream(self.tokenizer, context=state.tokens)
         texts = StopText(stop)
         produced: list[int] = []
         chosen: list[float] = []
