@@ -119,11 +119,11 @@ class Attention(nn.Module):
         return ()
 
     # -- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
-        (B, 1, T, K) when rows hide different keys: padding);
+        (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
         this layer's own, untie_r).
 
@@ -151,7 +151,7 @@ class Attention(nn.Module):
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
         if self.impl == "reference":
-            attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
+            attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=kernels.hidden(mask))  # (B, H, T, D)
         else:
             query = (q + self.query_bias(self.content_bias(u), q)) * self.scale  # (B, T, H, D): scale the query
             made = self.positional_inputs(q, k.size(1), positions, v)

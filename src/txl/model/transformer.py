@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.attn = build_attention(config)
         self.ff = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv))
@@ -188,6 +188,8 @@ class TransformerXL(nn.Module):
                 raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
                                  f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
             mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
+        if not torch.compiler.is_compiling():  # (a compiled graph makes it once anyway)
+            mask = kernels.Mask(mask)  # shared by the layers: its additive form made once, not in every layer
 
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         table = ()
