@@ -246,3 +246,91 @@ def test_a_mask_shared_by_the_layers_gives_what_each_layers_own_gives(attn_type,
     (out_a, grads_a), (out_b, grads_b) = results
     assert all(torch.equal(a, b) for a, b in zip(out_a + list(grads_a), out_b + list(grads_b)))
     assert kernels.Mask(mask).bias(torch.float32).eq(float("-inf")).equal(mask)
+
+
+def _train_and_eval_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Two training segments (memory carried) and two cached evaluation segments under bf16 autocast: losses,
+    memories, every gradient and the log-probabilities."""
+    torch.manual_seed(5)
+    got = []
+    memory = None
+    for i in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.train()(x[:, 5 * i:5 * i + 5], labels=y[:, 5 * i:5 * i + 5], memory=memory)
+        out.loss.backward()
+        memory = out.memory
+        got += [out.loss.detach(), *memory]
+    got += [p.grad for p in model.parameters() if p.grad is not None]
+    memory, cache = None, model.start_kv_cache()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(2):
+            out = model.eval()(x[:, 5 * i:5 * i + 5], memory=memory, kv_cache=cache)
+            memory, cache = out.memory, out.kv_cache
+            got.append(out.log_probs)
+    return got
+
+
+@pytest.mark.parametrize("change", [{}, dict(pre_ln=True, untie_r=True), dict(attn_type="shaw"),
+                                    dict(dropout=0.1, dropatt=0.1, dropout_impl="torch"),
+                                    dict(state_dtype="residual")],
+                         ids=["relative", "preln-untie", "shaw", "dropout", "residual-state"])
+def test_weights_cast_in_one_group_give_what_autocast_gives_bit_for_bit(change):
+    """``cast_weights='grouped'`` (one cast of every layer weight per forward, one of their gradients back) against
+    'per_use' (autocast's cast at each use): the same bf16 rounding, the same gradients, bit for bit."""
+    x, y = zipf((2, 11), vocab=61), zipf((2, 11), vocab=61, seed=3)
+    results = []
+    for mode in ("per_use", "grouped"):
+        torch.manual_seed(0)
+        results.append(_train_and_eval_bf16(txl.TransformerXL(tiny_config(cast_weights=mode, **change)), x, y))
+    assert len(results[0]) == len(results[1])
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_grouped_casts_are_one_op_each_way_and_the_parameters_come_back():
+    """One ``_foreach_copy_`` in forward and one in backward instead of a cast per weight each way; after the
+    forward, and after one that raised inside a layer, the model holds its own float32 Parameters again."""
+    from txl.model import casting
+
+    model = txl.TransformerXL(tiny_config(cast_weights="grouped"))
+    before = dict(model.named_parameters())
+    x = zipf((2, 5), vocab=61)
+    counts = launches.count(lambda: _bf16_backward(model, x))
+    assert counts.ops["aten::_foreach_copy_"] == 2, counts.ops
+    assert dict(model.named_parameters()).keys() == before.keys()
+    assert all(p is before[n] for n, p in model.named_parameters())
+
+    def fail(module, args):
+        assert module.attn.qkv.weight.dtype == torch.bfloat16  # inside the forward, the layer reads the cast
+        raise RuntimeError("inside a layer")
+
+    handle = model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="inside a layer"):
+        _bf16_backward(model, x)
+    handle.remove()
+    assert all(p is before[n] and type(p) is torch.nn.Parameter for n, p in model.named_parameters())
+    per_use = launches.count(lambda: _bf16_backward(txl.TransformerXL(tiny_config(cast_weights="per_use")), x))
+    assert per_use.copies - counts.copies >= 2 * len(casting.matmul_weights(model.layers)) - 2, (per_use.copies,
+                                                                                               counts.copies)
+
+
+def _bf16_backward(model: txl.TransformerXL, x: torch.Tensor) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.train()(x, labels=x)
+    out.loss.backward()
+
+
+def test_auto_groups_plain_float32_parameters_under_autocast_only():
+    from txl.model import casting
+
+    class Sharded(torch.nn.Parameter):  # stands for FSDP's DTensor parameters: not a plain tensor
+        pass
+
+    plain = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    assert casting.groupable(plain, torch.bfloat16)
+    assert not casting.groupable(plain, torch.float32)  # no autocast: nothing to cast
+    assert not casting.groupable([*plain, Sharded(torch.zeros(2))], torch.bfloat16)
+    assert not casting.groupable([], torch.bfloat16)
+    x = zipf((2, 5), vocab=61)
+    fp32 = [launches.count(lambda m=mode: txl.TransformerXL(tiny_config(cast_weights=m))(x, labels=x).loss.backward())
+            for mode in ("auto", "per_use")]  # without autocast 'auto' casts nothing: the same ops
+    assert fp32[0].ops["aten::_foreach_copy_"] == 0 and fp32[0].ops == fp32[1].ops

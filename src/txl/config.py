@@ -20,6 +20,7 @@ AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["fast", "torch", "fast16"]
 ClusterRows = Literal["auto", "selected", "all"]
 StateDtype = Literal["compute", "residual"]
+CastWeights = Literal["auto", "per_use", "grouped"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -28,7 +29,8 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype")
+KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype",
+                 "cast_weights")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
 ('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype': where
 autocast rounds the memory and u, v). A finished experiment
@@ -133,6 +135,13 @@ class ModelConfig:
     without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': each layer
     input's own dtype and float32 u, v (before issue 34): autocast casts them again in every layer and step.
     The same without autocast (both are the weights' dtype)."""
+    cast_weights: CastWeights = "auto"
+    """Under autocast, how the layers' float32 matmul weights and biases reach the compute dtype
+    (``txl.model.casting``); the same numbers. 'per_use': autocast casts each where it is used and backward casts
+    each gradient back (two copy kernels per weight and step). 'grouped': all of them in one op at the start of
+    the forward, their gradients in one at the end of backward (the gradients then all arrive after the last
+    layer's: DDP could not overlap its all-reduce with backward). 'auto': 'grouped', except in a process group
+    of more than one or with parameters that are not plain tensors (FSDP's); no effect without autocast."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
@@ -204,7 +213,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
                              "1: no padding, 64: widths padded to multiples of 64)")
         for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
-                           ("state_dtype", StateDtype)):
+                           ("state_dtype", StateDtype), ("cast_weights", CastWeights)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
                                  f"{', '.join(map(repr, typing.get_args(kind)))}")

@@ -13,6 +13,7 @@ where memory_l holds the inputs of layer l for the M previous positions (section
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import kernels
+from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
 from txl.model.dropout import dropout
@@ -200,31 +201,33 @@ class TransformerXL(nn.Module):
         positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
                                                   device=input_ids.device, drop=self.drop, table=table)
 
-        u, v = (getattr(self, "u", None), getattr(self, "v", None))
         # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
         # once here, not by autocast in every layer (q + u would promote the query to float32).
         state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
-        u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
         grow = (kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0
                 and not torch.compiler.is_compiling())
         hiddens, keys, values, buffers = [], [], [], []
-        for l, layer in enumerate(self.layers):
-            hiddens.append(h)  # memory caches each layer's input, before any absolute positions
-            x, mem, pos = h, mems[l], positions[l]
-            if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
-                x = x + pos.absolute[M:]
-                mem = None if mem is None else mem + pos.absolute[:M]
-            kv = None
-            if kv_cache is not None:
-                k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
-                kv, mem = (k, val), None  # (B, K, H, D) each
-                keys.append(k)
-                values.append(val)
-                buffers.append(grown)
-            h = layer(x, mem, mask, pos, u, v, kv=kv)
+        # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
+        with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None):
+            u, v = (getattr(self, "u", None), getattr(self, "v", None))
+            u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
+            for l, layer in enumerate(self.layers):
+                hiddens.append(h)  # memory caches each layer's input, before any absolute positions
+                x, mem, pos = h, mems[l], positions[l]
+                if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
+                    x = x + pos.absolute[M:]
+                    mem = None if mem is None else mem + pos.absolute[:M]
+                kv = None
+                if kv_cache is not None:
+                    k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
+                    kv, mem = (k, val), None  # (B, K, H, D) each
+                    keys.append(k)
+                    values.append(val)
+                    buffers.append(grown)
+                h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
         if grow:
             had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
@@ -253,6 +256,22 @@ class TransformerXL(nn.Module):
         if return_log_probs or (return_log_probs is None and labels is None):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
+
+    def _cast_weights(self, dtype: torch.dtype, *, with_biases: bool) -> contextlib.AbstractContextManager:
+        """Where the layers read their matmul weights (and u, v ``with_biases``) cast to ``dtype`` by one grouped op
+        (``ModelConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast or with 'per_use'."""
+        mode = self.config.cast_weights
+        if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
+            return contextlib.nullcontext()
+        slots = casting.matmul_weights(self.layers)
+        if with_biases:
+            slots += [(self, n) for n in ("u", "v") if self._parameters.get(n) is not None]
+        params = [m._parameters[n] for m, n in slots]
+        if mode == "auto" and not casting.groupable(params, dtype):
+            return contextlib.nullcontext()
+        if not params or any(p.dtype == dtype for p in params):  # nothing to cast ('grouped' without autocast)
+            return contextlib.nullcontext()
+        return casting.cast_in_place(slots, dtype)
 
     def _weights_version(self) -> int | None:
         """The parameters' version for a KVCache; None under torch.compile, which cannot read version

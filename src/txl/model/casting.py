@@ -1,0 +1,80 @@
+"""The layers' weights cast to autocast's dtype in one op per forward, and their gradients back in one.
+
+Under autocast every float32 weight a matmul reads is cast where it is used (one copy kernel per weight and
+bias), and backward casts each gradient back (one more): at NVIDIA's WikiText-103 shape 7 weights a layer, 16
+layers, ~224 small copy kernels a step. ``ModelConfig.cast_weights='grouped'`` casts all of them in one
+``_foreach_copy_`` at the start of the forward and their gradients back in one in backward (CUDA's multi-tensor
+kernel: a few launches for all of them), with the same numbers: the same rounding to bf16 / fp16, the gradient
+in the compute dtype widened exactly to float32, contributions of one weight's several uses summed where they
+were (in the compute dtype).
+
+The trade-offs (``ModelConfig.cast_weights``): all the layers' cast weights exist from the forward's start (under
+autocast each exists from its layer on, and both are kept for backward in training); every gradient reaches
+its float32 parameter at the end of backward, after the last layer's, so a data-parallel wrapper (DDP) that
+overlaps its all-reduce with backward would overlap nothing: 'auto' groups only outside a process group of
+more than one, and never parameters that are not plain tensors (FSDP's sharded ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class _CastGroup(torch.autograd.Function):
+    """tensors -> their copies in ``dtype``, in one op; backward: the gradients cast back in one op."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = [torch.empty_like(t, dtype=dtype) for t in tensors]
+        torch._foreach_copy_(out, list(tensors))
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, as it would
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        if present:
+            back = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
+            torch._foreach_copy_(back, [grads[i] for i in present])
+            for i, b in zip(present, back):
+                out[i] = b
+        return None, *out
+
+
+def matmul_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every weight and bias of the ``nn.Linear`` modules in ``modules``: what autocast casts."""
+    return [(m, n) for m in modules.modules() if isinstance(m, nn.Linear)
+            for n, p in m._parameters.items() if p is not None]
+
+
+def groupable(params: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether the grouped cast applies: float32 plain parameters (not FSDP's DTensors) under an autocast dtype
+    of their own, and no multi-process group (DDP would lose its overlap of all-reduce with backward)."""
+    import torch.distributed as dist
+
+    if not params or dtype == params[0].dtype:
+        return False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return False
+    return all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
+
+
+@contextlib.contextmanager
+def cast_in_place(slots: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, each (module, name) parameter reads as its copy in ``dtype`` (one grouped cast, gradients
+    flowing back to the parameter); restored on exit, also on an error."""
+    params = [m._parameters[n] for m, n in slots]
+    cast = _CastGroup.apply(dtype, *params)
+    try:
+        for (m, n), c in zip(slots, cast):
+            m._parameters[n] = c  # read by the module's forward as self.<name>; not a Parameter: never registered
+        yield
+    finally:
+        for (m, n), p in zip(slots, params):
+            m._parameters[n] = p
