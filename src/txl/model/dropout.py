@@ -201,13 +201,21 @@ class FastDropout(_Sampler, nn.Dropout):
         return self.draw(x, relu=False)
 
 
+def _relu(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """relu(x), in place when asked and autograd allows it cheaply: not on a view that needs a gradient (a linear
+    layer's 3-d output is a view of its 2-d matmul), whose in-place write autograd would undo in backward with a
+    clone of the whole base and two copies (CopySlices); a new tensor then, as the fresh output is freed anyway."""
+    if inplace and not (x.requires_grad and x._is_view()):
+        return torch.relu_(x)
+    return torch.relu(x)
+
+
 class ReLUDropout(nn.Dropout):
     """dropout(relu(x)) with ``nn.Dropout``'s semantics. ``inplace=True``: for an input nothing else
     reads (a fresh linear output), the ReLU overwrites it instead of allocating another tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = torch.relu_(x) if self.inplace else torch.relu(x)
-        return F.dropout(r, self.p, self.training)
+        return F.dropout(_relu(x, self.inplace), self.p, self.training)
 
 
 class FastReLUDropout(_Sampler, nn.Dropout):
@@ -215,8 +223,7 @@ class FastReLUDropout(_Sampler, nn.Dropout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0 or self.torch_kernel(x):
-            r = torch.relu_(x) if self.inplace else torch.relu(x)
-            return F.dropout(r, self.p, self.training)
+            return F.dropout(_relu(x, self.inplace), self.p, self.training)
         return self.draw(x, relu=True)
 
 
