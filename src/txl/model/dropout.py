@@ -205,7 +205,7 @@ def _relu(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     """relu(x), in place when asked and autograd allows it cheaply: not on a view that needs a gradient (a linear
     layer's 3-d output is a view of its 2-d matmul), whose in-place write autograd would undo in backward with a
     clone of the whole base and two copies (CopySlices); a new tensor then, as the fresh output is freed anyway."""
-    if inplace and not (x.requires_grad and x._is_view()):
+    if inplace and (torch.compiler.is_compiling() or not (x.requires_grad and x._is_view())):  # compiled: fused
         return torch.relu_(x)
     return torch.relu(x)
 
