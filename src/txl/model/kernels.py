@@ -78,15 +78,20 @@ class _Realign(torch.autograd.Function):
         A, C, T, K = ctx.scores_shape
         g = grad.transpose(0, 1) if ctx.heads_first else grad  # (A, C, T, K)
         buf = grad.new_empty(A, C, T * K)  # (A, C, T*K): the layout of the scores
-        buf[..., :T - 1].zero_()  # scores of distances beyond every query's reach: no output uses them
         base = buf.storage_offset() + T - 1
+        # Zeroed: the first T-1 entries, scores of distances beyond every query's reach (no output uses them), and
+        # with T > 1 in the same kernel the last T-1, of which the copy below overwrites all but the block's last.
+        if T > 1:
+            buf.as_strided((A, C, 2, T - 1), (C * T * K, T * K, T * K - T + 1, 1), buf.storage_offset()).zero_()
         # Each row's first K-1 entries tile the rest of the block exactly ...
         rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
         rows.copy_(g[..., :K - 1])
-        # ... the last row's last entry closes it, and the other rows' last entries add onto the next row's first.
+        # ... the rows' last entries add onto the next row's first, and the last row's onto the zeroed last entry.
         last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
-        last[..., -1].copy_(g[..., -1, K - 1])
-        last[..., :-1].add_(g[..., :-1, K - 1])
+        if T > 1:
+            last.add_(g[..., K - 1])
+        else:
+            last.copy_(g[..., K - 1])
         return buf.view(A, C, T, K), None, None
 
 
