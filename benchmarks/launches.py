@@ -209,7 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda():
                 r = fn(cuda).row()
-            print(f"{phase} bf16 as on CUDA (dropout_impl torch, cluster_rows all, ids not read): {r}")
+            print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, ids not read): {r}")
+        for phase, fn in (("train", train_counts), ("eval", eval_counts)):
+            with as_on_cuda(dropout=False):
+                r = fn(cuda).row()
+            print(f"{phase} bf16 as on CUDA but dropout decomposed as on the CPU (the count before i34more): {r}")
 
 
 def cuda_fields(config: txl.ModelConfig) -> dict:
@@ -217,17 +221,32 @@ def cuda_fields(config: txl.ModelConfig) -> dict:
     return dict(cluster_rows="all") if hasattr(config, "cluster_rows") else {}
 
 
-def as_on_cuda():
-    """A context in which the model reads no token values, as on a GPU (``reads_values``; before issue 34 the
-    model read them on every device, so nothing is changed there)."""
+def as_on_cuda(dropout: bool = True):
+    """A context in which the model runs what it runs on a GPU: it reads no token values (``reads_values``; before
+    issue 34 the model read them on every device, so nothing is changed there), and, with ``dropout``,
+    ``F.dropout`` in training is torch's fused ``native_dropout`` (one kernel forward, one backward), as
+    ``at::dropout`` picks it for a CUDA tensor, where on a CPU tensor it decomposes into bernoulli_, div_ and mul
+    (three launches forward). Other draws than the CPU's, the same ops as a GPU's."""
     import contextlib
     from unittest import mock
 
+    import torch.nn.functional as F
+
     import txl.model.transformer as transformer
 
-    if not hasattr(transformer, "reads_values"):
-        return contextlib.nullcontext()
-    return mock.patch.object(transformer, "reads_values", lambda t: False)
+    stack = contextlib.ExitStack()
+    if hasattr(transformer, "reads_values"):
+        stack.enter_context(mock.patch.object(transformer, "reads_values", lambda t: False))
+    if dropout:
+        cpu_dropout = F.dropout
+
+        def fused(input, p=0.5, training=True, inplace=False):
+            if training and 0 < p < 1 and input.numel():
+                return torch.native_dropout(input, p, True)[0]
+            return cpu_dropout(input, p, training, inplace)
+
+        stack.enter_context(mock.patch.object(F, "dropout", fused))
+    return stack
 
 
 def _parse(value: str):
