@@ -263,6 +263,9 @@ class TransformerXL(nn.Module):
         mode = self.config.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
+        first = next(self.layers.parameters(), None)
+        if first is None or first.dtype == dtype:  # no autocast (the usual float32 run): nothing to walk or cast
+            return contextlib.nullcontext()
         slots = casting.matmul_weights(self.layers)
         if with_biases:
             slots += [(self, n) for n in ("u", "v") if self._parameters.get(n) is not None]
