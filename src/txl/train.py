@@ -83,6 +83,8 @@ class StepStats:
     tokens: int
     lr: float
     grad_norm: float
+    compression_loss: float | None = None
+    """cmem_len > 0, 'conv': the attention-reconstruction loss (Rae et al. 2020), mean over the chunks."""
 
 
 # -- one step -------------------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     batch = dataclasses.replace(batch, labels=loss_labels(batch, loss_positions))
     chunks = list(zip(batch.input_ids.chunk(len(memories)), batch.labels.chunk(len(memories))))
     n_total = int((batch.labels != IGNORE_INDEX).sum())
-    new_memories, nll_sum = [], 0.0
+    new_memories, nll_sum, aux_sum = [], 0.0, None
     for i, ((x, y), memory) in enumerate(zip(chunks, memories)):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not info.enabled else parallel.no_sync(model)
@@ -122,7 +124,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
             n = int((y != IGNORE_INDEX).sum())
-            scaler.scale(out.loss * (n / n_total)).backward()
+            loss = out.loss * (n / n_total)
+            if out.compression_loss is not None:  # its gradient reaches the compression parameters alone
+                loss = loss + out.compression_loss / len(chunks)
+                aux_sum = (aux_sum or 0.0) + float(out.compression_loss.detach()) / len(chunks)
+            scaler.scale(loss).backward()
         new_memories.append(out.memory)
         nll_sum += float(out.loss.detach().double()) * n
     nll_sum, count = all_reduce_sum([nll_sum, float(n_total)], info)
@@ -131,12 +137,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         optimizer.zero_grad(set_to_none=True)
         return StepStats(loss, int(count), lr, float("nan")), new_memories
     scaler.unscale_(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = parallel.clip_grad_norm(params, clip if clip > 0 else math.inf)
+    # Each parameter group is clipped on its own: the compression function's (Rae et al. 2020, its own loss) does
+    # not change the main model's clipping. One group (every model without one) is the global norm, as before.
+    norms = [parallel.clip_grad_norm(list(g["params"]), clip if clip > 0 else math.inf) for g in optimizer.param_groups]
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, int(count), lr, grad_norm), new_memories
+    return StepStats(loss, int(count), lr, norms[0], aux_sum), new_memories
 
 
 def batches(it: OrderedIterator) -> Iterator[Batch]:
@@ -500,8 +507,9 @@ class Trainer:
                 now = time.perf_counter()
                 tok_s = seen_since / max(now - time_since, 1e-9)
                 seen_since, time_since = 0, now
+                extra = {} if stats.compression_loss is None else {"compression_loss": stats.compression_loss}
                 metrics.write("train", state.step, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                              tokens=state.tokens, tokens_per_s=tok_s)
+                              tokens=state.tokens, tokens_per_s=tok_s, **extra)
                 bar.set_postfix({"loss": f"{stats.loss:.3f}",
                                  self.corpus.metric: f"{metric_value(stats.loss, self.corpus.metric):.3f}",
                                  "tok/s": f"{tok_s:,.0f}"})
