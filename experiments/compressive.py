@@ -54,12 +54,15 @@ class Variant:
     cmem_len: int = 0
     cmem_rate: int = 1
     seed: int = 0
+    fn: str = "conv"
+    """The compression function (ModelConfig.cmem_fn)."""
 
     @property
     def name(self) -> str:
         base = (f"compressive-m{self.mem_len}-c{self.cmem_len}x{self.cmem_rate}" if self.cmem_len
                 else f"plain-m{self.mem_len}")
-        return base + (f"-seed{self.seed}" if self.seed else "")
+        return base + ("" if self.fn == "conv" or not self.cmem_len else f"-{self.fn}") + \
+            (f"-seed{self.seed}" if self.seed else "")
 
     @property
     def slots(self) -> int:
@@ -67,14 +70,15 @@ class Variant:
 
 
 VARIANTS = (Variant("compressive", 32, 32, 4), Variant("plain", 64), Variant("compressive", 32, 32, 4, seed=1),
-            Variant("plain", 64, seed=1))
-"""Seed 0 of both models first, then their second seeds (seed offsets as experiments.longrange uses them)."""
+            Variant("plain", 64, seed=1), Variant("compressive", 32, 32, 4, fn="max"),
+            Variant("compressive", 32, 32, 4, fn="mean"))
+"""Seed 0 of both models first, then their second seeds (seed offsets as experiments.longrange uses them), then
+the two pooling functions (one seed each)."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.compressive", description=__doc__.split("\n\n")[0])
     longrange.add_arguments(p)
-    p.add_argument("--cmem-fn", default="conv", choices=["conv", "mean", "max"], help="the compression function")
     p.set_defaults(out=str(common.RUNS_DIR / "compressive"))
     args = p.parse_args(argv)
     for key, value in longrange.DEFAULTS.items():
@@ -102,7 +106,7 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
     one.mem_len = v.mem_len
     base = longrange.run_config(longrange.Variant("relative", True, v.seed), one, vocab_size)
     model = base.model.replace(mem_len=v.mem_len, cmem_len=v.cmem_len, cmem_rate=v.cmem_rate,
-                               cmem_fn=args.cmem_fn if v.cmem_len else "conv")
+                               cmem_fn=v.fn)
     train = dataclasses.replace(base.train, out_dir=str(Path(args.out) / v.name))
     return base.replace(model=model, train=train)
 
@@ -133,6 +137,33 @@ def score_run(run_dir: Path, v: Variant, args: argparse.Namespace, corpus: Corpu
     return {"nll": nll, "hit": hit}
 
 
+def diagnose(run_dir: Path, v: Variant, args: argparse.Namespace, corpus: Corpus, targets: np.ndarray
+             ) -> dict[str, np.ndarray]:
+    """A trained compressive model read three ways at evaluation (hits per answer, cached in ``diagnosis.npz``):
+    as trained; with its compressed memory dropped (cmem_len 0: memory alone); with the states it would compress
+    kept uncompressed (rate 1, rate x cmem_len slots of mean-pooled single rows: a plain memory of
+    mem_len + rate x cmem_len). Whether its lookup can use the far states at all, and what compression does."""
+    cache = run_dir / "diagnosis.npz"
+    if cache.is_file():
+        with np.load(cache) as z:
+            return {k: z[k] for k in z.files}
+    from txl.model import TransformerXL
+
+    model = common.load_trained(run_dir, which="latest")
+    weights = {k: t for k, t in model.state_dict().items() if not k.startswith("compressor.")}
+    out = {}
+    for what, changes in (("no_compressed", dict(cmem_len=0)),
+                          ("uncompressed", dict(cmem_len=v.cmem_rate * v.cmem_len, cmem_rate=1, cmem_fn="mean"))):
+        other = TransformerXL(model.config.replace(**changes)).eval()
+        other.load_state_dict(weights, strict=False)
+        _, out[what] = longrange.answer_scores(other, corpus.valid, targets, mem_len=v.mem_len, seg_len=args.tgt_len,
+                                               n_streams=args.streams, same_length=False)
+    tmp = run_dir / "diagnosis.partial.npz"
+    np.savez(tmp, **out)
+    tmp.replace(cache)
+    return out
+
+
 def collect(args: argparse.Namespace, *, available_only: bool = False) -> tuple[dict[str, Any], np.ndarray]:
     common.set_threads(args.threads)
     corpus = load_corpus("recall", cache_dir=args.cache_dir)
@@ -146,6 +177,8 @@ def collect(args: argparse.Namespace, *, available_only: bool = False) -> tuple[
             continue
         record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
         runs[v.name] = {"variant": v, "record": record, "scores": score_run(run_dir, v, args, corpus, targets)}
+        if v.cmem_len and not v.seed:
+            runs[v.name]["diagnosis"] = diagnose(run_dir, v, args, corpus, targets)
     return runs, distances
 
 
@@ -200,6 +233,21 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
           common.markdown_table(["model", *[f"{r['lo']}-{r['hi'] - 1}" for r in next(iter(regions_out.values()))]],
                                 [[m, *[f"{100 * r['acc']:.1f} ± {100 * r['se']:.1f}" if r["n"] else "-" for r in rows]]
                                  for m, rows in regions_out.items()])]
+    diagnosis = {}
+    for name, r in runs.items():
+        if "diagnosis" in r:
+            ways = {"as trained": r["scores"]["hit"], "compressed memory dropped": r["diagnosis"]["no_compressed"],
+                    "states kept uncompressed": r["diagnosis"]["uncompressed"]}
+            diagnosis[name] = {w: [float(hits[(distances >= lo) & (distances < hi)].mean())
+                                   for lo, hi in zip(edges, edges[1:])] for w, hits in ways.items()}
+    payload["diagnosis"] = diagnosis
+    if diagnosis:
+        md += ["A trained compressive model read three ways at evaluation (accuracy %, same regions): as trained; "
+               "its compressed memory dropped; the states it would compress kept uncompressed (a plain memory of "
+               "mem + rate x compressed slots, the same weights):", "",
+               common.markdown_table(["model", "read", *[f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]],
+                                     [[n, w, *[f"{100 * a:.1f}" for a in accs]] for n, d in diagnosis.items()
+                                      for w, accs in d.items()])]
     results = Path(args.results)
     common.write_results("compressive", payload, "\n".join(md), results)
     plot(payload, results / "compressive.png", args)
