@@ -286,3 +286,31 @@ def test_training_logs_the_reconstruction_loss_and_resumes_exactly(corpus, tmp_p
     a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
     assert sorted(b) == list(range(1, 7)) and a == b
     assert a[1][1] == 0.0 and all(a[s][1] > 0 for s in range(2, 7))  # nothing compressed before step 2
+
+
+def test_score_carries_both_memories():
+    """txl score of a document (segments of 4, both memories carried, no KV cache) is the model's own loss over
+    the same segments; a batch of two documents scores each as it would alone."""
+    from txl.score import score_documents
+
+    model = compressive()
+    docs = [tokens(6, batch=1, seed=s)[0].tolist() for s in (3, 4)]
+    docs[1] = docs[1][:15]
+    state, nll = None, 0.0
+    d = torch.tensor(docs[0])[None]
+    with torch.no_grad():
+        for s in range(0, d.size(1) - 1, T):
+            out = model(d[:, s:s + T], labels=d[:, s + 1:s + T + 1], memory=state)
+            state, nll = out.memory, nll + float(out.nll.double().sum())
+    alone = [score_documents(model, [doc], segment_len=T, batch_size=1)[0] for doc in docs]
+    assert alone[0].nll == pytest.approx(nll, rel=1e-6)
+    together = score_documents(model, docs, segment_len=T, batch_size=2)
+    for a, b in zip(alone, together):
+        assert (a.n_tokens, a.nll) == (b.n_tokens, pytest.approx(b.nll, rel=1e-6))
+
+
+def test_export_refuses_a_compressed_memory():
+    from txl.export import SegmentStep
+
+    with pytest.raises(ValueError, match=r"cmem_len=3: a compressed memory cannot be exported"):
+        SegmentStep(compressive())
