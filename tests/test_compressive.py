@@ -314,3 +314,30 @@ def test_export_refuses_a_compressed_memory():
 
     with pytest.raises(ValueError, match=r"cmem_len=3: a compressed memory cannot be exported"):
         SegmentStep(compressive())
+
+
+@pytest.mark.slow  # two torchrun launches of two processes
+def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_path):
+    """One global batch of 8 streams: one process; DDP over 2 (2 accumulation chunks each); FSDP2 over 2. The LM
+    and reconstruction losses (the latter averaged over the processes) and the final weights, the compression
+    function's among them, agree: the compression parameters are used at every step (no unused-parameter error
+    in DDP's reducer), and a sharded layer's weights are gathered for the reconstruction."""
+    from test_scale import args, losses, max_difference, run, torchrun, weights
+
+    common = ["--max-steps", "4", "--train.batch_size", "8", "--train.ckpt_interval", "2", *CMEM_ARGS]
+    runs = {name: tmp_path / name for name in ("single", "ddp", "fsdp")}
+    assert main(["train", *args(corpus, runs["single"], *common)]) == 0
+    launch = torchrun("--standalone", "--nproc_per_node", "2")
+    run(launch + args(corpus, runs["ddp"], *common, "--train.grad_accum", "2"))
+    run(launch + args(corpus, runs["fsdp"], *common, "--train.grad_accum", "2", "--train.parallel", "fsdp"))
+    rows = {name: [json.loads(r) for r in (d / "metrics.jsonl").read_text().splitlines()] for name, d in runs.items()}
+    aux = {name: {r["step"]: r["compression_loss"] for r in rs if r["kind"] == "train"} for name, rs in rows.items()}
+    lm = {name: losses(d) for name, d in runs.items()}
+    for name in ("ddp", "fsdp"):
+        assert sorted(lm[name]) == [1, 2, 3, 4]
+        for s in lm["single"]:
+            assert lm[name][s] == pytest.approx(lm["single"][s], abs=1e-5)
+            assert aux[name][s] == pytest.approx(aux["single"][s], rel=1e-3, abs=1e-12)
+    last = "checkpoints/step_00000004"
+    w = {name: weights(d / last) for name, d in runs.items() if name != "fsdp"}
+    assert max_difference(w["single"], w["ddp"]) < 1e-5 and "compressor.weight" in w["ddp"]

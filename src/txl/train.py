@@ -131,7 +131,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
             scaler.scale(loss).backward()
         new_memories.append(out.memory)
         nll_sum += float(out.loss.detach().double()) * n
-    nll_sum, count = all_reduce_sum([nll_sum, float(n_total)], info)
+    nll_sum, count, aux = all_reduce_sum([nll_sum, float(n_total), aux_sum or 0.0], info)
+    aux_sum = None if aux_sum is None else aux / info.world_size  # every process's mean over equal shares
     loss = nll_sum / count
     if not math.isfinite(loss):
         optimizer.zero_grad(set_to_none=True)

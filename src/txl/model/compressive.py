@@ -187,12 +187,19 @@ class Compressor(nn.Module):
                              ) -> torch.Tensor:
         """Rae et al. 2020, Algorithm 2: || attn(h, old) - attn(h, f_c(old)) ||^2 (the mean squared error),
         the layer's weights and the rows gradient-stopped: only ``slots``' graph (f_c's parameters) learns."""
-        w = attn.qkv.weight.detach()
-        norm = (attn.norm.weight.detach(), attn.norm.bias.detach(), attn.norm.eps) if attn.pre_ln else None
+        w = _whole(attn.qkv.weight)
+        norm = (_whole(attn.norm.weight), _whole(attn.norm.bias), attn.norm.eps) if attn.pre_ln else None
         with torch.no_grad():
             target = content_attention(queries, old, w_qkv=w, n_head=attn.n_head, norm=norm)  # (B, H, T, D)
         got = content_attention(queries, slots.to(queries.dtype), w_qkv=w, n_head=attn.n_head, norm=norm)
         return F.mse_loss(got.float(), target.float())
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A layer's weight, detached, whole: read outside the layer's own forward, a sharded model's (FSDP2) weight is
+    the local shard of a DTensor, so it is gathered here (every process reads the same layers in the same order)."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def horizon(*, n_layer: int, mem_len: int, tgt_len: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict[str, int]:
