@@ -238,15 +238,17 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
         if "diagnosis" in r:
             ways = {"as trained": r["scores"]["hit"], "compressed memory dropped": r["diagnosis"]["no_compressed"],
                     "states kept uncompressed": r["diagnosis"]["uncompressed"]}
-            diagnosis[name] = {w: [float(hits[(distances >= lo) & (distances < hi)].mean())
-                                   for lo, hi in zip(edges, edges[1:])] for w, hits in ways.items()}
+            sels = [(distances >= lo) & (distances < hi) for lo, hi in zip(edges, edges[1:])]
+            diagnosis[name] = {w: [float(hits[sel].mean()) if sel.any() else None for sel in sels]
+                               for w, hits in ways.items()}
     payload["diagnosis"] = diagnosis
     if diagnosis:
         md += ["A trained compressive model read three ways at evaluation (accuracy %, same regions): as trained; "
                "its compressed memory dropped; the states it would compress kept uncompressed (a plain memory of "
                "mem + rate x compressed slots, the same weights):", "",
                common.markdown_table(["model", "read", *[f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]],
-                                     [[n, w, *[f"{100 * a:.1f}" for a in accs]] for n, d in diagnosis.items()
+                                     [[n, w, *[f"{100 * a:.1f}" if a is not None else "-" for a in accs]]
+                                      for n, d in diagnosis.items()
                                       for w, accs in d.items()])]
     results = Path(args.results)
     common.write_results("compressive", payload, "\n".join(md), results)
@@ -275,7 +277,7 @@ def plot(payload: dict[str, Any], png: Path, args: argparse.Namespace) -> None:
     ax.set_ylabel("answer accuracy, %")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper right")
-    ax.set_title(f"Recall at the same slots per layer: {args.n_layer} layers, segment {args.tgt_len} "
+    ax.set_title(f"Recall at the same slots per layer: {args.n_layer} layers, segment {args.tgt_len}\n"
                  "(dotted: one hop, dash-dot: n_layer hops)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
