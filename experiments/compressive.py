@@ -203,7 +203,9 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
                               "nll": [float(np.mean([s[b]["mean"] for s in nll])) for b in range(len(bins))],
                               "acc_all": float(np.mean([runs[n]["scores"]["hit"].mean() for n in names])),
                               "reach": longrange.reach(bins, chance)}
-    edges = sorted({3, args.tgt_len, *[h["one_hop"] for h in limits.values()], 10_000})
+    # The segment; each model's memory + segment (one hop without the compressed slots); each one-hop horizon.
+    hops = {args.tgt_len + runs[names[0]]["variant"].mem_len for names in models.values()}
+    edges = sorted({3, args.tgt_len, *hops, *[h["one_hop"] for h in limits.values()], 10_000})
     for model, names in models.items():
         rows = []
         for lo, hi in zip(edges, edges[1:]):
@@ -229,7 +231,8 @@ def report(runs: dict[str, Any], distances: np.ndarray, args: argparse.Namespace
           f"there are two, else binomial); chance {100 * chance:.2f}%; segment {args.tgt_len}, {args.n_layer} layers. "
           "Horizons: one hop = segment + memory + rate x compressed slots; n_layer hops = n_layer x (memory + rate x "
           "compressed slots) + segment.", "", common.markdown_table(headers, rows),
-          "Accuracy (%) by region of distance (edges: the segment and each model's one-hop horizon):", "",
+          "Accuracy (%) by region of distance (edges: the segment, each model's memory + segment and one-hop "
+          "horizon):", "",
           common.markdown_table(["model", *[f"{r['lo']}-{r['hi'] - 1}" for r in next(iter(regions_out.values()))]],
                                 [[m, *[f"{100 * r['acc']:.1f} ± {100 * r['se']:.1f}" if r["n"] else "-" for r in rows]]
                                  for m, rows in regions_out.items()])]

@@ -62,7 +62,7 @@ def test_compressive_writes_accuracy_by_distance_with_each_models_horizons(small
     assert out["runs"]["plain-m64"]["model"]["cmem_len"] == 0
     for row in out["by_distance"].values():
         assert sum(b["n"] for b in row["acc"]) == out["answers"] > 100
-    assert [r["lo"] for r in out["regions"]["plain-m64"]] == [3, 4, 68, 164]
+    assert [r["lo"] for r in out["regions"]["plain-m64"]] == [3, 4, 36, 68, 164]
     assert set(out["diagnosis"]["compressive-m32-c32x4"]) == {"as trained", "compressed memory dropped",
                                                                "states kept uncompressed"}
     assert (tmp_path / "results" / "compressive.png").stat().st_size > 10_000
