@@ -355,6 +355,19 @@ def compressive_section(g: dict[str, Any] | None, img: str) -> list[str]:
             "attention-reconstruction loss; `-max`, `-mean`: pooling) against plain memory 64 (`plain-m64`). "
             "Each model is scored at its training memory, both memories carried.", "",
             Path(g["_md"]).read_text(encoding="utf-8"), f"![accuracy against distance, horizons marked]({img})", ""]
+    plain = [m for m in g["regions"] if m.startswith("plain")]
+    if plain:  # the question: past the plain model's one hop, up to the compressive one's
+        lo = g["horizons"][plain[0]]["one_hop"]
+        for model, rows in g["regions"].items():
+            if model.startswith("compressive"):
+                hi = g["horizons"][model]["one_hop"]
+                past = [r for r in rows if r["lo"] >= lo and r["hi"] <= hi and r["n"]]
+                base = [r for r in g["regions"][plain[0]] if r["lo"] >= lo and r["hi"] <= hi]
+                out.append(f"* `{model}` between the plain horizon ({lo}) and its own ({hi}): " + ", ".join(
+                               f"{r['lo']}-{r['hi'] - 1}: {100 * r['acc']:.1f} ± {100 * r['se']:.1f}% against "
+                               f"{100 * b['acc']:.1f} ± {100 * b['se']:.1f}% for `{plain[0]}`"
+                               for r, b in zip(past, base)) + f" (chance {100 * g['chance_accuracy']:.2f}%).")
+        out.append("")
     return out
 
 
