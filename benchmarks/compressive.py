@@ -8,8 +8,10 @@ slots per layer as the compressive one), ``compressive`` (memory M and M compres
 with its reconstruction loss). Each is timed for a training step (forward, backward of the LM loss plus the
 reconstruction loss, clip, optimiser step: ``txl.train.train_step``) and an evaluation segment (no grad), with
 both memories full. The models are timed interleaved, round after round (A, B, C, A, B, C, ...), so a load
-change on a shared machine touches all of them alike; each figure is the median over rounds of the median over
-steps. One thread (torch.set_num_threads(1)). Prints a table, then one JSON line per measurement.
+change on a shared machine touches all of them alike; each time is the median over rounds of the median over
+steps, each ratio the median over rounds of that round's ratio. One thread (torch.set_num_threads(1)), timed by
+the process's CPU time by default (``--clock cpu``: what the work costs, not a shared machine's waits). Prints a
+table, then one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -70,12 +72,12 @@ class Bench:
         self.model.eval()(self.x, memory=self.eval_memory, return_log_probs=False)  # same memory each time
 
 
-def median_ms(fn, steps: int) -> float:
+def median_ms(fn, steps: int, clock=time.perf_counter) -> float:
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 1e3 * statistics.median(times)
 
 
@@ -90,26 +92,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
+                   help="cpu: this process's CPU time (one thread: what the work costs, not the waits of a shared "
+                   "machine); wall: elapsed time")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     benches = {name: Bench(cfg, args) for name, cfg in models(args).items()}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []} for n in benches}
     for _ in range(args.rounds):  # interleaved: every model once per round
         for name, b in benches.items():
-            times[name]["train"].append(median_ms(b.train, args.steps))
-            times[name]["eval"].append(median_ms(b.eval, args.steps))
+            times[name]["train"].append(median_ms(b.train, args.steps, clock))
+            times[name]["eval"].append(median_ms(b.eval, args.steps, clock))
     tokens = args.batch * args.tgt_len
     first = next(iter(times))
     print(f"{args.n_layer} layers, d_model {args.d_model}, segment {args.tgt_len}, batch {args.batch}, "
-          f"{args.threads} thread(s), {args.rounds} interleaved rounds x {args.steps} steps (a shared machine)")
+          f"{args.threads} thread(s), {args.rounds} interleaved rounds x {args.steps} steps, {args.clock} clock "
+          "(a shared machine)")
+    ratios = {n: {k: statistics.median(a / b for a, b in zip(t[k], times[first][k])) for k in ("train", "eval")}
+              for n, t in times.items()}  # per round, then the median: a load change within a round cancels
     print(f"| model | train ms/step | train us/token | x {first} | eval ms/segment | eval us/token | x {first} |")
     print("|---|---|---|---|---|---|---|")
     rows = []
     for name, t in times.items():
         tr, ev = statistics.median(t["train"]), statistics.median(t["eval"])
-        base_tr, base_ev = statistics.median(times[first]["train"]), statistics.median(times[first]["eval"])
-        print(f"| {name} | {tr:.1f} | {1e3 * tr / tokens:.1f} | {tr / base_tr:.2f} | {ev:.1f} "
-              f"| {1e3 * ev / tokens:.1f} | {ev / base_ev:.2f} |")
+        print(f"| {name} | {tr:.1f} | {1e3 * tr / tokens:.1f} | {ratios[name]['train']:.2f} | {ev:.1f} "
+              f"| {1e3 * ev / tokens:.1f} | {ratios[name]['eval']:.2f} |")
         rows.append({"bench": "compressive", "model": name, "train_ms": tr, "eval_ms": ev, "tokens": tokens,
                      "train_rounds_ms": t["train"], "eval_rounds_ms": t["eval"], **vars(args)})
     for r in rows:
