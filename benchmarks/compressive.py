@@ -1,6 +1,6 @@
 """The cost per token of a compressed memory (Rae et al. 2020) against plain memory, on this CPU.
 
-    python -m benchmarks.compressive                  # 4 layers, d_model 256, segment 64, batch 4 (~2 min here)
+    python -m benchmarks.compressive                  # 4 layers, d_model 256, segment 64, batch 4 (~4 min here)
     python -m benchmarks.compressive --tgt-len 128 --rounds 5
 
 Three models of the same weights' shape: ``plain-M`` (memory M = segment), ``plain-2M`` (memory 2M: the same
