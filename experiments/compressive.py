@@ -56,13 +56,15 @@ class Variant:
     seed: int = 0
     fn: str = "conv"
     """The compression function (ModelConfig.cmem_fn)."""
+    budget: int = 1
+    """Times the common number of steps (a longer run: does the model learn to read its slots later?)."""
 
     @property
     def name(self) -> str:
         base = (f"compressive-m{self.mem_len}-c{self.cmem_len}x{self.cmem_rate}" if self.cmem_len
                 else f"plain-m{self.mem_len}")
         return base + ("" if self.fn == "conv" or not self.cmem_len else f"-{self.fn}") + \
-            (f"-seed{self.seed}" if self.seed else "")
+            (f"-x{self.budget}" if self.budget != 1 else "") + (f"-seed{self.seed}" if self.seed else "")
 
     @property
     def slots(self) -> int:
@@ -71,9 +73,10 @@ class Variant:
 
 VARIANTS = (Variant("compressive", 32, 32, 4), Variant("plain", 64), Variant("compressive", 32, 32, 4, seed=1),
             Variant("plain", 64, seed=1), Variant("compressive", 32, 32, 4, fn="max"),
-            Variant("compressive", 32, 32, 4, fn="mean"))
+            Variant("compressive", 32, 32, 4, fn="mean"), Variant("compressive", 32, 32, 4, budget=3))
 """Seed 0 of both models first, then their second seeds (seed offsets as experiments.longrange uses them), then
-the two pooling functions (one seed each)."""
+the two pooling functions (one seed each), then the compressive model trained three times longer (not the same
+budget: whether it learns to read its slots later)."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -103,7 +106,7 @@ def variants_of(args: argparse.Namespace) -> list[Variant]:
 def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConfig:
     """experiments.longrange's relative-rec run with this variant's memories: nothing else differs."""
     one = copy.copy(args)
-    one.mem_len = v.mem_len
+    one.mem_len, one.steps = v.mem_len, args.steps * v.budget
     base = longrange.run_config(longrange.Variant("relative", True, v.seed), one, vocab_size)
     model = base.model.replace(mem_len=v.mem_len, cmem_len=v.cmem_len, cmem_rate=v.cmem_rate,
                                cmem_fn=v.fn)
