@@ -352,7 +352,8 @@ def compressive_section(g: dict[str, Any] | None, img: str) -> list[str]:
             f"The recall corpus and budget of section 6 (the relative encoding with recurrence, {a['n_layer']} "
             f"layers, segment {a['tgt_len']}, {a['steps']} steps), with two memories of the same 64 slots per layer: "
             "memory 32 and 32 compressed slots at rate 4 (`compressive-m32-c32x4`: 'conv' trained by the "
-            "attention-reconstruction loss; `-max`, `-mean`: pooling) against plain memory 64 (`plain-m64`). "
+            "attention-reconstruction loss; `-max`, `-mean`: pooling; `-x3`: trained three times as many steps, "
+            "not the same budget) against plain memory 64 (`plain-m64`). "
             "Each model is scored at its training memory, both memories carried.", "",
             Path(g["_md"]).read_text(encoding="utf-8"), f"![accuracy against distance, horizons marked]({img})", ""]
     plain = [m for m in g["regions"] if m.startswith("plain")]
