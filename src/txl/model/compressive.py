@@ -66,11 +66,12 @@ def join_state(memory: Memory, compressed: Memory) -> Memory:
     return (*memory, *compressed)
 
 
-def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int) -> None:
+def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int,
+                device: torch.device | None = None) -> None:
     """Raise a ValueError naming what is wrong with a compressive model's memory passed in by a caller."""
     memory, compressed = split_state(state, n_layer)
-    check_memory(memory, n_layer=n_layer, batch_size=batch_size, d_model=d_model)
-    check_memory(compressed, n_layer=n_layer, batch_size=batch_size, d_model=d_model)
+    check_memory(memory, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
+    check_memory(compressed, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
 
 
 def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
@@ -82,16 +83,18 @@ def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
     return tuple(torch.cat([cm, m.to(cm.dtype)], dim=1) for cm, m in zip(compressed, memory))  # (B, C + M, d)
 
 
-def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int
-          ) -> tuple[Memory, list[torch.Tensor]]:
+def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int,
+          dtype: torch.dtype | None = None) -> tuple[Memory, list[torch.Tensor]]:
     """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``.
 
     Of [memory; segment] the oldest floor((M + T - mem_len) / rate) x rate rows leave; the rest stay (mem_len
-    to mem_len + rate - 1 rows). Gradient stopped, as ``update_memory``.
+    to mem_len + rate - 1 rows). Gradient stopped and kept in ``dtype`` (None: the inputs' own), as
+    ``update_memory``.
     """
     kept, leaving = [], []
     with torch.no_grad():
         for l, h in enumerate(hiddens):
+            h = h if dtype is None else h.to(dtype)
             rows = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
             n = max(0, rows.size(1) - mem_len) // rate * rate  # (B, M + T, d): the first n rows leave
             kept.append(rows[:, n:].detach().contiguous() if n else rows.detach())  # (B, M', d)
@@ -154,18 +157,22 @@ class Compressor(nn.Module):
         return groups.mean(2) if self.fn == "mean" else groups.amax(2)  # (B, N / c, d)
 
     def update(self, memory: Memory | None, compressed: Memory | None, hiddens: Sequence[torch.Tensor], *,
-               mem_len: int, layers: Sequence[nn.Module], train: bool) -> tuple[Memory, torch.Tensor | None]:
+               mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
+               ) -> tuple[Memory, torch.Tensor | None]:
         """The next state (memory, then compressed memory: ``join_state``) and, with ``train``, the
         attention-reconstruction loss (mean over layers of the mean squared error; None without parameters).
 
         ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
-        ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped).
+        ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped);
+        ``dtype``: what both memories are kept in (None: the layer inputs' own; ``ModelConfig.state_dtype``).
         """
-        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate)
+        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
         learn = train and self.learns and torch.is_grad_enabled()
         new, losses = [], []
         for l, old in enumerate(leaving):
             have = compressed[l] if compressed else old.new_empty(old.size(0), 0, old.size(2))  # (B, C, d)
+            if dtype is not None:
+                have = have.to(dtype)
             if old.size(1) == 0:
                 new.append(have)
                 continue
