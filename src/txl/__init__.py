@@ -6,8 +6,9 @@ not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing's constant, without importing typing: `txl`'s entry point imports this first
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 """The one version source: pyproject.toml reads it (setuptools dynamic version)."""
@@ -25,6 +26,8 @@ __all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "Transform
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        import importlib
+
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'txl' has no attribute {name!r}")
 

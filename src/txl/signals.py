@@ -46,6 +46,31 @@ def signal_name(err: KeyboardInterrupt) -> str:
     return err.signal.name if isinstance(err, Interrupted) else "SIGINT"
 
 
+INTACT = {
+    "train": "nothing was written; run the same command again",
+    "eval": "nothing was written (the sweep's table and plot are written when it ends)",
+    "generate": "the text above is all that was generated; nothing was written",
+    "score": "an -o file is written whole when scoring ends, so nothing was written",
+    "export": "the -o file is written whole when the export ends, so nothing was written",
+    "data": "a partial download is kept as FILE.part and resumes, and a token-cache entry is written whole or "
+            "not at all: run the same command again",
+    "serve": "the server had not started serving; nothing was written",
+}
+"""What a command interrupted before its own handling (start-up, or where it has none) leaves intact: every file
+it writes is atomic or resumable."""
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), for a message before it is parsed."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def interrupted_line(command: str | None, err: KeyboardInterrupt) -> str:
+    """The one line a command prints when a signal interrupts it: which command, which signal, what is intact."""
+    intact = INTACT.get(command or "")
+    return f"txl{f' {command}' if command else ''}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}"
+
+
 @contextlib.contextmanager
 def terminate_raises() -> Iterator[None]:
     """Within the block SIGTERM raises ``Interrupted(SIGTERM)``, as SIGINT raises KeyboardInterrupt; the
@@ -62,6 +87,30 @@ def terminate_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM are recorded, not raised; the first is raised as ``Interrupted`` when the
+    block ends. For imports of C extensions that swallow an exception raised inside them: torch's C start-up imports
+    numpy and carries on without it when that import fails, so a Ctrl-C there was lost (the command went on) and
+    numpy left half-imported. No-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        raise Interrupted(signal.Signals(got[0]))
 
 
 class StopRequest:

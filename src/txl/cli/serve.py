@@ -61,7 +61,11 @@ def serve_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import signal
+    import threading
     from pathlib import Path
+
+    from txl.signals import Interrupted, StopRequest
 
     try:
         import uvicorn
@@ -76,9 +80,13 @@ def run(args: argparse.Namespace) -> int:
     resolve_model_dir(args.model, revision=args.revision)  # a missing model: one line now, not a server that 503s
     args.checkpoint = args.model
     failed: list[Exception] = []
+    loaded = threading.Event()
+    stopped_at_start: list[int] = []
+    """A signal that came before the model was loaded: start-up is interrupted (one line, 128 + N), not drained."""
 
     def load():
         model, tokenizer, directory = load_model_and_tokenizer(args)
+        loaded.set()
         # The name clients see: a Hub id as given, a directory by its last part (never a server path).
         return model, tokenizer, Path(args.model).name if Path(args.model).exists() else str(args.model)
 
@@ -90,8 +98,17 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("txl.serve.access").setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
+        async def _serve(self, sockets=None) -> None:
+            if early.requested:  # a signal came before uvicorn took over SIGINT and SIGTERM: never start
+                stopped_at_start.append(int(early.signal))
+                return
+            await super()._serve(sockets)
+
         def handle_exit(self, sig, frame) -> None:
-            # SIGTERM and SIGINT drain and exit 0: uvicorn would raise the signal again once stopped.
+            # Once the model is loaded, SIGTERM and SIGINT drain and exit 0 (uvicorn would raise the signal again
+            # once stopped); before, they interrupt the start-up.
+            if not loaded.is_set():
+                stopped_at_start.append(sig)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
@@ -102,9 +119,14 @@ def run(args: argparse.Namespace) -> int:
     server = Server(uvicorn.Config(app, access_log=False, log_level="info", log_config=None,
                                    timeout_graceful_shutdown=config.drain_seconds))
     try:
-        server.run(sockets=[sock])
+        # Until uvicorn installs its own handlers (in its event loop), a signal is recorded rather than raised
+        # inside asyncio's set-up, where it would leave uvicorn's coroutine never awaited.
+        with StopRequest() as early:
+            server.run(sockets=[sock])
     finally:
         sock.close()
+    if stopped_at_start:
+        raise Interrupted(signal.Signals(stopped_at_start[0]))
     if failed:
         raise ValueError(f"the model could not be loaded: {failed[0]}")
     return 0

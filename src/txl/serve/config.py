@@ -52,7 +52,7 @@ class ServeConfig:
     drain_seconds: float = 10.0
     """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
     threads: int = 0
-    """Torch threads for the forward passes (0: torch's default)."""
+    """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
 
     def __post_init__(self) -> None:
         _check("port", 0 <= self.port <= 65535, "must be in 0..65535", self.port)

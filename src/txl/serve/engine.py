@@ -373,8 +373,11 @@ class Engine:
                 job.emit("error", down)
 
     def _serve(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        # OpenMP's thread count is per thread: a new thread starts with OMP_NUM_THREADS (else every core), whatever
+        # torch.set_num_threads said in the main thread. Set it here, or a server started without OMP_NUM_THREADS
+        # computes with every core (other bits, and ~20x slower beside a busy process) while one started with
+        # OMP_NUM_THREADS=1 uses one.
+        torch.set_num_threads(self.threads or torch.get_num_threads())
         last_sweep = 0.0
         while True:
             self._complete_writes()
