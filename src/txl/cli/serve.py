@@ -18,8 +18,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a training run directory (its best checkpoint), a model directory, or a Hub repo id")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
     p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
     p.add_argument("--pretokenized", action="store_true",
                    help="word-level text is already split into tokens: split on spaces only")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
