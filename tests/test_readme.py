@@ -208,3 +208,20 @@ def test_readme_checkpoint_paths_are_spelt_as_training_writes_them():
     text = README.read_text(encoding="utf-8")
     steps = re.findall(rf"{CKPT_DIR}/(step_\d+)", text)
     assert steps and all(re.fullmatch(r"step_\d{8}", s) for s in steps), steps
+
+
+def test_the_default_jobs_duration_is_stated_alike():
+    """The README, `txl train --list-presets` (the preset's expected time) and `txl --help` give the default job
+    one duration, on one CPU thread (the default thread count)."""
+    from txl.cli import build_parser
+    from txl.presets import preset_expected_time
+
+    minutes = re.compile(r"(\d+(?:\.\d+)?)[ -]min(?:ute)?s? on (one CPU thread|[^;,)]*cores?)")
+    readme = README.read_text(encoding="utf-8")
+    intro = readme[readme.index("## The two commands"):readme.index("Run the tests:")]
+    help_text = build_parser().format_help()
+    stated = {where: minutes.findall(text) for where, text in (("README", intro), ("--list-presets",
+                                                                   preset_expected_time("default")),
+                                                                  ("txl --help", " ".join(help_text.split())))}
+    assert all(found == [stated["--list-presets"][0]] * len(found) and found for found in stated.values()), stated
+    assert stated["--list-presets"][0][1] == "one CPU thread"
