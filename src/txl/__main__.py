@@ -1,28 +1,33 @@
 """The `txl` command ([project.scripts]) and `python -m txl`: ``txl.cli.main``, imported under the same rule for
 signals as the command runs under (``txl.signals``): a Ctrl-C while the command line's modules are still being
-imported is one line and exit 130, as at any later moment, never a KeyboardInterrupt traceback. (Before Python
-installs its own SIGINT handler, in the first milliseconds of the interpreter, Ctrl-C ends the process silently
-by the signal, which a shell also reports as 130.)"""
+imported is one line and exit 130, as at any later moment, never a traceback. (Before Python installs its own
+SIGINT handler, in the first milliseconds of the interpreter and while it reads the environment's .pth files,
+Ctrl-C ends the process by the signal, which a shell also reports as 130.)"""
 
 import sys
 
 
 def entry() -> int:
     try:  # first: nothing but this module and sys is imported yet
-        from txl.signals import terminate_raises
+        from txl.signals import deferred, terminate_raises
 
         with terminate_raises():
-            from txl.cli import main
-
+            # Signals wait for the end of the import (a fraction of a second): Python would turn one raised in a
+            # class body into another error, and a half-imported module could be left behind.
+            with deferred():
+                from txl.cli import main
             return main()
-    except KeyboardInterrupt as err:  # while txl.cli was imported (main reports the later ones itself)
+    except BaseException as err:  # while txl.cli was imported (main reports the later ones itself)
         import os
 
-        from txl.signals import command_of, exit_code, interrupted_line
+        from txl.signals import command_of, exit_code, interrupted_line, interruption_in
 
+        cut = interruption_in(err)
+        if cut is None:
+            raise
         if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 prints (as cli.options.is_main_process)
-            print(interrupted_line(command_of(sys.argv[1:]), err), file=sys.stderr)
-        return exit_code(err)
+            print(interrupted_line(command_of(sys.argv[1:]), cut), file=sys.stderr)
+        return exit_code(cut)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,20 @@ INTACT = {
 it writes is atomic or resumable."""
 
 
+def interruption_in(err: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or ``Interrupted``) that ``err`` is, or that caused it, or None: Python wraps one raised
+    in some places in another exception (3.11 turns one raised in a class body's ``__set_name__``, while a module
+    defining a dataclass is imported, into a RuntimeError 'Error calling __set_name__'), which is the interruption
+    all the same."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def command_of(argv: list[str]) -> str | None:
     """The subcommand ``argv`` names (its first word that is not an option), for a message before it is parsed."""
     return next((a for a in argv if not a.startswith("-")), None)

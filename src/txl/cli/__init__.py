@@ -18,7 +18,7 @@ from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.cli.options import is_main_process
-from txl.signals import command_of, deferred, exit_code, interrupted_line, terminate_raises
+from txl.signals import command_of, deferred, exit_code, interrupted_line, interruption_in, terminate_raises
 
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve, consolidate, size]
 
@@ -62,10 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminate_raises():
             return _main(argv)
-    except KeyboardInterrupt as err:  # start-up: parsing, imports (torch), before the command's own handling
+    except BaseException as err:  # start-up: parsing, imports (torch), before the command's own handling
+        cut = interruption_in(err)
+        if cut is None:
+            raise
         if is_main_process():
-            print(interrupted_line(command_of(sys.argv[1:] if argv is None else argv), err), file=sys.stderr)
-        return exit_code(err)
+            print(interrupted_line(command_of(sys.argv[1:] if argv is None else argv), cut), file=sys.stderr)
+        return exit_code(cut)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -106,10 +109,14 @@ def _main(argv: list[str] | None) -> int:
         with terminate_raises(), _thread_errors_reported_by_caller():  # SIGTERM: as Ctrl-C, below
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+        if interruption_in(err) is not None:
+            raise  # a signal that Python wrapped: main reports it as the interruption it is
         if main_process:
             print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # an output file (a full disk, an I/O error): one line naming it
+        if interruption_in(err) is not None:
+            raise
         if main_process:
             where = f"{err.filename}: " if getattr(err, "filename", None) and str(err.filename) not in str(err) else ""
             print(f"txl {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
