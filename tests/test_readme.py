@@ -225,3 +225,15 @@ def test_the_default_jobs_duration_is_stated_alike():
                                                                   ("txl --help", " ".join(help_text.split())))}
     assert all(found == [stated["--list-presets"][0]] * len(found) and found for found in stated.values()), stated
     assert stated["--list-presets"][0][1] == "one CPU thread"
+
+
+def test_the_eval_example_follows_the_readmes_advice():
+    """'Choosing the evaluation context' advises --eval.clamp_len = the training mem_len + tgt_len: the example
+    that evaluates runs/default (the default job) with a longer memory follows it."""
+    from txl.presets import run_config
+
+    text = README.read_text(encoding="utf-8")
+    assert "`--eval.clamp_len` = the training `mem_len + tgt_len`" in text
+    [clamp] = re.findall(r"^txl eval runs/default .*--eval\.clamp_len (\d+)", text, re.M)
+    default = run_config("default")
+    assert int(clamp) == default.model.mem_len + default.train.tgt_len
