@@ -237,3 +237,11 @@ def test_the_eval_example_follows_the_readmes_advice():
     [clamp] = re.findall(r"^txl eval runs/default .*--eval\.clamp_len (\d+)", text, re.M)
     default = run_config("default")
     assert int(clamp) == default.model.mem_len + default.train.tgt_len
+
+
+def test_the_readme_speaks_to_its_reader():
+    """No words about how the README was written (issue numbers, the session that wrote it): they mean nothing to a
+    reader of the project."""
+    text = README.read_text(encoding="utf-8")
+    found = re.findall(r"[^.\n]*(?:\bissue \d+|\bissues? #?\d+|the session that|today's)[^.\n]*", text, re.I)
+    assert not found, found
