@@ -245,3 +245,12 @@ def test_the_readme_speaks_to_its_reader():
     text = README.read_text(encoding="utf-8")
     found = re.findall(r"[^.\n]*(?:\bissue \d+|\bissues? #?\d+|the session that|today's)[^.\n]*", text, re.I)
     assert not found, found
+
+
+def test_the_readme_gives_the_suites_fast_subset():
+    """The README's fast subset is a marker pytest knows (pyproject's markers), with the whole suite's duration."""
+    text = README.read_text(encoding="utf-8")
+    block = text[text.index("Run the tests:"):text.index("## Python API")]
+    assert re.search(r"python -m pytest -q +# the whole suite: about \d+ minutes", block)
+    assert 'python -m pytest -q -m "not slow"' in block
+    assert re.search(r'^\s*"slow: ', (ROOT / "pyproject.toml").read_text(), re.M)
