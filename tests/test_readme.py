@@ -254,3 +254,23 @@ def test_the_readme_gives_the_suites_fast_subset():
     assert re.search(r"python -m pytest -q +# the whole suite: about \d+ minutes", block)
     assert 'python -m pytest -q -m "not slow"' in block
     assert re.search(r'^\s*"slow: ', (ROOT / "pyproject.toml").read_text(), re.M)
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    """Run from the checkout, the README's commands leave no untracked file git would offer to add: every -o/--out
+    they name, the Python API's saved models, the virtual environment and txl serve's default state directory are
+    covered by .gitignore."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    from txl.serve.config import ServeConfig
+
+    text = "\n".join(b.body for b in BLOCKS)
+    paths = set(re.findall(r"(?:\s-o|--out)\s+\"?([\w./-]+)", text))
+    paths |= set(re.findall(r"save_(?:pretrained|hf)\(model, \"([\w./-]+)\"\)", text))
+    paths |= {".venv/bin/python", ServeConfig().state_dir + "/x.safetensors"}
+    paths = {p for p in paths if not p.startswith("/")}  # a cluster's shared disk, not the checkout
+    assert {"step.pt2", "scores.jsonl", "my-model", ".venv/bin/python"} <= paths, paths
+    found = subprocess.run(["git", "check-ignore", "--no-index", *sorted(paths)], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert found.returncode in (0, 1), found.stderr
+    assert set(found.stdout.split()) == paths, f"not ignored: {sorted(paths - set(found.stdout.split()))}"
