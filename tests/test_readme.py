@@ -18,7 +18,7 @@ The convention, for everyone who adds a README section:
   for local stand-ins of what the network would give; the rest of the command runs as written.
 * The scratch directory holds those stand-ins (:func:`workspace`): a Hugging Face Hub cache, read with
   HF_HUB_OFFLINE=1, whose ``transfo-xl/transfo-xl-wt103`` is tests/golden/hf_transfo_xl_tiny (what
-  transformers' ``save_pretrained`` writes) and the same files as a local ``transfo-xl-wt103/``; ``my.txt``;
+  transformers' ``save_pretrained`` writes; no local ``transfo-xl-wt103/``: a block names the Hub id); ``my.txt``;
   ``my_corpus/`` and ``my_text/`` (train/valid/test.txt, in that vocabulary's words); a fake WikiText-103
   (``data/wt103``, and ``wiki.test.tokens``) and Penn Treebank (``data/ptb``, as ``txl data download`` leaves them).
 * bash blocks run under ``bash -euo pipefail`` with this Python's bin directory first on PATH (``txl``,
@@ -128,7 +128,6 @@ def workspace(tmp_path_factory):
     shutil.copytree(GOLDEN, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(GOLDEN, root / "transfo-xl-wt103")
     (root / "my.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
     for folder, n in (("my_corpus", 3000), ("my_text", 3000)):
         (root / folder).mkdir()
