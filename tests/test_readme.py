@@ -12,6 +12,8 @@ The convention, for everyone who adds a README section:
       skip: WHY              the block is not run; WHY is the skip reason pytest reports (-rs)
       slow                   the block takes seconds (deselected by -m "not slow")
       sub: OLD => NEW        run the block with the text OLD replaced by NEW (OLD must occur; repeatable)
+      serve: ARGS            `txl serve ARGS` runs while the block runs (a free port, its own state directory),
+                             and the block's http://127.0.0.1:8000 is that server's address
       -->
 
   Substitutions stand for tiny sizes (a tiny preset, a few steps, ``--help`` instead of an hours-long run) and
@@ -31,8 +33,10 @@ and every checkpoint path it shows must be spelt as training writes it (``step_0
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -57,6 +61,7 @@ class Block:
     body: str
     skip: str | None = None
     slow: bool = False
+    serve: str | None = None
     subs: list[tuple[str, str]] = field(default_factory=list)
 
     def text(self) -> str:
@@ -70,7 +75,7 @@ class Block:
 
 def parse_directives(text: str, line: int) -> dict:
     """The directives of a ``<!-- docs-test ... -->`` comment (see the module docstring)."""
-    out: dict = {"skip": None, "slow": False, "subs": []}
+    out: dict = {"skip": None, "slow": False, "subs": [], "serve": None}
     for raw in re.split(r"\n", text.strip().removeprefix(":").strip()):
         item = raw.strip()
         if not item:
@@ -82,12 +87,14 @@ def parse_directives(text: str, line: int) -> dict:
             out["skip"] = value
         elif key == "slow" and not value:
             out["slow"] = True
+        elif key == "serve" and value:
+            out["serve"] = value
         elif key == "sub" and "=>" in value:
             old, _, new = value.partition("=>")
             out["subs"].append((old.strip(), new.strip()))
         else:
             raise AssertionError(f"README line {line}: unknown docs-test directive {item!r} (skip: WHY, slow, "
-                                 "sub: OLD => NEW)")
+                                 "sub: OLD => NEW, serve: ARGS)")
     return out
 
 
@@ -128,6 +135,7 @@ def workspace(tmp_path_factory):
     shutil.copytree(GOLDEN, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    (root / "part2.txt").write_text("the cat sat on a mat .\n")
     (root / "my.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
     for folder, n in (("my_corpus", 3000), ("my_text", 3000)):
         (root / folder).mkdir()
@@ -161,9 +169,50 @@ def test_readme_block_runs(block, workspace):
     root, env = workspace
     text = block.text()
     cmd = ["bash", "-euo", "pipefail", "-c", text] if block.lang == "bash" else [sys.executable, "-c", text]
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    with serving(block, root, env) as url:
+        if url is not None:
+            text = text.replace("http://127.0.0.1:8000", url)
+            cmd[-1] = text
+        result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (f"README line {block.line} failed ({result.returncode}):\n{text}\n"
                                     f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+
+
+@contextlib.contextmanager
+def serving(block: Block, root: Path, env: dict):
+    """The `txl serve` of a block's ``serve:`` directive, ready (/health 200) at a free port: yields its address
+    (None without the directive); stopped with SIGTERM (its drain) afterwards."""
+    if block.serve is None:
+        yield None
+        return
+    import signal
+    import time
+    import urllib.request
+
+    log = root / f"serve-line{block.line}.log"
+    argv = [sys.executable, "-m", "txl", "serve", *shlex.split(block.serve), "--port", "0",
+            "--serve.state_dir", str(root / f"serve-line{block.line}")]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline, url = time.monotonic() + 300, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, f"txl serve did not start:\n{log.read_text()}"
+            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+            try:
+                if found and urllib.request.urlopen(found.group(1) + "/health", timeout=5).status == 200:
+                    url = found.group(1)
+            except OSError:  # not accepting yet, or 503 while the model loads
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_readme_blocks_found_and_directives_parsed():
