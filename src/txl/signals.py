@@ -6,6 +6,10 @@ for SIGINT, 143 for SIGTERM), never a traceback and never an error about somethi
 * Outside training (start-up, ``txl generate``, ``score``, ``eval``, ``export``, ``data``), the command
   line's entry point runs the command under ``terminate_raises()``: SIGTERM raises ``Interrupted`` as
   Ctrl-C raises KeyboardInterrupt (``Interrupted`` is one), so ``finally`` blocks and atomic writes clean up.
+  That holds from the entry point's first line (``txl.__main__.entry``, before ``txl.cli`` is imported). Where
+  an exception raised inside an import could be lost or changed (torch's C start-up swallows one; Python 3.11
+  wraps one raised in a class body in RuntimeError), ``deferred()`` holds the signal to the end of the import,
+  and ``interruption_in`` finds one that another exception wraps.
 * In the training loop ``StopRequest`` only records the signal; the loop looks at it at each step
   boundary, writes a checkpoint there and stops (``Stopped``), so the run resumes exactly (a checkpoint
   written from inside a signal handler could catch the optimiser half-way through a step). A second
