@@ -345,8 +345,8 @@ def test_export_missing_parent_is_refused_not_created(trained, tmp_path, capsys)
 def test_export_write_failure_is_one_line(trained, tmp_path, capsys, monkeypatch):
     import txl.export
 
-    def disk_full(program, path):
-        Path(path).write_bytes(b"PK")
+    def disk_full(program, f):
+        f.write(b"PK")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(txl.export.torch.export, "save", disk_full)

@@ -110,6 +110,8 @@ def test_added_tokens_are_read_as_transformers_reads_them(tmp_path, capsys):
     base = added_tokens_dir(tmp_path / "base", ["<formula>"], n)
     tok = load_model_tokenizer(base, vocab_size=n)
     assert tok.vocab_size == n and tok.encode_prompt("<formula>") == [tok.unk_id]
+    assert load_model_tokenizer(base).vocab_size == n  # the model's config.json says so when no vocab_size is given
+    assert load_model_tokenizer(grown).vocab_size == n + 2
 
     (grown / "added_tokens.json").write_text(json.dumps({"<formula>": n + 1}))  # a gap at id n
     with pytest.raises(ValueError, match=r"added_tokens.json: the added tokens must take the ids after"):

@@ -278,8 +278,19 @@ def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = Non
                 f"{directory} has no vocabulary: a txl checkpoint holds {META_FILE} (saved by training), a "
                 f"Hugging Face transfo-xl directory holds {', '.join(HF_VOCAB_FILES + HF_PICKLED_VOCAB_FILES)}; "
                 "add one, or pass a vocabulary file (--vocab FILE)")
-        tok = WordTokenizer.from_hf_vocab(found[0], allow_pickle=allow_pickle, rules=rules, vocab_size=vocab_size)
+        # The added tokens the model has room for: the caller's vocab_size, else the model's config beside it.
+        room = vocab_size if vocab_size is not None else _config_vocab_size(directory)
+        tok = WordTokenizer.from_hf_vocab(found[0], allow_pickle=allow_pickle, rules=rules, vocab_size=room)
     return _checked(tok, vocab_size)
+
+
+def _config_vocab_size(directory: Path) -> int | None:
+    """The vocab_size of the model config in ``directory`` (a Hugging Face config.json), or None."""
+    try:
+        size = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _checked(tok: Tokenizer, vocab_size: int | None) -> Tokenizer:
