@@ -81,9 +81,15 @@ def assert_one_line(name, rc, err, delay):
 
 @pytest.mark.parametrize("name", ["train", "generate", "serve"])
 def test_ctrl_c_at_any_moment_of_start_up_is_one_line_and_130(inputs, tmp_path, name):
+    """A server whose model was loaded when the signal came has started: it drains and exits 0 (tests/
+    test_serve_process.py), which its log shows ('sessions written' is the engine's, which exists once the model is
+    loaded); any other outcome is the start-up's one line and 130."""
     root, corpus, model = inputs
     for n, delay in enumerate(DELAYS):
         rc, err = interrupt(command(name, root, corpus, model, f"{name}{n}"), delay, tmp_path)
+        if name == "serve" and rc == 0:
+            assert "sessions written" in err and "Traceback" not in err and "SIGINT" not in err, err[-3000:]
+            continue
         assert_one_line(name, rc, err, delay)
 
 
