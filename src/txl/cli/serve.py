@@ -7,6 +7,7 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from txl.cli.generate import add_shortcut
+    from txl.cli.options import add_config_arguments
     from txl.serve.config import ServeConfig
 
     p = sub.add_parser(
@@ -23,38 +24,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     add_shortcut(p, "--host", "serve.host", metavar="ADDRESS")
     add_shortcut(p, "--port", "serve.port", metavar="N")
-    add_serve_arguments(p, ServeConfig)
+    add_config_arguments(p, ["serve"], kinds={"serve": ServeConfig})
     p.set_defaults(func=run)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser, kind: type) -> None:
-    """``--serve.FIELD`` for each field of ``kind``, its docstring as help (as config.add_config_arguments)."""
-    import dataclasses
-
-    from txl.cli.options import _metavar, _shown, field_docs
-    from txl.presets import field_types
-
-    parser.set_defaults(config_sections=["serve"])
-    group = parser.add_argument_group(f"serve ({kind.__doc__.splitlines()[0].rstrip('.')})")
-    docs, hints = field_docs(kind), field_types(kind)
-    for f in dataclasses.fields(kind):
-        text = docs.get(f.name, "").replace("%", "%%") + f" (default: {_shown(f.default)})"
-        group.add_argument(f"--serve.{f.name}", dest=f"serve.{f.name}", default=argparse.SUPPRESS,
-                           metavar=_metavar(hints[f.name]), help=text)
-
-
-def serve_config(args: argparse.Namespace):
-    """The ``ServeConfig`` of the options given, typed and checked as every config section is."""
+def serve_config(args: argparse.Namespace, directory=None):
+    """The ``ServeConfig`` of the options given, typed and checked as every config section is (the key also
+    from TXL_SERVE_API_KEY). With the model's ``directory``, the reading context not given is `txl score`'s
+    (``run_defaults``): one default context for the two commands."""
     import os
 
-    from txl.presets import _coerce, field_types
+    from txl.cli.options import section_config
     from txl.serve.config import ServeConfig
 
-    hints = field_types(ServeConfig)
-    values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("serve.")}
-    if "api_key" not in values and os.environ.get("TXL_SERVE_API_KEY"):
-        values["api_key"] = os.environ["TXL_SERVE_API_KEY"]
-    return ServeConfig(**{k: _coerce("serve", k, v, hints[k]) for k, v in values.items()})
+    key = os.environ.get("TXL_SERVE_API_KEY")
+    defaults = {"api_key": key} if key else {}
+    if directory is not None:
+        defaults.update(run_defaults(directory))
+    return section_config(args, "serve", ServeConfig, defaults)
+
+
+def run_defaults(directory) -> dict:
+    """The reading context of a training run's ``[eval]`` section (what `txl score`, `txl eval` and the
+    in-process lm-eval model read with) as ``serve`` fields: tgt_len as segment_len, mem_len, same_length,
+    clamp_len, each only where the run sets it ({} for a model directory without a run)."""
+    from txl.cli.generate import run_section
+
+    e = run_section(directory, "eval")
+    names = {"tgt_len": "segment_len", "mem_len": "mem_len", "same_length": "same_length", "clamp_len": "clamp_len"}
+    return {field: e[name] for name, field in names.items() if e.get(name) is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from txl.pretrained import resolve_model_dir
 
     config = serve_config(args)  # a bad option is refused before anything is loaded
-    resolve_model_dir(args.model, revision=args.revision)  # a missing model: one line now, not a server that 503s
+    # A missing model: one line now, not a server that 503s. A run's [eval] context is the default, as txl score's.
+    config = serve_config(args, resolve_model_dir(args.model, revision=args.revision))
     args.checkpoint = args.model
     failed: list[Exception] = []
     loaded = threading.Event()

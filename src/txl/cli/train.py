@@ -28,7 +28,8 @@ DEFAULT_PRESET = "default"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a model (no arguments: the default job, about 4.5 min on one CPU thread)", allow_abbrev=False,
+        "train", help="train a model (no arguments: the default job, about 4.5 min on one CPU thread)",
+        allow_abbrev=False,
         usage="txl train [--config NAME_OR_FILE | --resume DIR] [--list-presets] [--SECTION.FIELD VALUE ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Transformer-XL. Every config field below can be set as --SECTION.FIELD VALUE; the "
