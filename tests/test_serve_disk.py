@@ -143,19 +143,39 @@ def test_health_reports_a_stopped_worker(model_dir, tmp_path, monkeypatch, caplo
         monkeypatch.undo()  # the server's shutdown writes the sessions
 
 
+KILLED_MID_WRITE = """
+import sys, time
+from pathlib import Path
+from txl.fileio import atomic_write
+
+def write(tmp):
+    tmp.write_bytes(b"half a session")
+    print("WRITING", flush=True)
+    time.sleep(120)
+
+atomic_write(Path(sys.argv[1]), write)
+"""
+
+
 def test_a_killed_servers_temporaries_are_removed_at_start(tmp_path):
-    """atomic_write's `.tmp-ID.safetensors-PID-HEX` of a server killed mid-write (its process gone) is removed when
-    the state directory is opened; one of a live process (another server writing now) is left to it."""
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
-    dead_pid = int(gone.stdout)
+    """A process killed (-9) in the middle of a session file's atomic write leaves `.tmp-ID.safetensors-PID-HEX`:
+    removed when the state directory is opened again; one of a live process (another server writing now) is left
+    to it, and a file that is not a session's temporary is not ours to remove."""
     sid = "A" * 32
-    stale = tmp_path / f".tmp-{sid}.safetensors-{dead_pid}-0123abcd"
-    live = tmp_path / f".tmp-{'B' * 32}.safetensors-{os.getppid()}-89abcdef"
-    other = tmp_path / ".tmp-notes.txt"  # not a session file's temporary: not ours to remove
-    for p in (stale, live, other):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path / f"{sid}.safetensors")],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "WRITING"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    [stale] = leftovers(tmp_path)
+    assert stale.startswith(f".tmp-{sid}.safetensors-{proc.pid}-")
+    live = tmp_path / f".tmp-{'B' * 32}.safetensors-{os.getpid()}-89abcdef"
+    other = tmp_path / ".tmp-notes.txt"
+    for p in (live, other):
         p.write_bytes(b"partial")
-    SessionState(id=sid).to_file(tmp_path / f"{sid}.safetensors")
     store = SessionStore(tmp_path, max_in_memory=4, ttl=60)
-    assert not stale.exists() and live.exists() and other.exists()
-    assert list(store.last_used) == [sid]
+    assert leftovers(tmp_path) == sorted([live.name, other.name])
+    assert list(store.last_used) == []  # the killed write never published a session
