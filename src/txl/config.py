@@ -18,6 +18,9 @@ AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["fast", "torch", "fast16"]
+CompressFn = Literal["mean", "max", "conv"]
+ClusterRows = Literal["auto", "selected", "all"]
+StateDtype = Literal["compute", "residual"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -26,9 +29,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl")
+KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16). A finished experiment
+('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype': where
+autocast rounds the memory and u, v). A finished experiment
 run that differs from its config only in them is the same run (experiments.common.train_or_skip)."""
 
 
@@ -82,6 +86,16 @@ class ModelConfig:
     """'pytorch': the original PyTorch and Hugging Face mask, each query sees mem_len keys.
     'tensorflow': the original TensorFlow and NVIDIA mask, each query sees mem_len + 1 keys."""
 
+    # The Compressive Transformer's second memory (Rae et al. 2020; txl.model.compressive).
+    cmem_len: int = 0
+    """Compressed slots kept per layer: states leaving the memory are compressed cmem_rate to one instead of
+    being dropped (0: none, today's Transformer-XL exactly)."""
+    cmem_rate: int = 4
+    """Compression rate c: c states leaving the memory make one compressed slot."""
+    cmem_fn: CompressFn = "conv"
+    """The compression function: 'conv' a 1-D convolution of kernel and stride c (the paper's best, trained by
+    the attention-reconstruction loss), 'mean' or 'max' pooling over c states (no parameters)."""
+
     # Positional encoding: the paper's (relative) and its Table 6 ablations.
     attn_type: AttnType = "relative"
     """'relative': the paper's encoding, terms (a)+(b)+(c)+(d) with sinusoidal R and biases u, v.
@@ -116,6 +130,25 @@ class ModelConfig:
     dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
     devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16
     random bits per element, p rounded to a multiple of 2**-16 (0.1 -> 0.1000061)."""
+    cluster_rows: ClusterRows = "auto"
+    """Which rows each tail cluster of the adaptive input and softmax computes (``txl.model.adaptive``); the
+    numbers are the same. 'selected': only the tokens that fall in it, found with ``nonzero`` (the least work,
+    but a host sync per cluster on a GPU, and shapes that change with the batch). 'all': every token, the
+    others masked out (static shapes, no sync: what torch.compile and CUDA graphs need; the tails' matmuls
+    then cover every token: at NVIDIA's WikiText-103 shape about 6x the softmax's work). 'auto': 'selected'
+    eagerly on the CPU, 'all' on other devices and under torch.compile (before issue 34: 'selected' eagerly
+    on every device)."""
+    state_dtype: StateDtype = "compute"
+    """Under autocast, the dtype of the memory rows kept for the next segment and of the biases u, v the queries
+    are shifted by. 'compute': autocast's (bf16 or fp16): every layer then reads its memory and adds u and v
+    without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': each layer
+    input's own dtype and float32 u, v (before issue 34): autocast casts them again in every layer and step.
+    The same without autocast (both are the weights' dtype)."""
+    softmax_pad: int = 0
+    """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
+    cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
+    GPU's tensor-core kernels get the aligned widths they need (NVIDIA's 20,003-wide head ran a Turing-era
+    kernel). 1: no padding. 0 (auto): 64 on CUDA, 1 elsewhere (on the CPU padding only adds work)."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02
@@ -178,7 +211,11 @@ class ModelConfig:
         if self.attn_type == "rotary" and self.d_head % 2:
             raise ValueError(f"ModelConfig.attn_type='rotary' rotates pairs of channels: d_head={self.d_head} must be "
                              "even; choose n_head so that d_model // n_head is even, or set d_head")
-        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl)):
+        if not isinstance(self.softmax_pad, int) or isinstance(self.softmax_pad, bool) or self.softmax_pad < 0:
+            raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
+                             "1: no padding, 64: widths padded to multiples of 64)")
+        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
+                           ("state_dtype", StateDtype)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
                                  f"{', '.join(map(repr, typing.get_args(kind)))}")
@@ -186,9 +223,31 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                 "(original PyTorch / Hugging Face) or 'tensorflow' (original TensorFlow / NVIDIA)")
+        self._check_compressive()
         if self.same_length and self.mem_len == 0:  # the first query of every segment would see no key
             raise ValueError("ModelConfig.same_length with mem_len=0 masks every key of a segment's first query "
                              "(its loss is NaN): set mem_len >= 1, or same_length false")
+
+    def _check_compressive(self) -> None:
+        """The compressed memory's fields, and the options it cannot be combined with (yet)."""
+        for name in ("cmem_len", "cmem_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "cmem_len" else 1):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be an integer >= {0 if name == 'cmem_len' else 1}")
+        if self.cmem_fn not in typing.get_args(CompressFn):
+            raise ValueError(f"ModelConfig.cmem_fn={self.cmem_fn!r} is unknown; choose one of "
+                             f"{', '.join(map(repr, typing.get_args(CompressFn)))}")
+        if not self.cmem_len:
+            return
+        if self.mem_len == 0:
+            raise ValueError(f"ModelConfig.cmem_len={self.cmem_len} compresses the states leaving the memory, and "
+                             "mem_len=0 keeps none: set mem_len >= 1, or cmem_len 0")
+        if self.same_length:
+            raise ValueError("ModelConfig.same_length hides all but the last mem_len keys, the compressed slots among "
+                             "them: set same_length false with cmem_len > 0")
+        if self.ext_len:
+            raise ValueError("ModelConfig.ext_len re-feeds rows that the compressed memory would hold twice: set "
+                             "ext_len 0 with cmem_len > 0")
 
     @property
     def n_clusters(self) -> int:
