@@ -50,6 +50,10 @@ class SegmentStep(nn.Module):
                              f"positions shift with the empty memory rows; use {either(attn_types(relative=True))}")
         if model.config.mem_len < 1:
             raise ValueError("mem_len=0: the model has no memory to carry; export needs mem_len >= 1")
+        if model.config.cmem_len:
+            raise ValueError(f"cmem_len={model.config.cmem_len}: a compressed memory cannot be exported as a segment "
+                             "step yet (its padded rows would be compressed with real ones); export a model with "
+                             "cmem_len 0")
         self.model = model
         self.eval()  # the step is for inference: no dropout
 
@@ -151,5 +155,9 @@ def export(model: TransformerXL, path: str | os.PathLike, *, format: Format = "t
         raise FileNotFoundError(f"{path}: the directory {path.parent} does not exist; create it first")
     if format == "onnx":
         return export_onnx(model, path)
-    torch.export.save(export_program(model), str(path))
+    program = export_program(model)
+    # Written through a file object: given a name, torch warns unless it ends in .pt2, and a command writes to a
+    # temporary name (fileio.atomic_write) that must not.
+    with open(path, "wb") as f:
+        torch.export.save(program, f)
     return path

@@ -25,6 +25,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
+from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
@@ -66,7 +67,8 @@ class LMOutput:
     """What one segment produces. Fields that were not asked for are None."""
 
     memory: Memory
-    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped."""
+    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped (cmem_len > 0: then one
+    (B, C', d) tensor per layer of the compressed memory, ``txl.model.compressive``)."""
     hidden: torch.Tensor
     """(B, T, d) final hidden states."""
     loss: torch.Tensor | None = None
@@ -77,6 +79,9 @@ class LMOutput:
     """(B, T, V) log-probabilities of the next token (float32)."""
     kv_cache: KVCache | None = None
     """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
+    compression_loss: torch.Tensor | None = None
+    """cmem_len > 0, 'conv', training: the attention-reconstruction loss (Rae et al. 2020), whose gradient reaches
+    the compression parameters alone; add it to ``loss`` for backward."""
 
 
 class TransformerXL(nn.Module):
@@ -95,6 +100,10 @@ class TransformerXL(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
+        # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
+        if c.cmem_len and not self.encoding.reads_compressed:
+            raise ValueError(f"attn_type={c.attn_type!r} cannot read a compressed memory; set cmem_len 0")
+        self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
 
@@ -132,6 +141,8 @@ class TransformerXL(nn.Module):
                 if isinstance(module, AdaptiveLogSoftmax) and module.n_clusters:
                     nn.init.normal_(module.cluster_weight, 0.0, c.init_std)
                     nn.init.zeros_(module.cluster_bias)
+            elif isinstance(module, Compressor):  # no draw: mean pooling
+                module.reset_parameters()
             elif isinstance(module, Attention):  # an encoding's own parameters: u, v, Shaw's E and b
                 for p in module._parameters.values():
                     nn.init.normal_(p, 0.0, c.init_std)
@@ -142,13 +153,18 @@ class TransformerXL(nn.Module):
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
         """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
         p = next(self.parameters())
-        return zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
-                            device=p.device, dtype=p.dtype)
+        memory = zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
+                              device=p.device, dtype=p.dtype)
+        if self.compressor is not None:  # and an empty compressed memory
+            memory += zeros_memory(self.config.n_layer, batch_size, self.config.d_model, 0, device=p.device,
+                                   dtype=p.dtype)
+        return memory
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
-        return KVCache() if self.encoding.cacheable else None
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step) or
+        that compresses its memory (the compressed rows are not cached yet)."""
+        return KVCache() if self.encoding.cacheable and self.compressor is None else None
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -176,15 +192,25 @@ class TransformerXL(nn.Module):
         """
         c = self.config
         ctx = c.context() if context is None else context
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter:
+        # twice was ~5% of a (1, 1) decoding step of a small model on CPU).
+        version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
-            self.check_inputs(input_ids, labels, memory, kv_cache, ctx)
+            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version)
         B, T = input_ids.shape
+        own, compressed = memory, None  # the memory the update continues, and the compressed one
+        if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
+            own, compressed = split_state(memory, c.n_layer)
+            memory = window(own, compressed)
         M = memory_length(memory)
         # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer
         mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
                               style=ctx.same_length_style, device=input_ids.device)  # (T, K)
         if padding is not None:
+            if self.compressor is not None:
+                raise ValueError("padding is not supported with a compressed memory (cmem_len > 0): pads would be "
+                                 "compressed with real rows; read rows of different lengths one at a time")
             if padding.shape != (B, M + T) or padding.dtype != torch.bool:
                 raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
                                  f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
@@ -229,7 +255,12 @@ class TransformerXL(nn.Module):
                     buffers.append(grown)
                 h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
-        if grow:
+        compression_loss = None
+        if self.compressor is not None:
+            new_memory, compression_loss = self.compressor.update(
+                own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in self.layers],
+                train=self.training and labels is not None, dtype=state)
+        elif grow:
             had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
             new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
                                                      buffers=had, dtype=state)
@@ -237,17 +268,17 @@ class TransformerXL(nn.Module):
             new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len,
                                        dtype=state)
 
-        out = LMOutput(memory=new_memory, hidden=h)
+        out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
         if grow:
             # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
             out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
                                    values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
                                    buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=self._weights_version())
+                                   weights_version=version)
         elif kv_cache is not None:
             out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
                                    values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=self._weights_version())
+                                   positions=table, weights_version=version)
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -283,12 +314,13 @@ class TransformerXL(nn.Module):
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
-                     context: Context | None = None) -> None:
+                     context: Context | None = None, *, version: int | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
         ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
         host (CPU) tensors only: on a GPU they would read values back from the device, a host sync inside every
         step (and a graph break), so callers check their data on the host before it moves (``check_token_ids``).
+        ``version``: ``weights_version(self)`` when the caller has read it already (None: read here).
         """
         c = self.config
         ctx = c.context() if context is None else context
@@ -298,12 +330,15 @@ class TransformerXL(nn.Module):
         self._check_inputs(input_ids, labels, ctx)
         B = input_ids.size(0)
         if memory is not None:
-            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
-                         device=self.embed.layers[0].weight.device)
+            check = check_memory if self.compressor is None else check_state
+            check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
+        if self.compressor is not None and (ctx.same_length or ctx.ext_len):
+            raise ValueError("a compressive model (cmem_len > 0) reads with same_length false and ext_len 0: "
+                             "same_length would hide the compressed slots, ext_len feed rows twice")
         if kv_cache is not None:
-            self._check_kv_cache(kv_cache, memory_length(memory), B)
+            self._check_kv_cache(kv_cache, memory_length(memory), B, version)
 
-    def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int) -> None:
+    def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int, version: int | None = None) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
         c = self.config
         if not isinstance(cache, KVCache):
@@ -311,6 +346,9 @@ class TransformerXL(nn.Module):
         if not self.encoding.cacheable:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
+        if self.compressor is not None:
+            raise ValueError("kv_cache is not supported with a compressed memory (cmem_len > 0) yet; pass "
+                             "kv_cache=None (model.start_kv_cache() gives None for this model)")
         if self.training or torch.is_grad_enabled():
             raise ValueError("kv_cache needs eval mode under torch.no_grad(): cached keys are detached (weight "
                              "gradients through memory rows would be lost) and dropout would change them; "
@@ -325,7 +363,7 @@ class TransformerXL(nn.Module):
             raise ValueError(f"kv_cache holds {cache.length} rows for batch {k.size(0)} but the memory has "
                              f"{mlen} rows for batch {batch_size}: pass the kv_cache returned with this memory "
                              "(both come from the same output), or KVCache() to rebuild it from the memory")
-        if cache.weights_version not in (None, weights_version(self)):
+        if cache.weights_version not in (None, weights_version(self) if version is None else version):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
 
