@@ -125,7 +125,8 @@ class Attention(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
         (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
@@ -133,10 +134,13 @@ class Attention(nn.Module):
 
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected
         (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
+
+        x_cast: x already in the compute dtype (the model's copy of it for the next memory), read by the post-LN
+        projections instead of autocast casting x again; the residual still adds x.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
-        h = self.norm(x) if self.pre_ln else x  # pre-LN normalises the rows the projections read
+        h = self.norm(x) if self.pre_ln else (x if x_cast is None else x_cast)  # pre-LN normalises what they read
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)

@@ -58,8 +58,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast))
 
 
 @dataclass
@@ -240,9 +241,14 @@ class TransformerXL(nn.Module):
         with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None):
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
+            # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
+            # projections read: cast once for both (autocast would cast it again in the qkv matmul).
+            share = (state is not None and not c.pre_ln and kv_cache is None and self.compressor is None
+                     and not torch.compiler.is_compiling())
             for l, layer in enumerate(self.layers):
-                hiddens.append(h)  # memory caches each layer's input, before any absolute positions
                 x, mem, pos = h, mems[l], positions[l]
+                x_cast = h.to(state) if share and (pos is None or pos.absolute is None) else None
+                hiddens.append(h if x_cast is None else x_cast)  # each layer's input, before absolute positions
                 if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
                     x = x + pos.absolute[M:]
                     mem = None if mem is None else mem + pos.absolute[:M]
@@ -253,7 +259,7 @@ class TransformerXL(nn.Module):
                     keys.append(k)
                     values.append(val)
                     buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv)
+                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast)
         h = self.drop(h)  # (B, T, d)
         compression_loss = None
         if self.compressor is not None:
