@@ -343,15 +343,6 @@ def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_pat
     assert max_difference(w["single"], w["ddp"]) < 1e-5 and "compressor.weight" in w["ddp"]
 
 
-def test_serving_refuses_a_compressed_memory_at_load():
-    """A served session carries one memory (not done for cmem_len > 0): the model is refused when the server
-    loads it, in one line, instead of a 500 at the first request."""
-    from txl.serve.engine import Model
-
-    with pytest.raises(ValueError, match=r"cmem_len=3: a model with a compressed memory cannot be served yet"):
-        Model(compressive(), segment_len=4)
-
-
 RECALL_STEPS = 3000
 """Steps the tiny recall run needs before the compressive model reads its slots (at 1500 it barely does)."""
 

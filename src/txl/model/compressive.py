@@ -13,7 +13,8 @@ back instead of mem_len + cmem_len.
 memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
 first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
 next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Not
-yet: a KV cache, left padding, export and serving (each refused in one line where it is asked for).
+yet: a KV cache, left padding and export (each refused in one line where it is asked for). ``txl serve`` carries
+both in a session (its rows batched only with rows of the same lengths, generation uncached).
 
 **Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment], the
 oldest floor((M + T - mem_len) / c) x c are compressed, and the memory keeps the rest (mem_len to
