@@ -175,7 +175,8 @@ class Model:
     # -- a compressive model: both memories, rows of equal lengths batched -------------------------------------
     def take(self, row: tuple[Rows, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """A generation row's memory (L, m, d) and keys, values (``Rows.take``; a compressive model's rows hold its
-        state, the L memories then the L compressed ones: the memory alone, no keys)."""
+        state, the L memories then the L compressed ones: the memory alone, its keys projected again when the row
+        next runs, as they cover the compressed slots too)."""
         rows, b = row
         if not self.cmem_len:
             return rows.take(b)
@@ -223,8 +224,8 @@ class Model:
         return results  # type: ignore[return-value]
 
     def _generate(self, units: list[Unit], rows: Rows) -> list[Result]:
-        """Prefill or step ``units`` after ``rows`` (no pads) through the decoder, uncached (a compressive model's
-        keys are not cached): the rows it returns hold the model's state, every token read kept uncompressed."""
+        """Prefill or step ``units`` after ``rows`` (no pads) through the decoder: the rows it returns hold the
+        model's state (every token read kept uncompressed) and the keys and values of its window."""
         x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
         next_lp, new = self.decoder.run(x, rows)
         next_lp = next_lp.cpu()  # (B, V)
