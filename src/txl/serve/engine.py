@@ -312,24 +312,37 @@ class Engine:
         # worker runs the next forward. A session stays active until its write returns, so nothing else touches
         # it meanwhile and its next request starts after; the reply waits for the write ('request' durability).
         self.writer = ThreadPoolExecutor(max(1, min(max_batch, 8)), "txl-serve-write") if durable else None
-        self.written: queue.SimpleQueue[tuple[Job, Any, OSError | None, float]] = queue.SimpleQueue()
+        self.written: queue.SimpleQueue[tuple[Job, Any, Exception | None, float]] = queue.SimpleQueue()
         self._temp = 0
+        self._failure: str | None = None
         self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
 
     # -- the request side (any thread) ------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the worker stopped when it should be running (None while it runs, or before ``start``)."""
+        if self._failure is not None:
+            return self._failure
+        if self.thread.ident is None or self.thread.is_alive() or self.stopping:
+            return None
+        return "the model worker stopped"
+
     def submit(self, job: Job) -> None:
         with self.lock:
             if self.stopping:
                 raise ClientError(503, None, "the server is shutting down")
+            if self.failure is not None:
+                raise ClientError(503, None, "the model worker stopped on an internal error (see the server's log); "
+                                  "restart the server")
             if self.waiting >= self.max_queue:
                 raise QueueFull
             self.waiting += 1
             self._temp += 1
             job.key = job.session or f"~{self._temp}"
-        self.incoming.put(job)
+            self.incoming.put(job)
         self.wake.set()
 
     def stop(self, timeout: float) -> None:
@@ -357,8 +370,29 @@ class Engine:
 
     # -- the worker --------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        try:
+            self._serve()
+        except BaseException as err:  # an error no request caused: the requests get 503, /health says so
+            with self.lock:  # no job is submitted after this (submit checks it under the lock)
+                self._failure = f"the model worker stopped on {type(err).__name__} (see the server's log)"
+            logger.exception("the model worker stopped; every model request now answers 503", exc_info=err)
+            down = ClientError(503, None, "the model worker stopped on an internal error (see the server's log); "
+                               "restart the server")
+            jobs = list(self.active.values()) + [j for q in self.queues.values() for j in q]
+            while True:
+                try:
+                    jobs.append(self.incoming.get_nowait())
+                except queue.Empty:
+                    break
+            for job in jobs:
+                job.emit("error", down)
+
+    def _serve(self) -> None:
+        # OpenMP's thread count is per thread: a new thread starts with OMP_NUM_THREADS (else every core), whatever
+        # torch.set_num_threads said in the main thread. Set it here, or a server started without OMP_NUM_THREADS
+        # computes with every core (other bits, and ~20x slower beside a busy process) while one started with
+        # OMP_NUM_THREADS=1 uses one.
+        torch.set_num_threads(self.threads or torch.get_num_threads())
         last_sweep = 0.0
         while True:
             self._complete_writes()
@@ -483,7 +517,7 @@ class Engine:
         start, error = time.perf_counter(), None
         try:
             self.store.write(job.state)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - whatever failed, the request is answered and the session freed
             error = err
         self.written.put((job, value, error, time.perf_counter() - start))
         self.wake.set()
@@ -495,8 +529,14 @@ class Engine:
             except queue.Empty:
                 return
             if error is not None:  # the session stays changed (dirty): written again at eviction or exit
-                logger.error("could not write session %s: %s", job.state.id, error)
-                self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+                if not isinstance(error, OSError):
+                    self._fail(job, error)  # logged with its traceback: a 500
+                    continue
+                logger.error("could not write session %s to %s (%s); it stays in memory with this request's change",
+                             job.state.id, self.store.dir, error.strerror or error)
+                self._fail(job, ClientError(507, None, "the request was done but the session's state could not be "
+                                            "written (the server's disk is full?); the session keeps the change in "
+                                            "memory and is written again with its next request"))
                 continue
             self.store.dirty.discard(job.state.id)
             if self.metrics is not None:

@@ -117,7 +117,7 @@ class SessionState:
 
     # -- saving ------------------------------------------------------------------------------------
     def to_file(self, path: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         meta = {k: getattr(self, k) for k in ("id", "owner", "with_memory", "tokens", "tail", "n_tokens", "n_scored",
                                              "nll", "chars", "generated", "requests", "created", "last_used")}
@@ -125,7 +125,11 @@ class SessionState:
         tensors = {"memory": self.memory.contiguous()} if self.memory is not None else {}
         if self.compressed is not None:
             tensors["compressed"] = self.compressed.contiguous()
-        save_file(tensors, str(path), metadata={"txl_session": json.dumps(meta)})
+        # Serialized in memory and written by Python's own file I/O, so that a full disk is the OSError it is
+        # (safetensors' save_file reports it as SafetensorError, which no caller would read as a disk error).
+        data = save(tensors, metadata={"txl_session": json.dumps(meta)})
+        with open(path, "wb") as f:
+            f.write(data)
 
     @classmethod
     def from_file(cls, path: Path) -> SessionState:
@@ -187,6 +191,27 @@ def take_text(state: SessionState, data: str | bytes, tokenizer, *, final: bool)
     return ids, text, tail, raw
 
 
+TEMPORARY = re.compile(r"^\.tmp-[A-Za-z0-9_-]{32}\.safetensors-(?P<pid>\d+)-[0-9a-f]+$")
+"""A session file being written by ``atomic_write`` in process ``pid``."""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
 class SessionStore:
     """Sessions by id: the most recently used ``max_in_memory`` in RAM, the others in ``state_dir``.
 
@@ -194,6 +219,8 @@ class SessionStore:
     """
 
     SUFFIX = ".safetensors"
+    RETRY_SECONDS = 2.0
+    """How often eviction tries again while session files cannot be written."""
 
     def __init__(self, state_dir: str | os.PathLike, *, max_in_memory: int, ttl: float) -> None:
         self.dir = Path(state_dir)
@@ -207,6 +234,23 @@ class SessionStore:
             if ID_PATTERN.match(p.stem):
                 self.last_used[p.stem] = p.stat().st_mtime
         self.evictions = 0
+        self.retry_at = 0.0
+        """While writes fail (a full disk): when eviction next tries (monotonic); 0 while they succeed."""
+        n = self.remove_stale_temporaries()
+        if n:
+            logger.info("removed %d temporary session files left in %s by a server that was killed", n, self.dir)
+
+    def remove_stale_temporaries(self) -> int:
+        """Remove what a writer killed mid-write left (``atomic_write``'s ``.tmp-ID.safetensors-PID-HEX``): those of
+        a process that no longer runs. A live process's temporary (another server on the same directory, mid-write)
+        is left to it."""
+        n = 0
+        for p in self.dir.glob(".tmp-*" + self.SUFFIX + "-*"):
+            found = TEMPORARY.match(p.name)
+            if found and not _running(int(found.group("pid"))):
+                p.unlink(missing_ok=True)
+                n += 1
+        return n
 
     def path(self, sid: str) -> Path:
         return self.dir / (sid + self.SUFFIX)
@@ -263,8 +307,12 @@ class SessionStore:
         self.path(sid).unlink(missing_ok=True)
 
     def evict(self, pinned: set[str]) -> int:
-        """Write the least recently used sessions beyond the budget to disk and drop them from RAM."""
-        if len(self.ram) <= self.max_in_memory:
+        """Write the least recently used sessions beyond the budget to disk and drop them from RAM.
+
+        A session that cannot be written (a full disk) stays in RAM, changed, beyond the budget: the error is
+        logged once, eviction tries again every ``RETRY_SECONDS`` and says when writes work again. Nothing is
+        lost and the worker goes on serving."""
+        if len(self.ram) <= self.max_in_memory or time.monotonic() < self.retry_at:
             return 0
         n = 0
         for sid in list(self.ram):
@@ -273,7 +321,18 @@ class SessionStore:
             if sid in pinned:
                 continue
             if sid in self.dirty:
-                self.save(self.ram[sid])
+                try:
+                    self.save(self.ram[sid])
+                except OSError as err:
+                    if not self.retry_at:
+                        logger.error("could not write session %s to %s (%s): sessions stay in memory beyond "
+                                     "serve.max_sessions_in_memory=%d until they can be written (retried every %g s)",
+                                     sid, self.dir, _reason(err), self.max_in_memory, self.RETRY_SECONDS)
+                    self.retry_at = time.monotonic() + self.RETRY_SECONDS
+                    break
+                if self.retry_at:
+                    logger.info("sessions can be written to %s again", self.dir)
+                    self.retry_at = 0.0
             del self.ram[sid]
             n += 1
         self.evictions += n
@@ -286,8 +345,15 @@ class SessionStore:
         return len(old)
 
     def flush(self, exclude: set[str] = frozenset()) -> int:
-        """Write every session changed since it was last written (at shutdown), but ``exclude``."""
+        """Write every session changed since it was last written (at shutdown), but ``exclude``; a session that
+        cannot be written is logged (by id) and the others are still written. Returns how many were written."""
         dirty = [self.ram[sid] for sid in self.dirty if sid in self.ram and sid not in exclude]
+        n = 0
         for state in dirty:
-            self.save(state)
-        return len(dirty)
+            try:
+                self.save(state)
+                n += 1
+            except OSError as err:
+                logger.error("could not write session %s to %s (%s): its changes since it was last written are lost",
+                             state.id, self.dir, _reason(err))
+        return n
