@@ -221,9 +221,11 @@ def test_batched_rows_of_different_lengths_equal_rows_alone(model_dir):
             for t, a in zip(m.run("step", mix), rows):  # gathered into one batch: the same as the batch's rows
                 same(t, a)
     sub = m.run("step", [Unit("step", [3], row=rows[1].row)])[0]  # a subset of the batch
-    memory, kv = m.take(rows[1].row)
-    assert kv is None and memory.size(1) == 8 + 5 + 2  # generation keeps every row it read, uncompressed
-    same(sub, m.run("step", [Unit("step", [3], memory, compressed=compressed[3])])[0])
+    memory, kv = m.take(rows[1].row)  # a row kept for the session's next generation: its window's keys too
+    assert memory.size(1) == 8 + 5 + 2  # generation keeps every row it read, uncompressed
+    assert kv[0].shape == kv[1].shape == (2, 2 + 8 + 5 + 2, 4, 8)  # (L, C + m, H, D): the window [compressed; memory]
+    same(sub, m.run("step", [Unit("step", [3], memory, compressed=compressed[3])])[0])  # keys projected again
+    same(sub, m.run("step", [Unit("step", [3], memory, compressed=compressed[3], kv=kv)])[0])  # keys as kept
 
 
 def test_session_files_hold_both_memories_and_older_files_still_read(tmp_path):

@@ -175,22 +175,25 @@ class Model:
     # -- a compressive model: both memories, rows of equal lengths batched -------------------------------------
     def take(self, row: tuple[Rows, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """A generation row's memory (L, m, d) and keys, values (``Rows.take``; a compressive model's rows hold its
-        state, the L memories then the L compressed ones: the memory alone, its keys projected again when the row
-        next runs, as they cover the compressed slots too)."""
+        state, the L memories then the L compressed ones: the memory alone, and the keys and values of its window
+        [compressed; memory] (L, C + m, H, D) each, None without)."""
         rows, b = row
         if not self.cmem_len:
             return rows.take(b)
-        return torch.stack([m[b] for m in rows.memory[:self.n_layer]]), None  # (L, m, d)
+        kv = (torch.stack([k[b] for k in rows.keys]), torch.stack([v[b] for v in rows.values])
+              ) if rows.keys and rows.version == self.decoder.version else None
+        return torch.stack([m[b] for m in rows.memory[:self.n_layer]]), kv  # (L, m, d)
 
-    def _state_of(self, u: Unit) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A compressive unit's (memory (L, m, d), compressed (L, C, d)), either None when empty."""
+    def _state_of(self, u: Unit) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
+        """A compressive unit's (memory (L, m, d), compressed (L, C, d), its window's keys and values or None),
+        memory and compressed None when empty."""
         if u.row is None:
-            return u.memory, u.compressed
+            return u.memory, u.compressed, u.kv
         (rows, b), L = u.row, self.n_layer
         if not rows.memory:
-            return None, None
-        return (torch.stack([m[b] for m in rows.memory[:L]]),  # (L, m, d)
-                torch.stack([m[b] for m in rows.memory[L:]]))  # (L, C, d)
+            return None, None, None
+        memory, kv = self.take(u.row)
+        return memory, torch.stack([m[b] for m in rows.memory[L:]]), kv  # (L, m, d), (L, C, d)
 
     def _run_compressive(self, kind: str, units: list[Unit]) -> list[Result]:
         """``run`` for a compressive model: the units' rows grouped by (memory, compressed) lengths, one forward
@@ -204,11 +207,14 @@ class Model:
                 return self._generate(units, rows)
         groups: dict[tuple, list[int]] = {}
         states = [self._state_of(u) for u in units]
-        for i, (mem, cmem) in enumerate(states):
+        for i, (mem, cmem, _) in enumerate(states):
             lengths = (0 if mem is None else mem.size(1), 0 if cmem is None else cmem.size(1))
             groups.setdefault(lengths, []).append(i)
         for (m, _), idx in groups.items():
-            state = None
+            state, keys, values = None, (), ()
+            if m and all(states[i][2] is not None for i in idx):  # every row's window keys: (L, B, C + m, H, D) each
+                keys, values = (tuple(torch.stack([states[i][2][j] for i in idx], 1).to(self.device, self.dtype)
+                                      .unbind(0)) for j in (0, 1))
             if m:  # (L, B, m, d) and (L, B, C, d) -> the model's 2L tensors (B, m, d) then (B, C, d)
                 mem = torch.stack([states[i][0] for i in idx], 1).to(self.device, self.dtype)
                 cmem = torch.stack([states[i][1] if states[i][1] is not None else mem.new_zeros(mem.size(0), 0,
@@ -218,7 +224,8 @@ class Model:
             if kind == "score":
                 out = self._score(group, state)
             else:
-                out = self._generate(group, Rows(state or (), (), (), [0] * len(idx)))
+                out = self._generate(group, Rows(state or (), keys, values, [0] * len(idx),
+                                                 version=self.decoder.version if keys else None))
             for i, r in zip(idx, out):
                 results[i] = r
         return results  # type: ignore[return-value]
