@@ -163,9 +163,9 @@ class TransformerXL(nn.Module):
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step) or
-        that compresses its memory (the compressed rows are not cached yet)."""
-        return KVCache() if self.encoding.cacheable and self.compressor is None else None
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step); a
+        compressive model's cache holds the keys and values of its window, [compressed; memory]."""
+        return KVCache() if self.encoding.cacheable else None
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -275,7 +275,10 @@ class TransformerXL(nn.Module):
                                        dtype=state)
 
         out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
-        if grow:
+        if self.compressor is not None and kv_cache is not None:
+            out.kv_cache = self.compressor.next_cache(keys, values, buffers if grow else None, own, new_memory, T,
+                                                      positions=table, weights_version=version)
+        elif grow:
             # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
             out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
                                    values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
@@ -341,8 +344,10 @@ class TransformerXL(nn.Module):
         if self.compressor is not None and (ctx.same_length or ctx.ext_len):
             raise ValueError("a compressive model (cmem_len > 0) reads with same_length false and ext_len 0: "
                              "same_length would hide the compressed slots, ext_len feed rows twice")
-        if kv_cache is not None:
-            self._check_kv_cache(kv_cache, memory_length(memory), B, version)
+        if kv_cache is not None:  # a compressive model's cache covers its window, [compressed; memory]
+            rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
+                memory, c.n_layer)))
+            self._check_kv_cache(kv_cache, rows, B, version)
 
     def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int, version: int | None = None) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
@@ -352,9 +357,6 @@ class TransformerXL(nn.Module):
         if not self.encoding.cacheable:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
-        if self.compressor is not None:
-            raise ValueError("kv_cache is not supported with a compressed memory (cmem_len > 0) yet; pass "
-                             "kv_cache=None (model.start_kv_cache() gives None for this model)")
         if self.training or torch.is_grad_enabled():
             raise ValueError("kv_cache needs eval mode under torch.no_grad(): cached keys are detached (weight "
                              "gradients through memory rows would be lost) and dropout would change them; "

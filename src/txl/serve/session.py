@@ -1,10 +1,12 @@
 """Sessions: a document's reading state, its text carried over between requests, and where it is kept.
 
-Shape legend: L layers, m memory rows (<= mem_len), d d_model.
+Shape legend: L layers, m memory rows (<= mem_len; a compressive model's: mem_len to mem_len + c - 1), C
+compressed slots (<= cmem_len), d d_model.
 
 A session's state is what Transformer-XL carries from one segment to the next (Dai et al. 2019,
 section 3.2): the memory, (L, m, d), whatever the length of the document, plus the tokens read since
-the last segment boundary (at most segment_len + 1; the first is the input that predicts the next). The
+the last segment boundary (at most segment_len + 1; the first is the input that predicts the next); a
+compressive model's (Rae et al. 2020, ``txl.model.compressive``) also its compressed memory, (L, C, d). The
 scores of those tokens are recomputed from the memory at the boundary when more text comes, so a
 document read in any pieces is read in exactly the segments `txl score` reads it in.
 
@@ -66,6 +68,9 @@ class SessionState:
     """False: each segment is read alone (the page's 'without memory' view)."""
     memory: torch.Tensor | None = None
     """(L, m, d) float: every layer's input for the last m positions before ``tokens``; None when empty."""
+    compressed: torch.Tensor | None = None
+    """(L, C, d): a compressive model's compressed memory (the states that left ``memory``, c to a slot); None
+    when empty (and always for a model without one)."""
     tokens: list[int] = field(default_factory=list)
     """Tokens since the last segment boundary; tokens[0] is the input that predicts tokens[1]."""
     tail: str = ""
@@ -88,19 +93,27 @@ class SessionState:
     """RAM only, never written: the rows of the session's last generation (``engine.Kept``), so that a generation
     that follows it directly steps on from them instead of reading its tokens again; None otherwise."""
 
-    def info(self, *, n_layer: int, mem_len: int, d_model: int) -> dict:
+    def info(self, *, n_layer: int, mem_len: int, d_model: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict:
+        """What GET /v1/sessions/{id} reports; ``cmem_len`` > 0: a compressive model's, whose memory keeps up to
+        mem_len + cmem_rate - 1 rows (rows leave in whole groups of c) and whose compressed memory is reported too."""
         m = 0 if self.memory is None else int(self.memory.size(1))
         bits = self.nll / 0.6931471805599453
-        return {
+        rows = mem_len + cmem_rate - 1 if cmem_len else mem_len
+        info = {
             "id": self.id, "object": "session", "with_memory": self.with_memory,
             "tokens_read": self.n_tokens, "tokens_generated": self.generated, "tokens_scored": self.n_scored,
             "nll": self.nll, "bits_per_token": bits / self.n_scored if self.n_scored else None,
             "chars": self.chars, "bits_per_char": bits / self.chars if self.chars and self.n_scored else None,
             "pending_chars": len(self.tail), "pending_bytes": len(self.raw), "requests": self.requests,
-            "memory": {"shape": [n_layer, m, d_model], "max_shape": [n_layer, mem_len, d_model],
-                       "bytes": 0 if self.memory is None else self.memory.numel() * self.memory.element_size()},
+            "memory": {"shape": [n_layer, m, d_model], "max_shape": [n_layer, rows, d_model],
+                       "bytes": _bytes(self.memory)},
             "created": self.created, "last_used": self.last_used,
         }
+        if cmem_len:
+            C = 0 if self.compressed is None else int(self.compressed.size(1))
+            info["compressed_memory"] = {"shape": [n_layer, C, d_model], "max_shape": [n_layer, cmem_len, d_model],
+                                         "rate": cmem_rate, "bytes": _bytes(self.compressed)}
+        return info
 
     # -- saving ------------------------------------------------------------------------------------
     def to_file(self, path: Path) -> None:
@@ -110,6 +123,8 @@ class SessionState:
                                              "nll", "chars", "generated", "requests", "created", "last_used")}
         meta["raw"] = self.raw.hex()
         tensors = {"memory": self.memory.contiguous()} if self.memory is not None else {}
+        if self.compressed is not None:
+            tensors["compressed"] = self.compressed.contiguous()
         # Serialized in memory and written by Python's own file I/O, so that a full disk is the OSError it is
         # (safetensors' save_file reports it as SafetensorError, which no caller would read as a disk error).
         data = save(tensors, metadata={"txl_session": json.dumps(meta)})
@@ -123,8 +138,14 @@ class SessionState:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["txl_session"])
             memory = f.get_tensor("memory") if "memory" in f.keys() else None
+            # A file written before compressed memories were served has none: the session reads on from an empty one.
+            compressed = f.get_tensor("compressed") if "compressed" in f.keys() else None
         meta["raw"] = bytes.fromhex(meta["raw"])
-        return cls(memory=memory, **meta)
+        return cls(memory=memory, compressed=compressed, **meta)
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _lines(text: str) -> list[str]:
