@@ -1,0 +1,143 @@
+"""txl.graphs: every step at one static shape (memory always mem_len rows, the unfilled ones hidden) equals the
+plain model, in training (loss, NLL, memory, every gradient) and evaluation (with the key/value cache), while
+the memory fills and after; compiled at static shapes it traces one graph and still equals eager.
+
+The compiled tests use the ``aot_eager`` backend (dynamo's and autograd's graphs without inductor's code
+generation, minutes on 2 cores); on CUDA, tests/test_gpu.py runs inductor with CUDA graphs.
+"""
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import txl
+from txl.graphs import StaticSteps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+CONTEXTS = {"plain": {}, "same_length": dict(same_length=True), "clamp_len": dict(clamp_len=3),
+            "pre_ln": dict(pre_ln=True)}
+
+
+def model_for(**changes) -> txl.TransformerXL:
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny_config(mem_len=7, **changes))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # every bias matters
+    return model
+
+
+def train_segments(steps, model, tokens, T: int, n: int):
+    """n training segments of T tokens, memory carried: (loss, nll, memory, {name: grad}) per segment."""
+    memory, seen = None, []
+    for s in range(n):
+        x, y = tokens[:, T * s:T * (s + 1)], tokens[:, T * s + 1:T * (s + 1) + 1]
+        model.zero_grad()
+        out = steps(x, labels=y, memory=memory)
+        out.loss.backward()
+        memory = out.memory
+        seen.append((out.loss.detach(), out.nll.detach(), memory,
+                     {name: p.grad.clone() for name, p in model.named_parameters()}))
+    return seen
+
+
+def assert_same(got, want):
+    for (loss_g, nll_g, mem_g, grad_g), (loss_w, nll_w, mem_w, grad_w) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss_g, loss_w, **TOL)
+        torch.testing.assert_close(nll_g, nll_w, **TOL)
+        assert [m.shape for m in mem_g] == [m.shape for m in mem_w]  # the caller sees the real rows alone
+        for a, b in zip(mem_g, mem_w, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        for name in grad_w:
+            torch.testing.assert_close(grad_g[name], grad_w[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("context", list(CONTEXTS))
+def test_static_training_equals_the_plain_model(context):
+    """T 3 against mem_len 7: the memory holds 0, 3, 6, then 7 rows (full), and stays full."""
+    model = model_for(**CONTEXTS[context]).train()
+    tokens = torch.randint(0, 61, (2, 20))
+    want = train_segments(model, model, tokens, T=3, n=5)
+    got = train_segments(StaticSteps(model, compile=False), model, tokens, T=3, n=5)
+    assert_same(got, want)
+
+
+def evaluate_segments(steps, tokens, lengths, cache: bool):
+    memory, kv, seen, start = None, txl.KVCache() if cache else None, [], 0
+    with torch.no_grad():
+        for T in lengths:
+            x, y = tokens[:, start:start + T], tokens[:, start + 1:start + T + 1]
+            out = steps(x, labels=y, memory=memory, kv_cache=kv)
+            memory, kv, start = out.memory, out.kv_cache, start + T
+            seen.append((out.nll, memory, kv))
+    return seen
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["kv_cache", "no_cache"])
+@pytest.mark.parametrize("context", list(CONTEXTS))
+def test_static_evaluation_equals_the_plain_model(context, cache):
+    """Segments of 4 against mem_len 7 (filling, then full), and a shorter last one (run on the plain model)."""
+    model = model_for(**CONTEXTS[context]).eval()
+    tokens = torch.randint(0, 61, (3, 40))
+    lengths = [4, 4, 4, 4, 2]
+    want = evaluate_segments(model, tokens, lengths, cache)
+    got = evaluate_segments(StaticSteps(model, compile=False), tokens, lengths, cache)
+    for (nll_g, mem_g, kv_g), (nll_w, mem_w, kv_w) in zip(got, want, strict=True):
+        torch.testing.assert_close(nll_g, nll_w, **TOL)
+        for a, b in zip(mem_g, mem_w, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+        if cache:
+            assert kv_g.length == kv_w.length == mem_w[0].size(1)
+            for a, b in zip(kv_g.keys + kv_g.values, kv_w.keys + kv_w.values, strict=True):
+                torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_longer_evaluation_memory_is_the_static_length():
+    """context.mem_len (evaluation's, longer than training's) sets the rows; the plain model agrees."""
+    model = model_for().eval()
+    tokens = torch.randint(0, 61, (2, 30))
+    ctx = model.config.context(mem_len=10)
+    memory = memory_s = None
+    steps = StaticSteps(model, compile=False)
+    with torch.no_grad():
+        for s in range(5):
+            x = tokens[:, 4 * s:4 * s + 4]
+            want = model(x, memory=memory, context=ctx)
+            got = steps(x, memory=memory_s, context=ctx)
+            torch.testing.assert_close(got.log_probs, want.log_probs, **TOL)
+            memory, memory_s = want.memory, got.memory
+    assert memory_s[0].size(1) == 10
+
+
+def test_compiled_static_steps_trace_one_graph_and_equal_eager():
+    """Training then evaluation through torch.compile at static shapes: each compiles once although the
+    memory grows (0, 3, 6, 7 rows), and the numbers are eager's."""
+    torch._dynamo.reset()
+    model = model_for().train()
+    tokens = torch.randint(0, 61, (2, 20))
+    want = train_segments(model, model, tokens, T=3, n=4)
+    steps = StaticSteps(model, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every fill level
+        got = train_segments(steps, model, tokens, T=3, n=4)
+    assert_same(got, want)
+    model.eval()
+    want = evaluate_segments(model, tokens, [3, 3, 3, 3], cache=True)
+    torch._dynamo.reset()
+    steps = StaticSteps(model, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = evaluate_segments(steps, tokens, [3, 3, 3, 3], cache=True)
+    for (nll_g, _, _), (nll_w, _, _) in zip(got, want, strict=True):
+        torch.testing.assert_close(nll_g, nll_w, **TOL)
+
+
+def test_absolute_encodings_and_ext_len_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="attn_type='absolute' adds absolute positions"):
+        StaticSteps(txl.TransformerXL(tiny_config(attn_type="absolute")))
+    model = model_for()
+    steps = StaticSteps(model, compile=False)
+    with pytest.raises(ValueError, match="ext_len 0"):
+        steps(torch.zeros(1, 4, dtype=torch.long), context=model.config.context(ext_len=1))
+    with pytest.raises(ValueError, match="more than mem_len=7"):
+        steps(torch.zeros(1, 4, dtype=torch.long), memory=model.init_memory(1, 8))
