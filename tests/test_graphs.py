@@ -141,3 +141,65 @@ def test_absolute_encodings_and_ext_len_are_refused_in_one_line():
         steps(torch.zeros(1, 4, dtype=torch.long), context=model.config.context(ext_len=1))
     with pytest.raises(ValueError, match="more than mem_len=7"):
         steps(torch.zeros(1, 4, dtype=torch.long), memory=model.init_memory(1, 8))
+
+
+def test_a_training_run_with_graphs_equals_one_without(corpus, tmp_path, monkeypatch):
+    """txl.train with train.graphs and eval.graphs (through aot_eager here): the same losses and weights as the
+    plain run (segments of 4 against mem_len 6; the test split's shorter last segment runs plain)."""
+    import txl.train
+    from txl import checkpoint as ckpt
+    from txl import graphs
+    from txl.config import DataConfig, EvalConfig, RunConfig, TrainConfig
+    from txl.data.corpora import load_run_corpus
+
+    monkeypatch.setattr(graphs, "compile_static",
+                        lambda model, backend=None: torch.compile(model, backend="aot_eager", dynamic=False))
+    results = []
+    for on in (False, True):
+        torch._dynamo.reset()
+        cfg = RunConfig(data=DataConfig(corpus=corpus, level="byte"), model=tiny_config(vocab_size=256),
+                        eval=EvalConfig(graphs=on, batch_size=2),
+                        train=TrainConfig(out_dir=str(tmp_path / f"run{on}"), max_steps=4, batch_size=2, tgt_len=4,
+                                          progress=False, tensorboard=False, plot=False, eval_batches=2,
+                                          eval_interval=0, device="cpu", precision="fp32", sample_tokens=0,
+                                          graphs=on))
+        result = txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
+        results.append((result, ckpt.load(result.out_dir).model.state_dict()))
+    (plain, w_plain), (graphed, w_graphed) = results
+    assert graphed.steps == plain.steps == 4
+    assert graphed.test.tokens == plain.test.tokens
+    assert graphed.test.loss == pytest.approx(plain.test.loss, rel=1e-5)
+    assert graphed.valid.loss == pytest.approx(plain.valid.loss, rel=1e-5)
+    for name, value in w_plain.items():
+        torch.testing.assert_close(w_graphed[name], value, **TOL, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_equal_eager_on_cuda():
+    """Inductor with CUDA graphs (reduce-overhead) at static shapes: training (fp32, TF32 off) and evaluation
+    with the key/value cache give eager's numbers, and no graph is skipped (every step replays one)."""
+    from torch._dynamo.utils import counters
+
+    from txl.runtime import matmul_precision
+
+    torch._dynamo.reset()
+    counters.clear()
+    with matmul_precision(torch.device("cuda"), tf32=False):
+        model = model_for().cuda().train()
+        tokens = torch.randint(0, 61, (2, 40), device="cuda")
+        want = train_segments(model, model, tokens, T=3, n=6)
+        got = train_segments(StaticSteps(model), model, tokens, T=3, n=6)
+        for (loss_g, nll_g, mem_g, grad_g), (loss_w, nll_w, mem_w, grad_w) in zip(got, want, strict=True):
+            torch.testing.assert_close(loss_g, loss_w, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(nll_g, nll_w, atol=1e-4, rtol=1e-4)
+            for a, b in zip(mem_g, mem_w, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            for name in grad_w:
+                torch.testing.assert_close(grad_g[name], grad_w[name], atol=1e-4, rtol=1e-3, msg=name)
+        model.eval()
+        want = evaluate_segments(model, tokens, [4] * 8, cache=True)
+        got = evaluate_segments(StaticSteps(model), tokens, [4] * 8, cache=True)
+        for (nll_g, _, _), (nll_w, _, _) in zip(got, want, strict=True):
+            torch.testing.assert_close(nll_g, nll_w, atol=1e-4, rtol=1e-4)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -90,6 +90,10 @@ class StaticSteps:
         self.tgt_len: int | None = None
         self._padding: dict[tuple, torch.Tensor] = {}
 
+    def no_sync(self):
+        """DDP's ``no_sync`` (gradient accumulation), as ``txl.parallel.no_sync`` asks the model for it."""
+        return self.model.no_sync()
+
     def padding(self, batch: int, length: int, tgt_len: int, filled: int, device: torch.device) -> torch.Tensor:
         """(B, S + T) bool, True on the S - filled memory rows nobody has yet; one tensor per fill level,
         made once (a graph's inputs are copied into its own buffers, so a shared tensor is safe)."""
