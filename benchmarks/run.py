@@ -175,6 +175,8 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
     precision = PRECISION[dtype_name]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step_model = static_steps(model, graphs_backend) if graphs else compile_model(model, compile)
+    if graphs:  # untimed: the compilation, then CUDA graphs' warm-up run and their recording
+        warmup = max(warmup, GRAPHS_WARMUP)
     memories, samples, extra, bracket = [None], [], {}, Bracket(peak)
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup and dtype_name == "bf16":
@@ -184,7 +186,7 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
         if i == warmup + steps:  # the extra, profiled step
             with Profile(device) as prof:
                 library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
-            extra["profile"] = prof.table
+            extra.update(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
             break
         t0 = peak.clock()
         memories = library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
@@ -228,7 +230,7 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         if i == warmup + steps:  # the extra, profiled segment
             with Profile(device) as prof:
                 segment(x, y)
-            extra["profile"] = prof.table
+            extra.update(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
             break
         t0 = peak.clock()
         out = segment(x, y)
@@ -238,6 +240,11 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         memory, cache = out.memory, out.kv_cache
     extra.update(warmup=warmup, timed_mem_len=shape.mem_len)
     return samples, extra
+
+
+GRAPHS_WARMUP = 3
+"""Training steps the graphs mode leaves untimed at least: torch.compile's, and cudagraph trees' warm-up run and
+recording (the replays come after)."""
 
 
 def static_steps(model: txl.TransformerXL, backend: str | None):
@@ -377,7 +384,7 @@ def run_worker(args) -> None:
     shape = SHAPES[args.shape].resized(batch=args.batch, tgt_len=args.tgt_len, mem_len=args.mem_len)
     shape = shape.with_model(model_fields)
     common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device),
-                  **({"model": model_fields} if model_fields else {}))
+                  txl_from=str(Path(txl.__file__).parent), **({"model": model_fields} if model_fields else {}))
     if args.worker == "bf16check":
         print(json.dumps(dict(kind="bf16check", **common, **worker_bf16_check(shape))))
         return
