@@ -127,6 +127,8 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
                      *reps) for name in every if len(every) > 1],  # one switch: bench-before is it
         bench_step("bench-big", "eager beside CUDA graphs at base's GPU size", work, device, 200, 300, 120,
                    "--shapes", *big, *phases, "--modes", "eager", "graphs", *graphs, *reps),
+        Step("flex", "FlexAttention (positional score_mod) beside SDPA, one layer, forward and backward",
+             (py, "-m", "benchmarks.flex", *(["--smoke", "--reps", "1"] if smoke else ["--device", device])), 150, 60),
         Step("speedup", "evaluation speed-up at the paper's lengths",
              (py, "-m", "experiments.speedup", "--device", device, "--shape", speedup_shape, "--lengths", lengths,
               "--reps", "2" if smoke else "10", "--results", str(work / "speedup")), 180, 30,

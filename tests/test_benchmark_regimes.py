@@ -110,3 +110,14 @@ def test_the_benchmark_runs_graphs_and_a_switch_side_by_side(tmp_path, capsys):
     assert all(r["timed_mem_len"] == 16 and r["warmup"] == 2 for r in rows)
     out = capsys.readouterr().out
     assert "tiny fp32 eval: graphs / eager tokens/s = " in out and "before: sdpa-pin" in out
+
+
+def test_the_flex_benchmark_compares_both_kernels_on_the_same_operands(capsys):
+    """benchmarks.flex on a CPU (forward, FlexAttention unfused): both sides agree, both are timed."""
+    from benchmarks import flex
+
+    assert flex.main(["--smoke", "--reps", "2", "--warmup", "0"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in rows] == ["train", "eval"]
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-5 and r["sdpa_ms"] > 0 and r["flex_ms"] > 0 and r["backward"] is False

@@ -97,8 +97,9 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     steps = gs.plan("cuda", tmp_path)
     names = [s.name for s in steps]
     assert names[:6] == ["env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before", "serve-engine"]
-    assert names[-6:] == ["bench-big", "speedup", "parallel-one", "bench-reference", "serve-http", "suite"]
+    assert names[-7:] == ["bench-big", "flex", "speedup", "parallel-one", "bench-reference", "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
+    assert "benchmarks.flex --device cuda" in by["flex"]
     assert "-m gpu --continue-on-collection-errors tests" in by["gpu-tests"]
     for name in ("bench-eager", "bench-graphs", "bench-before"):
         assert "--shapes nvidia --dtypes bf16 --phases train eval" in by[name]
