@@ -94,7 +94,7 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         graphs = []
     pytest = (py, "-m", "pytest", "-p", "no:cacheprovider")
     phases = ("--dtypes", dtype, "--phases", "train", "eval")
-    every = list(switches.SWITCHES)
+    every = switches.available()  # the changes this txl holds (the model-side ones once merged)
     steps = [
         Step("env", "the device", (py, "-m", "benchmarks.gpu_session", "--describe", device,
                                    "--env-out", str(work / "env.json")), 60, 10, files=(str(work / "env.json"),)),

@@ -670,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{flag} {value}: give at least {least}")
     if args.worker_timeout is not None and args.worker_timeout <= 0:
         p.error(f"--worker-timeout {args.worker_timeout:g}: give a positive number of seconds")
+    switches.model_fields(args.before)  # a switch this txl lacks: one line, before any work
     if args.worker:
         return run_worker(args)
     device = check_device(args.device)

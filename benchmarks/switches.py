@@ -48,11 +48,29 @@ def _unpinned_sdpa() -> Iterator[None]:
 SWITCHES: dict[str, Switch] = {
     "sdpa-pin": Switch("SDPA pinned to flash / memory-efficient / math (no cuDNN plan per shape)",
                        patch=_unpinned_sdpa),
+    # The model-side changes, each a ModelConfig field whose old value gives the behaviour at a4a52e2.
+    "cluster-rows": Switch("adaptive clusters on every row, masked (no nonzero sync per cluster)",
+                           model={"cluster_rows": "selected"}),
+    "softmax-pad": Switch("output matmul widths padded to multiples of 64", model={"softmax_pad": 1}),
+    "state-dtype": Switch("memory and u, v in the compute dtype under autocast", model={"state_dtype": "residual"}),
 }
 
 
+def available() -> list[str]:
+    """The switches this txl has: those whose ModelConfig fields exist (all of them once the changes are in)."""
+    from txl.config import ModelConfig
+
+    fields = set(ModelConfig.__dataclass_fields__)
+    return [name for name, switch in SWITCHES.items() if set(switch.model) <= fields]
+
+
 def model_fields(names: list[str]) -> dict[str, object]:
-    """The ModelConfig fields the named switches set back."""
+    """The ModelConfig fields the named switches set back; a switch this txl lacks is refused in one line."""
+    missing = [name for name in names if name not in available()]
+    if missing:
+        raise SystemExit(f"--before {' '.join(missing)}: this txl's ModelConfig lacks "
+                         f"{', '.join(f for name in missing for f in SWITCHES[name].model)}; the switches here: "
+                         f"{', '.join(available())}")
     out: dict[str, object] = {}
     for name in names:
         out.update(SWITCHES[name].model)
