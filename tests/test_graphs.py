@@ -94,6 +94,26 @@ def test_static_evaluation_equals_the_plain_model(context, cache):
                 torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_under_bf16_autocast_the_memory_keeps_the_models_dtype(train):
+    """The memory goes in and comes out in the dtype the plain model keeps it in (its state dtype under autocast),
+    and the numbers agree to bf16 rounding."""
+    model = model_for().train(train)
+    tokens = torch.randint(0, 61, (2, 20))
+    steps = StaticSteps(model, compile=False)
+    memory = memory_s = None
+    kv = kv_s = None if train else txl.KVCache()
+    with torch.set_grad_enabled(train), torch.autocast("cpu", dtype=torch.bfloat16):
+        for s in range(4):
+            x, y = tokens[:, 3 * s:3 * s + 3], tokens[:, 3 * s + 1:3 * s + 4]
+            want = model(x, labels=y, memory=memory, kv_cache=kv)
+            got = steps(x, labels=y, memory=memory_s, kv_cache=kv_s)
+            assert [m.dtype for m in got.memory] == [m.dtype for m in want.memory]
+            assert [m.shape for m in got.memory] == [m.shape for m in want.memory]
+            torch.testing.assert_close(got.nll, want.nll, atol=2e-2, rtol=2e-2)
+            memory, memory_s, kv, kv_s = want.memory, got.memory, want.kv_cache, got.kv_cache
+
+
 def test_a_longer_evaluation_memory_is_the_static_length():
     """context.mem_len (evaluation's, longer than training's) sets the rows; the plain model agrees."""
     model = model_for().eval()

@@ -67,8 +67,9 @@ class StaticSteps:
     ``model``: a ``TransformerXL`` or a wrapper of one whose forward takes the model's arguments (DDP);
     ``compile``: run through ``compile_static`` (False: the same static shapes eagerly, what the CPU tests
     compare); ``backend``: torch.compile's backend (None: inductor with CUDA graphs; the tests use 'aot_eager').
-    ``memory_dtype``: the dtype the memory is held in between calls (None: the parameters'); a model that
-    returns it in another dtype has it cast, so every call sees one dtype.
+    ``memory_dtype``: the dtype the memory is held in between calls (None: the model's own, ``state_dtype``: the
+    autocast dtype with ``state_dtype='compute'`` under autocast, else the parameters'); a memory returned in
+    another dtype is cast, so every call sees one dtype (one graph).
 
     The first segment length seen is the static one; a segment of another length (the last, shorter segment
     of an evaluation; ``var_len`` training) runs on the plain model, uncompiled, with the same result.
@@ -86,9 +87,18 @@ class StaticSteps:
         self.model, self.core = model, core
         self.forward = compile_static(model, backend) if compile else model
         self.compiled = compile
-        self.memory_dtype = memory_dtype or next(core.parameters()).dtype
+        self.memory_dtype = memory_dtype
         self.tgt_len: int | None = None
         self._padding: dict[tuple, torch.Tensor] = {}
+
+    def state_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the memory is kept in: ``memory_dtype``, or the model's (``ModelConfig.state_dtype``)."""
+        if self.memory_dtype is not None:
+            return self.memory_dtype
+        kind = device.type
+        if getattr(self.core.config, "state_dtype", "residual") == "compute" and torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+        return next(self.core.parameters()).dtype
 
     def no_sync(self):
         """DDP's ``no_sync`` (gradient accumulation), as ``txl.parallel.no_sync`` asks the model for it."""
@@ -126,9 +136,10 @@ class StaticSteps:
         if self.compiled:
             self.core.check_inputs(input_ids, labels, memory, kv_cache, ctx)  # compiled callers check here
         device, n_layer, d = input_ids.device, c.n_layer, c.d_model
+        mem_dtype = self.state_dtype(device)
         if memory is None or M == 0:
-            memory = tuple(torch.zeros(B, 0, d, device=device, dtype=self.memory_dtype) for _ in range(n_layer))
-        static_memory = tuple(_left_padded(m, S, self.memory_dtype) for m in memory)  # (B, S, d) each
+            memory = tuple(torch.zeros(B, 0, d, device=device, dtype=mem_dtype) for _ in range(n_layer))
+        static_memory = tuple(_left_padded(m, S, mem_dtype) for m in memory)  # (B, S, d) each
         cache = None if kv_cache is None else self._static_cache(kv_cache, memory, S, T, ctx, device)
         padding = self.padding(B, S, T, M, device)  # (B, S + T)
         if self.compiled and device.type == "cuda":
@@ -136,7 +147,7 @@ class StaticSteps:
         out = self.forward(input_ids, labels=labels, memory=static_memory, kv_cache=cache, context=ctx,
                            padding=padding, return_log_probs=return_log_probs)
         filled = min(M + T, S)
-        kept = dict(memory=tuple(_kept(m, filled, self.memory_dtype) for m in out.memory))
+        kept = dict(memory=tuple(_kept(m, filled, mem_dtype) for m in out.memory))
         if out.loss is not None:
             kept.update(loss=out.loss.clone(), nll=out.nll.clone())
         if cache is not None:
@@ -152,7 +163,7 @@ class StaticSteps:
         core = self.core
         attns = [layer.attn for layer in core.layers]
         table = core.encoding.grow_table(attns, cache.positions, S + T, ctx.clamp_len, d_model=core.config.d_model,
-                                         dtype=self.memory_dtype, device=device)
+                                         dtype=next(core.parameters()).dtype, device=device)
         if not cache.keys:  # the memory's rows (none on a first segment) projected once, here, as the model would
             keys, values = zip(*(a.keys_values(m) for a, m in zip(attns, memory)))  # (B, M, H, D) each
         else:
