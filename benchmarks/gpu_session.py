@@ -99,7 +99,7 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         Step("env", "the device", (py, "-m", "benchmarks.gpu_session", "--describe", device,
                                    "--env-out", str(work / "env.json")), 60, 10, files=(str(work / "env.json"),)),
         Step("gpu-tests", "every -m gpu test", (*pytest, "-q", "-rfEs", "-m", "gpu",
-                                                     "--continue-on-collection-errors", *GPU_TESTS), 180, 45),
+                                                     "--continue-on-collection-errors", *GPU_TESTS), 240, 45),
     ]
     if oracle_site:
         steps.append(Step("oracle-cuda", "the oracle on CUDA", (*pytest, "-q", "-rfEs", "-m", "gpu and oracle",

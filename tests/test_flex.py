@@ -51,7 +51,7 @@ def test_flex_forward_equals_the_fused_kernel_and_the_reference(T, M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T,M", [(64, 0), (64, 192), (192, 192)])
+@pytest.mark.parametrize("T,M", [(64, 192)])
 def test_compiled_flex_forward_and_gradients_equal_the_reference_on_cuda(T, M):
     from torch.nn.attention.flex_attention import flex_attention
 
