@@ -38,7 +38,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--segment-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the engine's model runs")
+    p.add_argument("--device", default="cpu", help="where the engine's model runs: cpu (default), cuda, cuda:N or "
+                   "any torch device")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
@@ -64,9 +65,14 @@ def main() -> None:
     c = model.config
     L, d, V = c.n_layer, c.d_model, c.vocab_size
 
+    def memory(m) -> torch.Tensor:
+        # A session's memory lives where the model runs (the engine moves rows there; a session read back from
+        # disk is on the CPU): made on the host, in the model's dtype, and moved, as a device keeps it.
+        return torch.randn(L, m.mem_len, d, generator=g).to(device=args.device, dtype=m.dtype)
+
     def read(tree: str, B: int) -> int:
         m, Unit = engines[tree]
-        units = [Unit("score", torch.randint(0, V, (S,), generator=g).tolist(), torch.randn(L, m.mem_len, d),
+        units = [Unit("score", torch.randint(0, V, (S,), generator=g).tolist(), memory(m),
                       torch.randint(0, V, (S,), generator=g).tolist()) for _ in range(B)]
         m.run("score", units)
         return B * S
@@ -75,7 +81,7 @@ def main() -> None:
         # Prefill alone per session (their lengths differ in the server), then the steps batched.
         m, Unit = engines[tree]
         rows = [m.run("prefill", [Unit("prefill", torch.randint(0, V, (S,), generator=g).tolist(),
-                                       torch.randn(L, m.mem_len, d))])[0] for _ in range(B)]
+                                       memory(m))])[0] for _ in range(B)]
         start = time.perf_counter()
         for _ in range(args.steps):
             rows = m.run("step", [Unit("step", [1], row=r.row) for r in rows])

@@ -638,7 +638,7 @@ def test_signal_at_start_up_or_in_generate_is_one_line(corpus, tmp_path, trained
                                 argv=args(corpus, tmp_path / "fresh", "--max-steps", "2"))
         expected = f"txl train: interrupted by {sig.name}; nothing was written; run the same command again"
     else:
-        script = WAIT_AT.format(module=txl.generate.__module__, name="sample_next",
+        script = WAIT_AT.format(module="txl.decoding", name="sample_next",  # where txl.generate draws a token
                                 argv=["generate", "--checkpoint", str(trained), "--prompt", "def", "--max-new-tokens",
                                       "5"])
         expected = (f"txl generate: interrupted by {sig.name}; the text above is all that was generated; nothing "

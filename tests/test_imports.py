@@ -80,3 +80,38 @@ def test_model_layers_point_down():
     assert not graph["txl.model.kernels"] & {"txl.model.attention", "txl.model.transformer", "txl.model"}
     assert "txl.model" not in set().union(*(graph[m] for m in graph if m.startswith("txl.model.")))
     assert not {m for m in graph["txl.data.iterator"] if m.startswith("txl.model")}
+
+
+def floors(graph: dict[str, set[str]]) -> list[str]:
+    """The longest chain of imports between the package's parts (a subpackage such as txl.data or txl.model
+    counted as one part, a module of the package as one): the number of floors the house stands on."""
+    def part(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    parts: dict[str, set[str]] = {}
+    for name, edges in graph.items():
+        parts.setdefault(part(name), set()).update(part(e) for e in edges if part(e) != part(name))
+    chains: dict[str, list[str]] = {}
+
+    def chain(p: str) -> list[str]:
+        if p not in chains:
+            chains[p] = [p] + max((chain(q) for q in parts.get(p, ())), key=len, default=[])
+        return chains[p]
+
+    return max((chain(p) for p in parts), key=len)
+
+
+def test_the_package_stands_eight_floors_high():
+    """Convenience imports pointed down (the tokenizer files find a model directory in txl.hub, not through
+    txl.pretrained and the model; elastic reads rundir.latest; score takes inference_context from evaluate):
+    8 floors, not 11."""
+    longest = floors(import_graph())
+    assert len(longest) <= 8, " -> ".join(longest)
+    graph = import_graph()
+    assert "txl.pretrained" not in graph["txl.data.tokenizer.files"] and "txl.checkpoint" not in graph["txl.elastic"]
+    assert "txl.generation" not in graph["txl.score"]
+
+
+def test_the_floor_counter_counts():
+    assert floors({"txl.a": {"txl.b.x"}, "txl.b.x": {"txl.b.y"}, "txl.b.y": {"txl.c"}, "txl.c": set()}) == [
+        "txl.a", "txl.b", "txl.c"]

@@ -2,6 +2,8 @@
 (400/422/404/405/413/429/503), never a 500, a traceback or a server path."""
 
 import concurrent.futures as futures
+import logging
+import socket
 import threading
 import time
 
@@ -37,6 +39,7 @@ def client(model_dir, tmp_path_factory):
 
 C, T, G = "/v1/completions", "/v1/sessions/{sid}/text", "/v1/sessions/{sid}/generate"
 OCTET = {"content-type": "application/octet-stream"}
+JSON = {"content-type": "application/json"}
 CASES = [  # (what, method, path, request arguments, status, field)
     ("malformed JSON", "post", C, dict(content=b'{"prompt": "a",', headers={"content-type": "application/json"}),
      400, "body"),
@@ -80,6 +83,15 @@ CASES = [  # (what, method, path, request arguments, status, field)
     ("raw text not UTF-8", "post", T, dict(content=b"ab\xff\xfecd", headers=OCTET), 400, "text"),
     ("raw text, logprobs=maybe", "post", T + "?logprobs=maybe", dict(content=b"ab", headers=OCTET), 422, "logprobs"),
     ("text too long", "post", T, dict(json={"text": "a" * 101}), 413, "text"),
+    ("text as curl's default form type", "post", T, dict(
+        content=b'{"text": "hello", "final": true}', headers={"content-type": "application/x-www-form-urlencoded"}),
+     415, "Content-Type"),
+    ("text as XML", "post", T, dict(content=b"<text>hello</text>", headers={"content-type": "application/xml"}),
+     415, "Content-Type"),
+    ("JSON nested deeper than the decoder goes", "post", C, dict(
+        content=b'{"prompt": "a", "stream_options": {"x": ' + b"[" * 1900,
+        headers={"content-type": "application/json"}), 400, "body"),
+    ("an unclosed nest of 1,900 lists", "post", T, dict(content=b"[" * 1900, headers=JSON), 400, "body"),
     ("text to an unknown session", "post", T.format(sid=UNKNOWN), dict(json={"text": "a"}), 404, "session"),
     ("generate on an unknown session", "post", G.format(sid=UNKNOWN), dict(json={}), 404, "session"),
     ("generate with top_p 2", "post", G, dict(json={"top_p": 2}), 400, "top_p"),
@@ -182,3 +194,48 @@ def test_a_state_that_cannot_be_written_gets_507(model_dir, tmp_path, monkeypatc
         r = c.post(f"/v1/sessions/{sids[0]}/text", json={"text": " More."})
         assert r.status_code == 200 and r.json()["session"]["tokens_read"] == len("The cat sat. More.")
         assert all((tmp_path / f"{sid}.safetensors").is_file() for sid in sids)
+
+
+def test_a_bad_request_logs_one_access_line(client, caplog):
+    """A body nested too deeply for the JSON decoder is a 400 with one access line, no traceback (issue 36:
+    it was a 500 with ~120 log lines)."""
+    caplog.set_level(logging.INFO)
+    r = client.post(C, content=b"[" * 1900, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["reason"]
+    assert _access_lines(caplog, 400, timeout=10) == 1  # logged just after the answer is sent
+    assert [rec for rec in caplog.records if rec.levelno >= logging.WARNING] == []
+
+
+def _access_lines(caplog, status: int, timeout: float = 0.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = sum(1 for rec in caplog.records if rec.name == "txl.serve.access" and f'" {status} ' in rec.getMessage())
+        if n or time.monotonic() >= deadline:
+            return n
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_mid_body_is_one_quiet_499(client, caplog):
+    """A client that disconnects before its body is complete gets one access line with 499 (nothing can be
+    answered), no error logged and no 500 counted; the server serves on."""
+    caplog.set_level(logging.INFO)
+    host, port = str(client.base_url.host), client.base_url.port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)  # the request is being read
+    assert _access_lines(caplog, 499, timeout=10) == 1
+    assert [rec for rec in caplog.records if rec.levelno >= logging.WARNING] == []
+    assert 'status="500"' not in client.get("/metrics").text
+    assert client.get(f"/v1/sessions/{client.sid}").status_code == 200
+
+
+def test_text_of_another_content_type_reads_nothing(client):
+    """415 for a body that is neither JSON nor raw text; the session has read nothing of it."""
+    sid = client.post("/v1/sessions").json()["id"]
+    r = client.post(f"/v1/sessions/{sid}/text", content=b'{"text": "hello", "final": true}',
+                    headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and "application/x-www-form-urlencoded" in r.json()["error"]["reason"]
+    assert client.get(f"/v1/sessions/{sid}").json()["tokens_read"] == 0
+    r = client.post(f"/v1/sessions/{sid}/text", content=b"hello", headers={"content-type": "text/plain; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["tokens"] == 5

@@ -70,7 +70,7 @@ def restart_plan(out_dir: str | os.PathLike, resume: str | None, overwrite: bool
                  env: Mapping[str, str] | None = None) -> tuple[str | None, bool]:
     """``(resume, overwrite)`` for this attempt: as given on the first one; on a restart of this job, its
     run directory when a checkpoint exists (else start again over its own files)."""
-    from txl.checkpoint import latest
+    from txl.rundir import latest
 
     env = os.environ if env is None else env
     out = Path(out_dir)

@@ -24,6 +24,10 @@ training or evaluation segments. The model's own config is restored after every 
 The memory starts empty (the original PyTorch code), not as the zeros that Hugging Face and the
 TensorFlow original attend to at the start of a stream.
 
+The work is ``txl.decoding``'s, the core `txl serve` generates with too: ``Decoder.run`` reads a segment or a
+step into left-padded rows whose memory and keys grow in place, ``Picker`` chooses the tokens, ``StopText`` finds
+the stop strings.
+
 Prompts of different lengths are read as one batch, left-padded: the pad positions are masked as keys
 (``padding=`` of the model's forward) for as long as they stay in the memory, and relative attention does
 not see the shift, so each row is generated exactly as it would be alone (with the default ``mem_len``,
@@ -42,29 +46,20 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from txl import sampling
+from txl.decoding import Decoder, Picked, Picker, Rows, StopText, check_sampling, positive_int
 from txl.evaluate import inference_context
 from txl.model import KVCache, Memory, TransformerXL
 from txl.model.attention import attn_types, either, encoding
-from txl.model.kv_cache import weights_version
-from txl.model.memory import memory_length
-from txl.runtime import compile_model
-from txl.sampling import apply_repetition_penalty, sample_next
 
-__all__ = ["FINISHED", "IncrementalDecoder", "generate", "generate_stream", "inference_context"]
+__all__ = ["FINISHED", "IncrementalDecoder", "check_sampling", "generate", "generate_steps", "generate_stream",
+           "inference_context"]
 
 FINISHED = -1
 """The id in a row's places after it stopped (at a stop token or stop string)."""
 
 
-def _positive_int(name: str, value: object, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
-
-
 class IncrementalDecoder:
-    """The state of one generation: the memory of everything read so far.
+    """The state of one generation: the memory of everything read so far (``txl.decoding.Decoder``'s rows).
 
     ``feed(ids)`` reads (B, T) more tokens, ``segment_len`` at a time, and returns the (B, V)
     log-probabilities of the token that follows them. A (B, 1) feed is one generation step: one
@@ -74,15 +69,23 @@ class IncrementalDecoder:
 
     def __init__(self, model: TransformerXL, *, mem_len: int, segment_len: int = 256, compile: bool = False) -> None:
         self.model = model
-        self.forward = compile_model(model, compile)  # the model itself unless compile
-        self.mem_len = _positive_int("mem_len", mem_len)
-        self.segment_len = _positive_int("segment_len", segment_len)
-        self.memory: Memory | None = None
-        self.kv_cache: KVCache | None = model.start_kv_cache()
+        self.mem_len = positive_int("mem_len", mem_len)
+        self.segment_len = positive_int("segment_len", segment_len)
+        self.decoder = Decoder(model, mem_len=mem_len, compile=compile)
+        self.rows: Rows | None = None
         self.length = 0
         """Tokens read so far."""
-        self.memory_padding: torch.Tensor | None = None
-        """(B, M) bool, True for memory rows that hold pads; None while the memory holds none."""
+
+    @property
+    def memory(self) -> Memory | None:
+        return self.rows.memory if self.rows is not None and self.rows.memory else None
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        if self.rows is None or not self.rows.keys:
+            return None
+        return KVCache(keys=self.rows.keys, values=self.rows.values, positions=self.decoder.table,
+                       buffers=self.rows.buffers, weights_version=self.rows.version)
 
     def feed(self, ids: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """Read (B, T) token ids into the memory; return (B, V) float32 log-probs of the next token.
@@ -91,39 +94,21 @@ class IncrementalDecoder:
         """
         if ids.dim() != 2 or ids.size(1) == 0:
             raise ValueError(f"feed() takes a non-empty (B, T) tensor of token ids, got shape {tuple(ids.shape)}")
-        if padding is not None and padding.shape != ids.shape:
-            raise ValueError(f"padding has shape {tuple(padding.shape)}, the ids {tuple(ids.shape)}")
-        hidden = None
-        with inference_context(self.model, mem_len=self.mem_len, same_length=False, ext_len=0) as context:
-            if self.kv_cache is not None and self.kv_cache.weights_version not in (None, weights_version(self.model)):
-                self.kv_cache = KVCache()  # the weights changed between feeds: rebuild from the memory
+        lead = None
+        if padding is not None:
+            if padding.shape != ids.shape:
+                raise ValueError(f"padding has shape {tuple(padding.shape)}, the ids {tuple(ids.shape)}")
+            lead = padding.sum(1).tolist()  # (B,) pads per row
+            left = torch.arange(ids.size(1), device=padding.device)[None, :] < padding.sum(1, keepdim=True)
+            if not torch.equal(left, padding.bool()):
+                raise ValueError("padding must be left padding: each row's pads before its tokens")
+        with inference_context(self.model):
             for start in range(0, ids.size(1), self.segment_len):
                 segment = ids[:, start:start + self.segment_len]  # (B, S)
-                rows = self._padding(segment, None if padding is None else padding[:, start:start + self.segment_len])
-                out = self.forward(segment, memory=self.memory, return_log_probs=False, kv_cache=self.kv_cache,
-                                   context=context, padding=rows)
-                self.memory, self.kv_cache, hidden = out.memory, out.kv_cache, out.hidden  # hidden: (B, S, d)
-                # The memory keeps the last M rows of [memory; segment]: so does its padding.
-                m = memory_length(self.memory)
-                self.memory_padding = rows[:, rows.size(1) - m:] if rows is not None and m else None
-            # Only the last position is needed: score it alone, not the (B, T, V) of the whole prompt.
-            log_probs = self.model.softmax.log_prob(hidden[:, -1])  # (B, V)
+                seg_lead = None if lead is None else [min(max(n - start, 0), segment.size(1)) for n in lead]
+                log_probs, self.rows = self.decoder.run(segment, self.rows, seg_lead)
         self.length += ids.size(1)
         return log_probs
-
-    def _padding(self, segment: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, M + S) bool over the memory rows and the segment, or None when neither holds a pad."""
-        if padding is None and self.memory_padding is None:
-            return None
-        B, S = segment.shape
-        if padding is None:
-            padding = torch.zeros(B, S, dtype=torch.bool, device=segment.device)  # (B, S)
-        M = memory_length(self.memory)
-        memory_padding = self.memory_padding
-        if memory_padding is None:
-            memory_padding = torch.zeros(B, M, dtype=torch.bool, device=segment.device)  # (B, M)
-        rows = torch.cat([memory_padding, padding], dim=1)  # (B, M + S)
-        return rows if bool(rows.any()) else None
 
 
 PromptIds = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
@@ -162,14 +147,6 @@ def _as_prompt(prompt_ids: PromptIds, model: TransformerXL) -> tuple[torch.Tenso
     return prompt, padding
 
 
-def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                   repetition_penalty: float = 1.0) -> None:
-    """Raise a ValueError naming the bad sampling parameter, before any work is done."""
-    _positive_int("max_new_tokens", max_new_tokens, minimum=0)
-    sampling.check_sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                            repetition_penalty=repetition_penalty)
-
-
 def context_bytes(config, batch_size: int, positions: int, element_size: int = 4) -> int:
     """Bytes the generation state takes at ``positions`` positions: every layer's memory rows (B, M, d) and,
     for cacheable attention, their projected keys and values (B, M, H, D) twice."""
@@ -199,13 +176,14 @@ def _check_whole_context(model: TransformerXL, batch_size: int, prompt_len: int,
                          "that bounds the memory) or fewer new tokens")
 
 
-def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
-                    max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                    seed: int | None = None, generator: torch.Generator | None = None,
-                    mem_len: int | None = None, segment_len: int = 256, stop_tokens: Sequence[int] = (),
-                    stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
-                    repetition_penalty: float = 1.0, compile: bool = False) -> Iterator[torch.Tensor]:
-    """Yield each new token, (B,) int64, as soon as it is drawn.
+def generate_steps(model: TransformerXL, prompt_ids: PromptIds, *,
+                   max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int | None = None, generator: torch.Generator | None = None,
+                   mem_len: int | None = None, segment_len: int = 256, stop_tokens: Sequence[int] = (),
+                   stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
+                   repetition_penalty: float = 1.0, top_logprobs: int = 0, compile: bool = False) -> Iterator[Picked]:
+    """Yield each step as drawn: ``txl.decoding.Picked`` with the (B,) tokens (``FINISHED`` in rows that had
+    stopped), their (B,) log-probabilities and, with ``top_logprobs`` k, each row's k most likely (id, log-prob).
 
     The prompt (B, T), or a list of ids, or lists of ids of different lengths (left-padded, see the
     module docstring), is read ``segment_len`` tokens at a time; then each new token is one (B, 1) step
@@ -227,9 +205,6 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
         raise ValueError("pass seed or generator, not both")
     if stop_strings and decode is None:
         raise ValueError("stop_strings need decode= (ids -> text), to read the text each row has produced")
-    stops = torch.tensor(sorted({int(t) for t in stop_tokens}), dtype=torch.long)
-    if stops.numel() and (int(stops.min()) < 0 or int(stops.max()) >= model.config.vocab_size):
-        raise ValueError(f"stop_tokens {stops.tolist()} must be ids in 0..{model.config.vocab_size - 1}")
     prompt, padding = _as_prompt(prompt_ids, model)  # (B, T), (B, T) or None
     if padding is not None and not model.encoding.relative:
         raise ValueError("prompts of different lengths need relative positions (attn_type "
@@ -237,59 +212,53 @@ def generate_stream(model: TransformerXL, prompt_ids: PromptIds, *,
                          "padding would shift every position; "
                          "generate for each length separately")
     if mem_len is not None:
-        _positive_int("mem_len", mem_len)
-    _positive_int("segment_len", segment_len)
-    rows = None
-    if seed is not None:
-        # Row b draws from its own generator, seeded seed + b: it is the row generate(its prompt alone,
-        # seed=seed + b) gives, whatever else the batch holds (a shared generator would tie each row's draws to
-        # the rows before it), and a prompt repeated in a batch still gets different samples.
-        rows = [torch.Generator(prompt.device).manual_seed(int(seed) + b) for b in range(prompt.size(0))]
+        positive_int("mem_len", mem_len)
+    positive_int("segment_len", segment_len)
+    positive_int("top_logprobs", top_logprobs, minimum=0)
+    B = prompt.size(0)
+    # Row b draws from its own generator, seeded seed + b: it is the row generate(its prompt alone, seed=seed + b)
+    # gives, whatever else the batch holds (a shared generator would tie each row's draws to the rows before it),
+    # and a prompt repeated in a batch still gets different samples.
+    pick = Picker(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                  seeds=None if seed is None else [int(seed) + b for b in range(B)], generator=generator,
+                  stop_tokens=stop_tokens, top_logprobs=top_logprobs, vocab_size=model.config.vocab_size,
+                  device=prompt.device)
+    stops = [StopText(stop_strings) for _ in range(B)] if stop_strings else None
     if mem_len is None:
-        _check_whole_context(model, prompt.size(0), prompt.size(1), max_new_tokens)
+        _check_whole_context(model, B, prompt.size(1), max_new_tokens)
     decoder = IncrementalDecoder(model, mem_len=mem_len or prompt.size(1) + max_new_tokens, segment_len=segment_len,
                                  compile=compile)
+    pick.see(prompt, None if padding is None else ~padding)  # pads are not read
 
-    B, V = prompt.size(0), model.config.vocab_size
-    seen = None
-    if repetition_penalty != 1.0:
-        real = torch.ones_like(prompt) if padding is None else (~padding).long()  # (B, T): pads are not read
-        seen = torch.zeros(B, V, dtype=torch.long, device=prompt.device).scatter_add_(1, prompt, real) > 0  # (B, V)
-    stop_ids = stops.to(prompt.device)
-
-    def tokens() -> Iterator[torch.Tensor]:
+    def steps() -> Iterator[Picked]:
         if max_new_tokens == 0:
             return
         log_probs = decoder.feed(prompt, padding)  # (B, V)
         done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # (B,)
         produced: list[list[int]] = [[] for _ in range(B)]
         for i in range(max_new_tokens):
-            if seen is not None:
-                log_probs = apply_repetition_penalty(log_probs, seen, repetition_penalty)
-            if rows is None:
-                token = sample_next(log_probs, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)  # (B,)
-            else:
-                token = torch.cat([sample_next(log_probs[b:b + 1], temperature=temperature, top_k=top_k,
-                                               top_p=top_p, generator=g) for b, g in enumerate(rows)])  # (B,)
-            token = token.masked_fill(done, FINISHED)  # (B,)
-            yield token
             live = ~done
-            if seen is not None:
-                seen[live.nonzero().squeeze(1), token[live]] = True
-            if stop_ids.numel():
-                done = done | torch.isin(token, stop_ids)
-            if stop_strings:
+            step = pick(log_probs, live)
+            step.tokens = step.tokens.masked_fill(done, FINISHED)  # (B,)
+            yield step
+            done = done | step.stopped
+            if stops is not None:
                 for b in live.nonzero().squeeze(1).tolist():
-                    produced[b].append(int(token[b]))
-                    text = decode(produced[b])  # type: ignore[misc]
-                    if any(s in text for s in stop_strings):
+                    produced[b].append(int(step.tokens[b]))
+                    if stops[b].update(decode(produced[b])):  # type: ignore[misc]
                         done[b] = True
             if bool(done.all()) or i + 1 == max_new_tokens:  # the last token's successor is never needed
                 return
-            log_probs = decoder.feed(token.clamp(min=0)[:, None])  # (B, 1) in, one position of work
+            log_probs = decoder.feed(step.tokens.clamp(min=0)[:, None])  # (B, 1) in, one position of work
 
-    return tokens()
+    return steps()
+
+
+def generate_stream(model: TransformerXL, prompt_ids: PromptIds, **kwargs) -> Iterator[torch.Tensor]:
+    """Yield each new token, (B,) int64, as soon as it is drawn (``FINISHED`` in rows that had stopped); the
+    arguments of :func:`generate_steps`, which this reads."""
+    steps = generate_steps(model, prompt_ids, **kwargs)  # checked now, not at the first next()
+    return (step.tokens for step in steps)
 
 
 def generate(model: TransformerXL, prompt_ids: PromptIds, *,

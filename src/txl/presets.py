@@ -141,6 +141,17 @@ def field_types(kind: type) -> dict[str, Any]:
     return typing.get_type_hints(kind)
 
 
+def typed_section(section: str, kind: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` ({field: text or value}) of a config dataclass ``kind`` outside a run's sections (``txl
+    serve``'s ``[serve]``), each converted to its field's type or refused with the one line naming it."""
+    hints = field_types(kind)
+    for name in values:
+        if name not in hints:
+            raise ValueError(f"unknown field {section}.{name}{did_you_mean(name, hints)}; valid {section} fields "
+                             f"are: {', '.join(sorted(hints))}")
+    return {name: _coerce(section, name, value, hints[name]) for name, value in values.items()}
+
+
 def typed(data: dict[str, Any]) -> dict[str, Any]:
     """A copy of nested ``data`` (a TOML file, a run.json) with every known field's value converted to the
     field's type, or a ValueError naming the field; unknown sections and fields are left for

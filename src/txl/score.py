@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from txl.config import Context
-from txl.generation import inference_context
+from txl.decoding import read
+from txl.evaluate import inference_context
 from txl.labels import IGNORE_INDEX
 from txl.model import Memory, TransformerXL
 
@@ -144,10 +145,9 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
                 y[b, :len(ids)] = torch.from_numpy(ids)
                 row.carry = int(ids[-1])
         if n:
-            out = model(x.to(device), labels=y.to(device), memory=memory, return_log_probs=False, kv_cache=cache,
-                        context=context)
+            lp, out = read(model, x.to(device), y.to(device), memory, context=context, kv_cache=cache)
             memory, cache = out.memory, out.kv_cache
-            logprobs = (-out.nll).double().cpu().numpy()  # (B, S)
+            logprobs = lp.numpy()  # (B, S)
         for b, (row, ids) in enumerate(zip(rows, new)):
             if row.done:
                 continue

@@ -111,6 +111,8 @@ def sample_config(args: argparse.Namespace, directory=None):
 
 
 def run(args: argparse.Namespace) -> int:
+    from txl.data.tokenizer.stream import TextStream
+    from txl.decoding import StopText
     from txl.generation import generate_stream
 
     sample_config(args)  # cheap checks first: a typo should not cost loading a model
@@ -122,33 +124,24 @@ def run(args: argparse.Namespace) -> int:
     ids = tokenizer.encode_prompt(text)
     if not ids:
         raise ValueError("the prompt has no tokens after tokenisation: give some words")
-    stream = tokenizer.stream()
     tokens = generate_stream(model, ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                              top_k=s.top_k, top_p=s.top_p, seed=s.seed, mem_len=s.mem_len,
                              segment_len=s.segment_len, stop_strings=s.stop, decode=tokenizer.decode,
                              repetition_penalty=s.repetition_penalty, compile=s.compile)
-    # A prompt that ends mid-line continues on the same line.
+    # The text the new tokens add to the prompt's (a prompt that ends mid-line continues on the same line, after
+    # a space for words); text that could still begin a stop string is held back until the next token decides.
+    stream = TextStream(tokenizer, context=ids)
+    stops = StopText(s.stop)
     out = sys.stdout
-    if tokenizer.level == "word" and not text.endswith("\n"):
-        out.write(" ")
-    # Text that could still be the start of a stop string is held back until the next token decides.
-    hold = max((len(stop) for stop in s.stop), default=1) - 1
-    pending = ""
     for token in tokens:
         if int(token[0]) < 0:  # the row stopped
             break
-        pending += stream.push(int(token[0]))
-        cut = min((pending.find(stop) for stop in s.stop if stop in pending), default=-1)
-        if cut >= 0:
-            out.write(pending[:cut] + "\n")
-            out.flush()
-            return 0
-        shown = len(pending) - hold if hold else len(pending)
-        out.write(pending[:max(shown, 0)])
-        pending = pending[max(shown, 0):]
+        if stops.push(stream.push(int(token[0]))):
+            break
+        out.write(stops.show())
         out.flush()
-    pending += stream.finish()
-    cut = min((pending.find(stop) for stop in s.stop if stop in pending), default=-1)
-    out.write((pending if cut < 0 else pending[:cut]) + "\n")
+    if not stops.stopped:
+        stops.push(stream.finish())
+    out.write(stops.finish() + "\n")
     out.flush()
     return 0

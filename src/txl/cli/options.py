@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal
 
 from txl.config import SECTIONS
-from txl.presets import apply_overrides, field_types
+from txl.presets import apply_overrides, field_types, typed_section
 
 
 def field_docs(kind: type) -> dict[str, str]:
@@ -68,16 +68,17 @@ def _shown(value: Any) -> str:
 
 
 def add_config_arguments(parser: Any, sections: list[str], *, preset: dict[str, Any] | None = None,
-                         preset_name: str = "") -> None:
+                         preset_name: str = "", kinds: dict[str, type] | None = None) -> None:
     """Register ``--SECTION.FIELD VALUE`` for every field of the given sections, each with its docstring,
     its default and (when ``preset`` is given) the preset's value. Values stay strings here and are typed
     and validated by ``apply_overrides``/``RunConfig``, so a command line and a TOML file give the same
-    errors; only the options given appear in the parsed namespace (see ``overrides_from``)."""
+    errors; only the options given appear in the parsed namespace (see ``overrides_from``). ``kinds``: the
+    dataclasses of sections that are not a run's (``{"serve": ServeConfig}``), read back with ``section_config``."""
     import argparse
 
     parser.set_defaults(config_sections=list(sections))
     for section in sections:
-        kind = SECTIONS[section]
+        kind = (kinds or {}).get(section) or SECTIONS[section]
         group = parser.add_argument_group(f"{section} ({kind.__doc__.splitlines()[0].rstrip('.')})")
         docs, hints = field_docs(kind), field_types(kind)
         for f in dataclasses.fields(kind):
@@ -96,6 +97,13 @@ def add_config_arguments(parser: Any, sections: list[str], *, preset: dict[str, 
             group.add_argument(f"--{section}.{f.name}", dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                                metavar=_metavar(hints[f.name]), help=text + ")",
                                **({"nargs": "?", "const": "true"} if bool_flag else {}))
+
+
+def section_config(args: Any, section: str, kind: type, defaults: dict[str, Any] | None = None) -> Any:
+    """The ``kind`` of the ``--SECTION.FIELD`` options given (a section registered with ``kinds=``), typed and
+    validated as every config section is; ``defaults`` fill the fields not given."""
+    values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith(section + ".")}
+    return kind(**typed_section(section, kind, {**(defaults or {}), **values}))
 
 
 def overrides_from(args: Any) -> dict[str, str]:

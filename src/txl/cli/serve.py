@@ -7,6 +7,7 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from txl.cli.generate import add_shortcut
+    from txl.cli.options import add_config_arguments
     from txl.serve.config import ServeConfig
 
     p = sub.add_parser(
@@ -25,38 +26,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     add_shortcut(p, "--host", "serve.host", metavar="ADDRESS")
     add_shortcut(p, "--port", "serve.port", metavar="N")
-    add_serve_arguments(p, ServeConfig)
+    add_config_arguments(p, ["serve"], kinds={"serve": ServeConfig})
     p.set_defaults(func=run)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser, kind: type) -> None:
-    """``--serve.FIELD`` for each field of ``kind``, its docstring as help (as config.add_config_arguments)."""
-    import dataclasses
-
-    from txl.cli.options import _metavar, _shown, field_docs
-    from txl.presets import field_types
-
-    parser.set_defaults(config_sections=["serve"])
-    group = parser.add_argument_group(f"serve ({kind.__doc__.splitlines()[0].rstrip('.')})")
-    docs, hints = field_docs(kind), field_types(kind)
-    for f in dataclasses.fields(kind):
-        text = docs.get(f.name, "").replace("%", "%%") + f" (default: {_shown(f.default)})"
-        group.add_argument(f"--serve.{f.name}", dest=f"serve.{f.name}", default=argparse.SUPPRESS,
-                           metavar=_metavar(hints[f.name]), help=text)
-
-
 def serve_config(args: argparse.Namespace):
-    """The ``ServeConfig`` of the options given, typed and checked as every config section is."""
+    """The ``ServeConfig`` of the options given, typed and checked as every config section is (the key also
+    from TXL_SERVE_API_KEY)."""
     import os
 
-    from txl.presets import _coerce, field_types
+    from txl.cli.options import section_config
     from txl.serve.config import ServeConfig
 
-    hints = field_types(ServeConfig)
-    values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("serve.")}
-    if "api_key" not in values and os.environ.get("TXL_SERVE_API_KEY"):
-        values["api_key"] = os.environ["TXL_SERVE_API_KEY"]
-    return ServeConfig(**{k: _coerce("serve", k, v, hints[k]) for k, v in values.items()})
+    key = os.environ.get("TXL_SERVE_API_KEY")
+    return section_config(args, "serve", ServeConfig, {"api_key": key} if key else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,12 @@
 """`txl serve`: a model served with its memory (the ``serve`` extra: FastAPI, uvicorn, prometheus-client).
 
-``create_app(config, load)`` builds the app; ``txl serve MODEL`` runs it on uvicorn. Modules: ``config``
-(ServeConfig, the ``[serve]`` section), ``session`` (a session's state, its text carried over, the store
-that spills to disk), ``engine`` (the worker that batches sessions' model work), ``metrics``, ``app``
-(routes, errors, limits, keys) and ``page.html`` (the page at ``/``).
+``create_app(config, load)`` builds the app; ``txl serve MODEL`` runs it on uvicorn. Layers, top down:
+``app`` (wires them), ``routes/`` (one APIRouter per endpoint group), ``openai`` (the OpenAI formats),
+``deps`` (auth, readiness, bodies as FastAPI dependencies), ``protocol`` (pydantic request models, the one
+validation), ``middleware`` (errors as JSON, body limit, access log), ``server`` (state, jobs, streaming),
+``engine`` (the worker that batches sessions' model work), ``session`` (a session's state, its text carried
+over, the store that spills to disk), ``config`` (ServeConfig, the ``[serve]`` section), ``metrics`` and
+``page.html`` (the page at ``/``).
 """
 
 from txl.serve.config import ServeConfig

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from txl.config import Context, ModelConfig
+
 
 def _check(name: str, ok: bool, need: str, value: object) -> None:
     if not ok:
@@ -66,6 +68,12 @@ class ServeConfig:
         _check("threads", self.threads >= 0, "must be >= 0", self.threads)
         _check("durability", self.durability in ("request", "shutdown"), "must be 'request' or 'shutdown'",
                self.durability)
+
+    def context(self, model: ModelConfig) -> Context:
+        """The reading context, by the rule of every command (``EvalConfig.context``): a field left unset (None)
+        is the model's. ``ext_len`` is 0: a session reads each token once."""
+        return model.context(mem_len=self.mem_len, same_length=self.same_length, clamp_len=self.clamp_len,
+                             ext_len=0)
 
     @property
     def keys(self) -> list[str]:

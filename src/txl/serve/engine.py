@@ -16,9 +16,10 @@ steps that batch's tensors as they are (or the subset still running, one index_s
 per-step cost does not grow with copying every row's memory and keys/values in and out; rows from different
 batches (a generation joining others) are gathered once into a new batch.
 
-Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`).
-Generation continues from the memory as `txl generate` does (same_length off, the memory growing with
-the tokens generated, keys and values cached); what it generates is then read into the session like text.
+Reading uses the session's context (segment_len, mem_len, same_length, clamp_len: as `txl score`, through
+``txl.decoding.read``). Generation continues from the memory as `txl generate` does, with its units, sampler
+and stop-text matcher (``txl.decoding``: same_length off, the memory growing with the tokens generated, keys
+and values cached, rows on the model's device); what it generates is then read into the session like text.
 """
 
 from __future__ import annotations
@@ -28,21 +29,19 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from txl.model.kv_cache import KVCache, weights_version
-from txl.sampling import sample_next
+from txl.config import Context
+from txl.data.tokenizer.stream import TextStream
+from txl.decoding import Decoder, Picker, Rows, StopText, read
 from txl.serve.session import ClientError, SessionState, SessionStore, take_text
 
 logger = logging.getLogger(__name__)
-
-BIG = 1 << 30
-"""mem_len while generating: nothing read is dropped (as `txl generate` by default)."""
 
 
 @dataclass
@@ -63,52 +62,6 @@ class Unit:
     @property
     def key(self) -> tuple[str, int]:
         return self.kind, len(self.inputs)
-
-
-@dataclass
-class Rows:
-    """A generation batch kept from one step to the next: B rows left-padded to M, per layer."""
-
-    memory: tuple[torch.Tensor, ...]
-    """One (B, M, d) tensor per layer."""
-    keys: tuple[torch.Tensor, ...]
-    """One (B, M, H, D) tensor per layer (empty when the attention cannot cache)."""
-    values: tuple[torch.Tensor, ...]
-    pads: list[int]
-    """Each row's left pad count."""
-    buffers: tuple = ()
-    """The KVCache's RowBuffers that memory, keys and values are views of (the next step appends to them in
-    place); () for rows gathered or selected into new tensors."""
-
-    @property
-    def size(self) -> int:
-        return len(self.pads)
-
-    def padding(self, T: int) -> torch.Tensor | None:
-        """(B, M + T) bool, True at the pads; None when no row is padded."""
-        if not any(self.pads):
-            return None
-        M = self.memory[0].size(1)
-        pos = torch.arange(M + T, device=self.memory[0].device)  # (M + T,)
-        return pos[None, :] < torch.tensor(self.pads, device=pos.device)[:, None]  # (B, M + T)
-
-    def take(self, b: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Row b alone: its memory (L, m, d) and keys, values (L, m, H, D) (None without a cache)."""
-        p = self.pads[b]
-        mem = torch.stack([m[b, p:] for m in self.memory])  # (L, m, d)
-        kv = (torch.stack([k[b, p:] for k in self.keys]), torch.stack([v[b, p:] for v in self.values])
-              ) if self.keys else None
-        return mem, kv
-
-    def select(self, idx: list[int]) -> Rows:
-        """The rows ``idx`` as a batch (the pad columns they all share dropped)."""
-        cut = min(self.pads[b] for b in idx)
-        i = torch.tensor(idx, device=self.memory[0].device)
-
-        def pick(ts):
-            return tuple(t.index_select(0, i)[:, cut:] for t in ts)  # (B', M - cut, ...)
-
-        return Rows(pick(self.memory), pick(self.keys), pick(self.values), [self.pads[b] - cut for b in idx])
 
 
 @dataclass
@@ -139,63 +92,39 @@ class Result:
     """'prefill' and 'step': the row in the generation batch (``Rows.take`` gives its memory, keys, values)."""
 
 
-def _left_pad(rows: list[torch.Tensor | None], shape: tuple[int, ...], dtype,
-              device) -> tuple[torch.Tensor | None, list[int]]:
-    """Stack (L, m_b, *shape) rows into (L, B, M, *shape), left-padded with zeros; and each row's pad count."""
-    lengths = [0 if r is None else r.size(1) for r in rows]
-    M = max(lengths)
-    if M == 0:
-        return None, lengths
-    if min(lengths) == M:  # all rows full (the usual case when reading): one copy, no zeros
-        return torch.stack(rows, 1), [0] * len(rows)  # (L, B, M, ...)
-    L = next(r for r in rows if r is not None).size(0)
-    out = torch.zeros(L, len(rows), M, *shape, dtype=dtype, device=device)  # (L, B, M, ...)
-    for b, r in enumerate(rows):
-        if r is not None and r.size(1):
-            out[:, b, M - r.size(1):] = r
-    return out, [M - n for n in lengths]
-
-
 class Model:
-    """The model and the batched forward passes of the three kinds of unit."""
+    """The model and the batched forward passes of the three kinds of unit: 'score' through
+    ``txl.decoding.read`` (as `txl score` reads), 'prefill' and 'step' through ``txl.decoding.Decoder.run``
+    (as `txl generate` generates)."""
 
-    def __init__(self, model, *, segment_len: int, mem_len: int, same_length: bool, clamp_len: int) -> None:
+    def __init__(self, model, *, segment_len: int, context: Context | None = None, mem_len: int | None = None,
+                 same_length: bool | None = None, clamp_len: int | None = None) -> None:
+        """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's."""
         self.model = model.eval()
         c = model.config
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
-        self.segment_len, self.mem_len = segment_len, mem_len
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.read_ctx = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
-        self.gen_ctx = c.context(mem_len=BIG, same_length=False, clamp_len=clamp_len, ext_len=0)
-        self.cacheable = model.start_kv_cache() is not None
+        if context is None:
+            context = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
+        self.read_ctx = context
+        self.segment_len, self.mem_len = segment_len, context.mem_len
+        # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
+        # server never changes its weights.
+        self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False)
+        self.device, self.dtype = self.decoder.device, self.decoder.dtype
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
-        self.generation_reads_alike = not same_length
-        self.table: tuple[torch.Tensor, ...] = ()  # the relative positions' W_kR R, grown as needed, shared
-        self.weights_version = weights_version(model)  # a server never changes its weights
-
-    def _memory(self, units: list[Unit], T: int):
-        mem, pads = _left_pad([u.memory for u in units], (self.d_model,), self.dtype, self.device)
-        padding = None
-        if mem is not None and any(pads):
-            M = mem.size(2)
-            padding = torch.zeros(len(units), M + T, dtype=torch.bool, device=self.device)  # (B, M + T)
-            for b, n in enumerate(pads):
-                padding[b, :n] = True
-        return (None if mem is None else tuple(mem.unbind(0))), pads, padding
+        self.generation_reads_alike = not context.same_length
 
     @torch.no_grad()
     def run(self, kind: str, units: list[Unit]) -> list[Result]:
         T = len(units[0].inputs)
         x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
-        memory, pads, padding = self._memory(units, T) if kind != "step" else (None, [], None)
         if kind == "score":
+            rows = self.decoder.rows([(u.memory, None) for u in units], cached=False)  # left-padded memories
             y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
-            out = self.model(x, labels=y, memory=memory, context=self.read_ctx, padding=padding,
-                             return_log_probs=False)
-            lp = (-out.nll).double().cpu()  # (B, T)
+            lp, out = read(self.model, x, y, rows.memory or None, context=self.read_ctx,
+                           padding=rows.padding(T, device=self.device))
             new = torch.stack(out.memory)  # (L, B, M', d)
             results = []
             for b, u in enumerate(units):
@@ -204,41 +133,20 @@ class Model:
                 mem = new[:, b, new.size(2) - keep:].clone() if keep and u.with_memory else None
                 results.append(Result(logprobs=lp[b].tolist(), memory=mem))
             return results
-        # Generation: the memory keeps every row (BIG), keys and values are cached where the attention allows.
-        rows = self._rows(kind, units, memory, pads)
-        cache = None
-        if self.cacheable:
-            cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table, buffers=rows.buffers,
-                            weights_version=self.weights_version)
-        out = self.model(x, memory=rows.memory or None, context=self.gen_ctx, padding=rows.padding(T),
-                         kv_cache=cache, return_log_probs=False)
-        next_lp = self.model.softmax.log_prob(out.hidden[:, -1]).float().cpu()  # (B, V)
-        if cache is not None:
-            self.table = out.kv_cache.positions
-        new = Rows(tuple(out.memory), tuple(out.kv_cache.keys) if cache is not None else (),
-                   tuple(out.kv_cache.values) if cache is not None else (), rows.pads,
-                   out.kv_cache.buffers if cache is not None else ())  # (B, M + T, ...) per layer
+        next_lp, new = self.decoder.run(x, self._rows(kind, units))
+        next_lp = next_lp.cpu()  # (B, V): sampled on the host
         return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
 
-    def _rows(self, kind: str, units: list[Unit], memory, pads: list[int]) -> Rows:
-        """The batch a generation unit group runs on: prefill's memories (already gathered), one batch's rows
-        as they are (or a subset of them), or rows of several batches gathered into one."""
-        if kind == "prefill":
-            return Rows(memory or (), (), (), pads)
-        first = units[0].row[0] if units[0].row is not None else None
-        if first is not None and all(u.row is not None and u.row[0] is first for u in units):
-            idx = [u.row[1] for u in units]
-            return first if idx == list(range(first.size)) else first.select(idx)
-        # Rows of different batches (or given as memory and kv): gather them, left-padded, once.
-        taken = [u.row[0].take(u.row[1]) if u.row is not None else (u.memory, u.kv) for u in units]
-        mem, pads = _left_pad([m for m, _ in taken], (self.d_model,), self.dtype, self.device)
-        keys = values = ()
-        if self.cacheable:
-            shape = (self.n_head, self.d_head)
-            k, _ = _left_pad([kv[0] for _, kv in taken], shape, self.dtype, self.device)  # (L, B, M, H, D)
-            v, _ = _left_pad([kv[1] for _, kv in taken], shape, self.dtype, self.device)
-            keys, values = tuple(k.unbind(0)), tuple(v.unbind(0))
-        return Rows(tuple(mem.unbind(0)), keys, values, pads)
+    def _rows(self, kind: str, units: list[Unit]) -> Rows:
+        """The batch a generation unit group runs on: prefill's memories, one batch's rows as they are (or a
+        subset of them), or rows of several batches (or kept in sessions) gathered into one, once."""
+        if kind == "step" and units[0].row is not None:
+            first = units[0].row[0]
+            if all(u.row is not None and u.row[0] is first for u in units):
+                idx = [u.row[1] for u in units]
+                return first if idx == list(range(first.size)) else first.select(idx)
+        return self.decoder.rows([u.row[0].take(u.row[1]) if u.row is not None else (u.memory, u.kv)
+                                  for u in units])
 
 
 # -- jobs ------------------------------------------------------------------------------------------------
@@ -551,31 +459,58 @@ class Engine:
         state.chars += len(text)
         return ids, lps
 
-    def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
-                 top_logprobs: int = 0) -> Generator[Unit, Result, dict]:
-        """Continue the session: sample up to ``max_tokens`` tokens, then read them into it."""
+    def read_tail(self, state: SessionState) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+        """Read the session's unfinished line as it stands (a prompt's end, or the text a generation continues):
+        its ids and the log-probs of those scored."""
         if state.raw:
             raise ClientError(400, "session", "the session holds an unfinished UTF-8 character: send its "
                               "remaining bytes first")
-        if state.tail:  # an unfinished line: generation continues it, so it is read as it stands
-            try:
-                ids = [int(i) for i in self.tokenizer.encode_prompt(state.tail)]
-            except ValueError as err:
-                raise ClientError(400, "text", str(err)) from None
-            state.chars += len(state.tail)
-            state.tail = ""
-            yield from self.read_ids(state, ids)
+        if not state.tail:
+            return [], []
+        try:
+            ids = [int(i) for i in self.tokenizer.encode_prompt(state.tail)]
+        except ValueError as err:
+            raise ClientError(400, "text", str(err)) from None
+        state.chars += len(state.tail)
+        state.tail = ""
+        lps = yield from self.read_ids(state, ids)
+        return ids, lps
+
+    def read_prompt(self, state: SessionState, text: str) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+        """Read a completion's prompt: whole text, its last line (a word-level model's last word) read as it
+        stands instead of held back for more text, as a session's text is."""
+        ids, lps = yield from self.read_text(state, text, final=False)
+        more, more_lps = yield from self.read_tail(state)
+        return ids + more, lps + more_lps
+
+    def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
+                 seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
+                 top_logprobs: int = 0, repetition_penalty: float = 1.0, stop_tokens: Sequence[int] = ()
+                 ) -> Generator[Unit, Result, dict]:
+        """Continue the session: sample up to ``max_tokens`` tokens, then read them into it. The text is what
+        the tokens add to the session's text (for words: after a space, unless a line just ended).
+
+        Tokens are chosen as `txl generate` chooses them (``txl.decoding.Picker``: a seed is row 0's, the
+        repetition penalty counts the tokens since the session's last segment boundary, the memory's are not
+        kept); ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
+        """
+        yield from self.read_tail(state)  # an unfinished line: generation continues it
         if not state.tokens:
             raise ClientError(400, "session", "the session has read no text yet: give a prompt or read some text "
                               "first (generation continues a text)")
-        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        stream = self.tokenizer.stream()
-        hold = max((len(s) for s in stop), default=1) - 1
+        try:
+            pick = Picker(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                          seeds=None if seed is None else [seed], stop_tokens=stop_tokens, top_logprobs=top_logprobs,
+                          vocab_size=self.m.model.config.vocab_size)
+        except ValueError as err:
+            raise ClientError(400, "stop_token_ids", str(err)) from None
+        pick.see(torch.tensor([state.tokens]))
+        stream = TextStream(self.tokenizer, context=state.tokens)
+        texts = StopText(stop)
         produced: list[int] = []
         chosen: list[float] = []
         tops: list[dict[str, float]] = []
-        shown, pending, finish = "", "", "length"
+        finish = "length"
         kept, start_memory = state.generation, state.memory
         if max_tokens:
             if (kept is not None and kept.session_memory is state.memory and kept.n_tokens == state.n_tokens
@@ -589,35 +524,27 @@ class Engine:
             if job.cancelled:
                 finish = "cancelled"
                 break
-            lp = r.next_log_probs  # (V,)
-            token = int(sample_next(lp[None], temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)[0])
+            step = pick(r.next_log_probs[None])  # (V,) -> one row
+            token = int(step.tokens[0])
             produced.append(token)
-            chosen.append(float(lp[token]))
-            if top_logprobs:
-                values, idx = lp.topk(min(top_logprobs, lp.numel()))
-                tops.append({self.tokenizer.token_text(int(t)): float(v) for v, t in zip(values, idx)})
-            pending += stream.push(token)
-            cut = min((pending.find(s) for s in stop if s in pending), default=-1)
-            if cut >= 0:
-                pending, finish = pending[:cut], "stop"
+            chosen.append(float(step.logprobs[0]))
+            if step.top is not None:
+                tops.append({self.tokenizer.token_text(t): v for t, v in step.top[0]})
+            if texts.push(stream.push(token)) or bool(step.stopped[0]):
+                finish = "stop"
                 break
-            n = len(pending) - hold
-            if n > 0:
-                piece, pending = pending[:n], pending[n:]
-                shown += piece
-                if on_text is not None:
-                    on_text(piece)
+            piece = texts.show()
+            if piece and on_text is not None:
+                on_text(piece)
             if i + 1 < max_tokens:
                 r = yield Unit("step", [token], row=r.row)
-        if finish != "stop":
-            pending += stream.finish()
-            cut = min((pending.find(s) for s in stop if s in pending), default=-1)
-            if cut >= 0:
-                pending, finish = pending[:cut], "stop"
-        shown += pending
-        if pending and on_text is not None:
-            on_text(pending)
+        if not texts.stopped:  # the last token's text (a stop token's too)
+            if texts.push(stream.finish()):
+                finish = "stop"
+        piece = texts.finish()
+        if piece and on_text is not None:
+            on_text(piece)
+        shown = texts.text
         if self.metrics is not None:
             self.metrics.tokens_generated.inc(len(produced))
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).

@@ -261,7 +261,7 @@ def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = Non
         return _checked(WordTokenizer.from_hf_vocab(vocab_file, allow_pickle=allow_pickle, rules=rules), vocab_size)
     directory = Path(checkpoint)
     if not (directory.is_dir() and _holds_vocabulary(directory)):
-        from txl.pretrained import resolve_model_dir  # txl.pretrained imports the model: only when needed
+        from txl.hub import resolve_model_dir
 
         # A run directory, a Hub repo id, or a missing path: one line each, as every command says it.
         directory = resolve_model_dir(checkpoint, revision=revision)

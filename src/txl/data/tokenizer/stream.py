@@ -12,6 +12,11 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+CONTEXT = 8
+"""Ids of the text being continued that a stream decodes its first text after: enough for a detokeniser's rules
+(a space before a word, WikiText's ``@-@`` joins)."""
+
+
 class TextStream:
     """Turns ids into text as they are generated: ``push(id)`` returns the text to show now.
 
@@ -23,9 +28,11 @@ class TextStream:
     streamed text can differ from ``tokenizer.decode(ids)`` in spacing there; ``decode`` stays exact.
     """
 
-    def __init__(self, tokenizer: _Decoder) -> None:
-        self.tokenizer, self.ids = tokenizer, []
-        self.shown = ""
+    def __init__(self, tokenizer: _Decoder, context: Sequence[int] = ()) -> None:
+        """``context``: ids already shown (the text being continued; its last ``CONTEXT`` are read), so that the
+        first text shown is what the new ids add to it (for words: a space before the first word)."""
+        self.tokenizer, self.ids = tokenizer, [int(i) for i in list(context)[-CONTEXT:]]
+        self.shown = tokenizer.decode(self.ids) if self.ids else ""
         self.base, self.prefix = 0, ""  # the current run decodes ids[base:], after the text prefix
 
     def _emit(self, end: int, *, final: bool = False) -> str:

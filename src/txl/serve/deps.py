@@ -1,0 +1,68 @@
+"""FastAPI dependencies: the server's state, the caller's key (auth), the engine once the model is ready,
+and a request's JSON body read as one of ``protocol``'s models.
+
+A route names what it needs in its signature (``owner: Owner``, ``engine: Ready``); FastAPI resolves the
+dependencies in that order, so a missing key is a 401 before a loading model's 503, as before.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from pydantic import BaseModel
+
+from txl.serve.engine import Engine
+from txl.serve.protocol import decode_json, parse
+from txl.serve.server import Server
+from txl.serve.session import ClientError, owner_of
+
+
+def server(request: Request) -> Server:
+    return request.app.state.server
+
+
+def owner(request: Request) -> str:
+    """Who the caller is (the hash of its key; '' without keys), or a 401."""
+    srv: Server = request.app.state.server
+    if not srv.keys:
+        return ""
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise ClientError(401, "Authorization", "a bearer key is required: Authorization: Bearer KEY")
+    if not any(secrets.compare_digest(key.strip().encode(), k.encode()) for k in srv.keys):
+        raise ClientError(401, "Authorization", "the key is not valid")
+    return owner_of(key.strip())
+
+
+def ready(request: Request, _: Annotated[str, Depends(owner)]) -> Engine:
+    """The engine once the model is loaded (after the key is checked), or a 503."""
+    return request.app.state.server.ready()
+
+
+Srv = Annotated[Server, Depends(server)]
+Owner = Annotated[str, Depends(owner)]
+Ready = Annotated[Engine, Depends(ready)]
+
+
+async def read_json(request: Request, *, optional: bool = False) -> Any:
+    """The decoded JSON body ({} for an empty ``optional`` one), or a 400."""
+    body = await request.body()
+    if not body.strip():
+        if optional:
+            return {}
+        raise ClientError(400, "body", "a JSON body is required")
+    return decode_json(body)
+
+
+def body(kind: type[BaseModel], *, optional: bool = False):
+    """A dependency: the request's JSON body as a ``kind`` (validated with the server's limits in context)."""
+
+    async def dependency(request: Request, _: Annotated[Engine, Depends(ready)]) -> BaseModel:
+        data = await read_json(request, optional=optional)
+        limits = {"max_tokens": request.app.state.server.config.max_tokens}
+        return parse(kind, data, context=limits)
+
+    return Depends(dependency)

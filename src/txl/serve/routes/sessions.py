@@ -1,0 +1,97 @@
+"""/v1/sessions: create, inspect and delete a session; read text into it; generate from its memory."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+
+from txl.serve.deps import Owner, Ready, Srv, body, read_json
+from txl.serve.engine import Engine
+from txl.serve.protocol import TEXT_TYPES, CreateSession, GenerateBody, TextBody, TextQuery, parse
+from txl.serve.server import Events, sse
+from txl.serve.session import ClientError
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+@router.post("", status_code=201)
+async def create(srv: Srv, owner: Owner, req: Annotated[CreateSession, body(CreateSession, optional=True)]):
+    return await srv.run(None, owner, lambda s, j: srv.info(s), create={"with_memory": req.memory})
+
+
+@router.get("/{sid}")
+async def get(sid: str, srv: Srv, owner: Owner):
+    return await srv.run(sid, owner, lambda s, j: srv.info(s), changes=False)
+
+
+@router.delete("/{sid}")
+async def delete(sid: str, srv: Srv, owner: Owner):
+    return await srv.run(sid, owner, lambda s, j: {"id": s.id, "object": "session", "deleted": True},
+                         changes=False, delete=True)
+
+
+def content_type(request: Request) -> str:
+    """The request's media type, lower case ('application/octet-stream' when it names none: RFC 9110 8.3)."""
+    return request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
+
+
+@router.post("/{sid}/text")
+async def text(sid: str, request: Request, srv: Srv, owner: Owner, engine: Ready):
+    kind = content_type(request)
+    if kind not in TEXT_TYPES:
+        raise ClientError(415, "Content-Type", f"{kind or 'none'} is not read: send application/json "
+                          "({\"text\": ...}) or the text itself as text/plain or application/octet-stream")
+    if kind == "application/json":
+        req = parse(TextBody, await read_json(request))
+        data: str | bytes = req.text
+    else:  # a raw body: UTF-8 possibly cut anywhere; the flags in the query
+        req = parse(TextQuery, dict(request.query_params))
+        data = await request.body()
+    limit = srv.config.max_text_chars
+    if len(data) > limit:
+        raise ClientError(413, "text", f"longer than serve.max_text_chars={limit}")
+    if not data and not req.final:
+        raise ClientError(400, "text", "is empty: send some text (or final: true to end the document)")
+
+    def work(state, job):
+        ids, lps = yield from engine.read_text(state, data, final=req.final)
+        reply = {"id": state.id, "object": "session.text", "tokens": len(ids), "scored": len(lps),
+                 "nll": -sum(lps), "session": srv.info(state)}
+        if req.logprobs:
+            unscored = len(ids) - len(lps)
+            reply["logprobs"] = [{"token": engine.tokenizer.token_text(t), "logprob": None if i < unscored else
+                                  lps[i - unscored]} for i, t in enumerate(ids)]
+        return reply
+
+    return await srv.run(sid, owner, work)
+
+
+def generation(engine: Engine, state, req, job, events: Events | None, top_logprobs: int = 0):
+    """The engine's generation with a request's sampling settings (its text pieces to ``events``)."""
+    return engine.generate(state, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                           top_p=req.top_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+                           stop=req.stop_texts, stop_tokens=req.stop_token_ids or (), job=job,
+                           top_logprobs=top_logprobs,
+                           on_text=(lambda piece: events.emit("text", piece)) if events else None)
+
+
+@router.post("/{sid}/generate")
+async def generate(sid: str, srv: Srv, owner: Owner, engine: Ready,
+                   req: Annotated[GenerateBody, body(GenerateBody, optional=True)]):
+    events = Events() if req.stream else None
+
+    def work(state, job):
+        out = yield from generation(engine, state, req, job, events)
+        reply = {"id": state.id, "object": "session.generation", "text": out["text"], "tokens": len(out["ids"]),
+                 "finish_reason": out["finish_reason"], "session": srv.info(state)}
+        if req.logprobs:
+            reply["logprobs"] = [{"token": engine.tokenizer.token_text(t), "logprob": lp}
+                                 for t, lp in zip(out["ids"], out["logprobs"])]
+        return reply
+
+    if events is None:
+        return await srv.run(sid, owner, work)
+    job = await srv.run(sid, owner, work, events=events)
+    return await sse(events, job, lambda kind, data: {"text": data} if kind == "text" else
+                     {"text": "", "finish_reason": data["finish_reason"], "session": data["session"]})
