@@ -223,3 +223,14 @@ def test_cuda_graphs_equal_eager_on_cuda():
         for (nll_g, _, _), (nll_w, _, _) in zip(got, want, strict=True):
             torch.testing.assert_close(nll_g, nll_w, atol=1e-4, rtol=1e-4)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_graphs_with_fsdp_are_refused_before_the_run(tmp_path):
+    import txl.train
+    from txl.config import DataConfig, RunConfig, TrainConfig
+    from txl.distributed import DistInfo
+
+    cfg = RunConfig(data=DataConfig(corpus="x", level="byte"), model=tiny_config(),
+                    train=TrainConfig(out_dir=str(tmp_path), graphs=True, parallel="fsdp", device="cpu"))
+    with pytest.raises(ValueError, match="train.graphs runs the model at static shapes .* --train.parallel ddp"):
+        txl.train.check_run(cfg, DistInfo(rank=0, world_size=1, device=torch.device("cpu")))
