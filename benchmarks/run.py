@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -159,6 +160,17 @@ def bf16_loss_check(model, x, y, memory) -> dict:
     return dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32))
 
 
+def profiled(device: torch.device, step) -> dict:
+    """One step under torch.profiler: its top operators and host / device time; a profiler that cannot trace the
+    step (CUDA graphs are replayed, not launched op by op) loses the profile, not the row's measurements."""
+    try:
+        with Profile(device) as prof:
+            step()
+    except RuntimeError as err:
+        return dict(profile_error=str(err)[-300:])
+    return dict(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
+
+
 def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
                  recompute: bool | None = None, compile: bool = False, graphs: bool = False,
                  graphs_backend: str | None = None, profile: bool = False,
@@ -184,9 +196,8 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
         if i == warmup:
             bracket.start()
         if i == warmup + steps:  # the extra, profiled step
-            with Profile(device) as prof:
-                library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
-            extra.update(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
+            extra.update(profiled(device, functools.partial(library_step, step_model, optimizer, scaler, x, y,
+                                                            memories, precision, device, i * shape.tgt_len)))
             break
         t0 = peak.clock()
         memories = library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
@@ -228,9 +239,7 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
             raise AssertionError(f"timed segment {i - warmup} read {memory_length(memory)} memory rows, not the "
                                  f"evaluation's mem_len {shape.mem_len}")
         if i == warmup + steps:  # the extra, profiled segment
-            with Profile(device) as prof:
-                segment(x, y)
-            extra.update(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
+            extra.update(profiled(device, functools.partial(segment, x, y)))
             break
         t0 = peak.clock()
         out = segment(x, y)

@@ -132,3 +132,13 @@ def test_every_switch_this_txl_has_builds_its_before_model_and_others_are_refuse
     assert "fake" not in switches.available() and "sdpa-pin" in switches.available()
     with pytest.raises(SystemExit, match="--before fake: this txl's ModelConfig lacks no_such_field"):
         switches.model_fields(["fake"])
+
+
+def test_a_profile_that_fails_loses_the_profile_not_the_row():
+    def broken():
+        raise RuntimeError("the profiler cannot trace a replayed graph")
+
+    assert bench.profiled(torch.device("cpu"), broken) == {
+        "profile_error": "the profiler cannot trace a replayed graph"}
+    good = bench.profiled(torch.device("cpu"), lambda: torch.ones(64, 64) @ torch.ones(64, 64))
+    assert good["profile_host_ms"] > 0 and good["profile_device_ms"] == 0.0 and "aten::mm" in good["profile"]
