@@ -280,6 +280,9 @@ def targets(rows: list[dict], done: list[tuple[str, str, float]]) -> str:
         host, dev = r["profile_host_ms"], r["profile_device_ms"]
         lines.append(f"| host < device time per step: {r['shape']} {r['kind']} {r['dtype']} {mode(r)} | host "
                      f"{host:.1f} ms, device {dev:.1f} ms | {'met' if host < dev else 'missed'} |")
+    for r in (r for r in plain if r.get("profile_error")):
+        lines.append(f"| host < device time per step: {r['shape']} {r['kind']} {r['dtype']} {mode(r)} | the profile "
+                     f"failed: {r['profile_error'][-120:]} | - |")
     if not profiled:
         lines.append("| host < device time per step | not measured (no profiled GPU step) | - |")
     by = {(r["shape"], r["dtype"], r["kind"], mode(r)): r for r in plain}
