@@ -2,7 +2,7 @@
 
 Without --model it first trains a small character model on Tiny Shakespeare for --steps steps (a couple of
 minutes on a CPU), so the colours mean something; a random model's would be noise. The page reads a passage
-with and without memory, then continues it.
+with and without memory (and the bits the memory saved on each token), then continues it.
 
     python docs/serve_screenshot.py [--model MODEL_DIR] [--steps 400] [--out docs/serve_page.png]
 """
@@ -66,7 +66,7 @@ def main() -> None:
                              "--serve.segment_len", "64", "--serve.durability", "shutdown")
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,1150"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1500,1250"):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options,
                               service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")))
@@ -82,7 +82,8 @@ def main() -> None:
                                          == "continued")
         driver.save_screenshot(args.out)
         print(f"saved {args.out}: with memory {driver.find_element(By.ID, 'mem-bpc').text} bits/char, without "
-              f"{driver.find_element(By.ID, 'nomem-bpc').text}")
+              f"{driver.find_element(By.ID, 'nomem-bpc').text}; memory saved "
+              f"{driver.find_element(By.ID, 'saved-bpt').text} bits/token")
     finally:
         driver.quit()
         proc.terminate()

@@ -20,12 +20,13 @@ TEXT = ("The cat sat on the mat. A dog ran to the red house; it was big.\n"
         "Café, naïve, 日本語 and 😀 are here too: 0123456789 (x + y) * z = ?!\n") * 3
 
 
-def make_model_dir(directory: Path, *, level: str = "char", **overrides) -> Path:
-    """A random tiny model (memory 8) and a tokenizer fitted on TEXT, saved as `txl generate` reads them."""
+def make_model_dir(directory: Path, *, level: str = "char", spec: dict | None = None, **overrides) -> Path:
+    """A random tiny model (memory 8) and a tokenizer fitted on TEXT (``spec``: options of its level), saved as
+    `txl generate` reads them."""
     directory.mkdir(parents=True, exist_ok=True)
     corpus = directory / "corpus.txt"
     corpus.write_text(TEXT, encoding="utf-8")
-    spec = make_spec("char", unk="<unk>") if level == "char" else make_spec(level)
+    spec = make_spec(level, **spec) if spec else make_spec("char", unk="<unk>") if level == "char" else make_spec(level)
     tok = fit_tokenizer(spec, [Source(corpus)])
     corpus.unlink()
     torch.manual_seed(0)

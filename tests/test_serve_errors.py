@@ -67,7 +67,10 @@ CASES = [  # (what, method, path, request arguments, status, field)
     ("n 2", "post", C, dict(json={"prompt": "a", "n": 2}), 400, "n"),
     ("presence_penalty", "post", C, dict(json={"prompt": "a", "presence_penalty": 1.0}), 400, "presence_penalty"),
     ("an unknown field", "post", C, dict(json={"prompt": "a", "temprature": 1}), 422, "temprature"),
-    ("two prompts", "post", C, dict(json={"prompt": ["a", "b"]}), 400, "prompt"),
+    ("two prompts on one session", "post", C, dict(json={"prompt": ["a", "b"], "session": "{sid}"}), 400, "session"),
+    ("two prompts streamed", "post", C, dict(json={"prompt": ["a", "b"], "stream": True}), 400, "stream"),
+    ("a token id out of range", "post", C, dict(json={"prompt": [1, 10**6]}), 400, "prompt"),
+    ("another model", "post", C, dict(json={"prompt": "a", "model": "gpt-4"}), 404, "model"),
     ("empty prompt, no session", "post", C, dict(json={"prompt": ""}), 400, "prompt"),
     ("unknown session", "post", C, dict(json={"prompt": "a", "session": UNKNOWN}), 404, "session"),
     ("a session id of the wrong shape", "post", C, dict(json={"prompt": "a", "session": "../x"}), 404, "session"),
@@ -107,6 +110,8 @@ CASES = [  # (what, method, path, request arguments, status, field)
 @pytest.mark.parametrize("what,method,path,kwargs,status,field", CASES, ids=[c[0] for c in CASES])
 def test_bad_request(client, what, method, path, kwargs, status, field):
     url = path.format(sid=client.sid, empty=client.empty)
+    if kwargs.get("json", {}).get("session") == "{sid}" if isinstance(kwargs.get("json"), dict) else False:
+        kwargs = {**kwargs, "json": {**kwargs["json"], "session": client.sid}}  # the client's own session
     r = client.request(method.upper(), url, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]

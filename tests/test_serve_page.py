@@ -1,6 +1,9 @@
 """The page at / in a real headless Chromium (Debian's chromium and chromium-driver, driven by selenium):
-it reads a document, colours every token, and shows the same numbers as the API; it streams a continuation."""
+it reads a document, colours every token, and shows the same numbers as the API, and the bits memory saved on
+each token in a third view; it streams a continuation, shown apart, its tokens kept out of the document's figures."""
 
+import math
+import re
 import shutil
 
 import pytest
@@ -25,6 +28,10 @@ def browser():
                 "--window-size=1400,1000"):
         options.add_argument(arg)
     return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+
+
+def _rgb(css: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", css)[:3])
 
 
 def wait_state(driver, states, timeout=60):
@@ -63,11 +70,31 @@ def test_page_colours_a_document_with_the_apis_numbers(tmp_path):
                 assert sum(bits) / len(bits) == pytest.approx(want[name]["bits_per_token"], abs=1e-5)
                 spans = driver.find_elements(By.CSS_SELECTOR, f"#{name}-view span")
                 assert "".join(s.get_attribute("textContent") for s in spans) == TEXT
+            # The third view: per token, the bits without memory less the bits with it; in total the two NLLs' gap.
+            saved = driver.execute_script(
+                "return [...document.querySelectorAll('#saved-view span[data-saved]')].map(s => +s.dataset.saved)")
+            total = (want["nomem"]["nll"] - want["mem"]["nll"]) / math.log(2)
+            assert len(saved) == len(TEXT) - 1 and sum(saved) == pytest.approx(total, abs=1e-4)
+            assert any(x > 0 for x in saved) and any(x < 0 for x in saved)  # both colours of the diverging scale
+            assert driver.find_element(By.ID, "saved-total").text == f"{total:.2f}"
+            assert driver.find_element(By.ID, "saved-bpt").text == f"{total / (len(TEXT) - 1):.4f}"
+            colours = driver.execute_script("return [...document.querySelectorAll('#saved-view span[data-saved]')]"
+                                            ".map(s => [+s.dataset.saved, getComputedStyle(s).backgroundColor])")
+            blue = [c for x, c in colours if x > 0]
+            red = [c for x, c in colours if x < 0]
+            assert blue and red and all(_rgb(c)[2] > _rgb(c)[0] for c in blue) and all(
+                _rgb(c)[0] > _rgb(c)[2] for c in red)
             driver.find_element(By.ID, "max-tokens").clear()
             driver.find_element(By.ID, "max-tokens").send_keys("30")
             driver.find_element(By.ID, "continue").click()
             assert wait_state(driver, {"continued", "error"}) == "continued", driver.find_element(By.ID, "error").text
-            assert driver.find_element(By.ID, "continuation").get_attribute("value")
-            assert driver.find_element(By.ID, "mem-tokens").text == str(len(TEXT) + 30)
+            generated = driver.find_element(By.ID, "continuation").get_attribute("value")
+            assert generated
+            # The document's figures stay the document's; the continuation is counted and marked apart.
+            assert driver.find_element(By.ID, "mem-tokens").text == str(len(TEXT))
+            assert driver.find_element(By.ID, "mem-bpt").text == f"{want['mem']['bits_per_token']:.4f}"
+            assert driver.find_element(By.ID, "gen-tokens").text == "30"
+            marked = driver.find_elements(By.CSS_SELECTOR, "#mem-view span.generated")
+            assert len(marked) == 1 and marked[0].get_attribute("textContent") == generated
         finally:
             driver.quit()

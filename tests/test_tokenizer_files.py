@@ -67,6 +67,30 @@ def test_hf_tokenizer_json_gives_txl_ids_on_real_text(tmp_path, corpus, level, o
     assert load_tokenizer(tmp_path / "tok").encode(held_out).tolist() == tok.encode(held_out).tolist()
 
 
+@pytest.mark.parametrize("level,options,prefix", [
+    ("byte", {}, "\n"), ("byte", {"drop_newlines": True}, None), ("char", {}, "\n"), ("char", {"unk": "<unk>"}, "\n"),
+    ("word", {}, "<eos>"), ("bpe", {"vocab_size": 300}, "\n"),
+])
+def test_tokenizer_config_declares_the_document_prefix(tmp_path, level, options, prefix):
+    """tokenizer_config.json beside tokenizer.json names as eos_token the token read before a document (what
+    lm-evaluation-harness reads first): word level's <eos> (txl score's context token), else the line break,
+    none where the vocabulary cannot hold one; and no bos_token, which the harness would prefer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    train = tmp_path / "train.txt"
+    train.write_text("the cat sat\non the mat\n" * 50, encoding="utf-8")
+    tok = fit_tokenizer(make_spec(level, **options), [Source(train)])
+    save_tokenizer(tok, tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "bos_token" not in config
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    if prefix is None:
+        assert tok.prefix_id is None and config["eos_token"] is None
+        return
+    assert tok.prefix_id == (tok.context_id if level == "word" else int(tok.encode("\n")[0]))
+    assert hf.token_to_id(config["eos_token"]) == tok.prefix_id and tok.decode([tok.prefix_id]).strip("\n") in (
+        "", prefix)
+
+
 def test_no_hf_tokenizer_json_for_wikitext103_rules(tmp_path):
     write_vocab_txt(["<eos>", "<unk>", "the", "cat", "'s"], tmp_path / "vocab.txt")
     tok = WordTokenizer.from_hf_vocab(tmp_path / "vocab.txt")

@@ -30,16 +30,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def serve_config(args: argparse.Namespace):
+def serve_config(args: argparse.Namespace, directory=None):
     """The ``ServeConfig`` of the options given, typed and checked as every config section is (the key also
-    from TXL_SERVE_API_KEY)."""
+    from TXL_SERVE_API_KEY). With the model's ``directory``, the reading context not given is `txl score`'s
+    (``run_defaults``): one default context for the two commands."""
     import os
 
     from txl.cli.options import section_config
     from txl.serve.config import ServeConfig
 
     key = os.environ.get("TXL_SERVE_API_KEY")
-    return section_config(args, "serve", ServeConfig, {"api_key": key} if key else None)
+    defaults = {"api_key": key} if key else {}
+    if directory is not None:
+        defaults.update(run_defaults(directory))
+    return section_config(args, "serve", ServeConfig, defaults)
+
+
+def run_defaults(directory) -> dict:
+    """The reading context of a training run's ``[eval]`` section (what `txl score`, `txl eval` and the
+    in-process lm-eval model read with) as ``serve`` fields: tgt_len as segment_len, mem_len, same_length,
+    clamp_len, each only where the run sets it ({} for a model directory without a run)."""
+    from txl.cli.generate import run_section
+
+    e = run_section(directory, "eval")
+    names = {"tgt_len": "segment_len", "mem_len": "mem_len", "same_length": "same_length", "clamp_len": "clamp_len"}
+    return {field: e[name] for name, field in names.items() if e.get(name) is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from txl.pretrained import resolve_model_dir
 
     config = serve_config(args)  # a bad option is refused before anything is loaded
-    resolve_model_dir(args.model, revision=args.revision)  # a missing model: one line now, not a server that 503s
+    # A missing model: one line now, not a server that 503s. A run's [eval] context is the default, as txl score's.
+    config = serve_config(args, resolve_model_dir(args.model, revision=args.revision))
     args.checkpoint = args.model
     failed: list[Exception] = []
 

@@ -43,6 +43,11 @@ def create_app(config: ServeConfig, load: Callable[[], tuple[Any, Any, str]],
     app = FastAPI(title="txl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
     add_error_handlers(app)
+    if config.origins:  # CORS only when asked for: by default a browser lets no other site's page call the API
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.origins, allow_methods=["*"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     guard(app, limit=config.max_body_bytes, metrics=srv.metrics)
     for router in ROUTERS:
         app.include_router(router)

@@ -55,6 +55,12 @@ class ServeConfig:
     """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
     threads: int = 0
     """Torch threads for the forward passes (0: torch's default)."""
+    model_name: str = ""
+    """The model's name for clients: GET /v1/models/NAME, and a completion's model must be it (or absent);
+    empty: the model directory's name, or the Hub id as given."""
+    cors_origins: str = ""
+    """Web origins whose pages may call the API (CORS), comma-separated, or '*' for any; empty: none (no CORS
+    headers; a browser allows only the server's own page)."""
 
     def __post_init__(self) -> None:
         _check("port", 0 <= self.port <= 65535, "must be in 0..65535", self.port)
@@ -74,6 +80,10 @@ class ServeConfig:
         is the model's. ``ext_len`` is 0: a session reads each token once."""
         return model.context(mem_len=self.mem_len, same_length=self.same_length, clamp_len=self.clamp_len,
                              ext_len=0)
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def keys(self) -> list[str]:

@@ -62,7 +62,8 @@ def body(kind: type[BaseModel], *, optional: bool = False):
 
     async def dependency(request: Request, _: Annotated[Engine, Depends(ready)]) -> BaseModel:
         data = await read_json(request, optional=optional)
-        limits = {"max_tokens": request.app.state.server.config.max_tokens}
+        config = request.app.state.server.config
+        limits = {"max_tokens": config.max_tokens, "max_batch": config.max_batch}
         return parse(kind, data, context=limits)
 
     return Depends(dependency)

@@ -58,6 +58,8 @@ class Unit:
     with_memory: bool = True
     row: tuple[Rows, int] | None = None
     """'step': the row of a generation batch it continues (instead of ``memory`` and ``kv``)."""
+    top: int = 0
+    """'score': also the ``top`` most likely tokens at each position (a completion's echoed prompt)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -90,6 +92,8 @@ class Result:
     """'score': the row's new memory (L, m', d)."""
     row: tuple[Rows, int] | None = None
     """'prefill' and 'step': the row in the generation batch (``Rows.take`` gives its memory, keys, values)."""
+    top: list[tuple[list[int], list[float]]] | None = None
+    """'score' with ``Unit.top``: at each position, the most likely next tokens' ids and log-probs."""
 
 
 class Model:
@@ -125,13 +129,20 @@ class Model:
             y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
             lp, out = read(self.model, x, y, rows.memory or None, context=self.read_ctx,
                            padding=rows.padding(T, device=self.device))
+            k = max(u.top for u in units)
+            if k:  # the alternatives at every position: the whole distribution of the same hidden states
+                B, d = out.hidden.size(0), out.hidden.size(-1)
+                log_probs = self.model.softmax.log_prob(out.hidden.reshape(B * T, d)).float()  # (B * T, V)
+                values, ids = log_probs.view(B, T, -1).topk(k, dim=-1)  # (B, T, k) each
+                values, ids = values.cpu().tolist(), ids.cpu().tolist()
             new = torch.stack(out.memory)  # (L, B, M', d)
             results = []
             for b, u in enumerate(units):
                 real = (0 if u.memory is None else u.memory.size(1)) + T  # this row's rows: memory and segment
                 keep = min(self.mem_len, real)  # the newest mem_len of them
                 mem = new[:, b, new.size(2) - keep:].clone() if keep and u.with_memory else None
-                results.append(Result(logprobs=lp[b].tolist(), memory=mem))
+                top = [(i[:u.top], v[:u.top]) for i, v in zip(ids[b], values[b])] if u.top else None
+                results.append(Result(logprobs=lp[b].tolist(), memory=mem, top=top))
             return results
         next_lp, new = self.decoder.run(x, self._rows(kind, units))
         next_lp = next_lp.cpu()  # (B, V): sampled on the host
@@ -404,8 +415,8 @@ class Engine:
         job.emit("error", err)
 
     # -- the work of requests (generators run by the worker) ----------------------------------------------
-    def read_ids(self, state: SessionState, ids: list[int], generated: tuple[list[float], Result] | None = None
-                 ) -> Generator[Unit, Result, list[float]]:
+    def read_ids(self, state: SessionState, ids: list[int], generated: tuple[list[float], Result] | None = None,
+                 *, top: int = 0, tops: list | None = None) -> Generator[Unit, Result, list[float]]:
         """Read ``ids`` into the session; the log-probs of those that are scored (all but a document's first
         token when there is no context token).
 
@@ -415,6 +426,9 @@ class Engine:
         unfinished segment are not read again: their log-probs are the generation's, and the memory at the
         segment's end (when they complete it) is the generation's rows up to there. Tokens past that boundary
         are read (the generation showed them more than the reading's memory).
+
+        ``top``: the ``top`` most likely tokens at each scored position are appended to ``tops`` (ids, log-probs),
+        one entry per log-prob returned (a completion's echoed prompt; not with ``generated``).
         """
         S = self.m.segment_len
         state.generation = None  # what is read now was not read by the last generation
@@ -435,14 +449,18 @@ class Engine:
                 out = list(known[:S - offset + 1])  # labels toks[offset..S]
                 toks, offset = toks[S:], 0
         while len(toks) - 1 >= S:  # a complete segment: S labels, its memory kept
-            r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory)
+            r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory, top=top)
             out.extend(r.logprobs[max(offset - 1, 0):])
+            if top:
+                tops.extend(r.top[max(offset - 1, 0):])
             state.memory = r.memory
             toks, offset = toks[S:], max(offset - S, 0)
         first = max(offset - 1, 0)
         if unfinished and len(toks) >= 2 and first <= len(toks) - 2:  # read again from the boundary
-            r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory)
+            r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory, top=top)
             out.extend(r.logprobs[first:])
+            if top:
+                tops.extend(r.top[first:])
         state.tokens = toks
         state.n_tokens += len(ids)
         state.n_scored += len(out)
@@ -451,15 +469,16 @@ class Engine:
             self.metrics.tokens_read.inc(len(ids))
         return out
 
-    def read_text(self, state: SessionState, data: str | bytes, *, final: bool
-                  ) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+    def read_text(self, state: SessionState, data: str | bytes, *, final: bool, top: int = 0,
+                  tops: list | None = None) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
         ids, text, tail, raw = take_text(state, data, self.tokenizer, final=final)
-        lps = yield from self.read_ids(state, ids)
+        lps = yield from self.read_ids(state, ids, top=top, tops=tops)
         state.tail, state.raw = tail, raw
         state.chars += len(text)
         return ids, lps
 
-    def read_tail(self, state: SessionState) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+    def read_tail(self, state: SessionState, *, top: int = 0,
+                  tops: list | None = None) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
         """Read the session's unfinished line as it stands (a prompt's end, or the text a generation continues):
         its ids and the log-probs of those scored."""
         if state.raw:
@@ -473,26 +492,30 @@ class Engine:
             raise ClientError(400, "text", str(err)) from None
         state.chars += len(state.tail)
         state.tail = ""
-        lps = yield from self.read_ids(state, ids)
+        lps = yield from self.read_ids(state, ids, top=top, tops=tops)
         return ids, lps
 
-    def read_prompt(self, state: SessionState, text: str) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
+    def read_prompt(self, state: SessionState, text: str, *, top: int = 0,
+                    tops: list | None = None) -> Generator[Unit, Result, tuple[list[int], list[float]]]:
         """Read a completion's prompt: whole text, its last line (a word-level model's last word) read as it
-        stands instead of held back for more text, as a session's text is."""
-        ids, lps = yield from self.read_text(state, text, final=False)
-        more, more_lps = yield from self.read_tail(state)
+        stands instead of held back for more text, as a session's text is (``top``, ``tops``: ``read_ids``')."""
+        ids, lps = yield from self.read_text(state, text, final=False, top=top, tops=tops)
+        more, more_lps = yield from self.read_tail(state, top=top, tops=tops)
         return ids + more, lps + more_lps
 
     def generate(self, state: SessionState, *, max_tokens: int, temperature: float, top_k: int, top_p: float,
                  seed: int | None, stop: list[str], job: Job, on_text: Callable[[str], None] | None = None,
-                 top_logprobs: int = 0, repetition_penalty: float = 1.0, stop_tokens: Sequence[int] = ()
-                 ) -> Generator[Unit, Result, dict]:
+                 top_logprobs: int = 0, repetition_penalty: float = 1.0, stop_tokens: Sequence[int] = (),
+                 on_token: Callable[..., None] | None = None) -> Generator[Unit, Result, dict]:
         """Continue the session: sample up to ``max_tokens`` tokens, then read them into it. The text is what
         the tokens add to the session's text (for words: after a space, unless a line just ended).
 
         Tokens are chosen as `txl generate` chooses them (``txl.decoding.Picker``: a seed is row 0's, the
         repetition penalty counts the tokens since the session's last segment boundary, the memory's are not
         kept); ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
+        ``on_token(id, log-prob, top alternatives, end)`` sees each token as it is drawn, before the text its push
+        releases goes out (``end``: the length of the text then, held text included), and
+        ``on_token(None, None, None, end)`` once the text stream has finished.
         """
         yield from self.read_tail(state)  # an unfinished line: generation continues it
         if not state.tokens:
@@ -530,7 +553,10 @@ class Engine:
             chosen.append(float(step.logprobs[0]))
             if step.top is not None:
                 tops.append({self.tokenizer.token_text(t): v for t, v in step.top[0]})
-            if texts.push(stream.push(token)) or bool(step.stopped[0]):
+            stopped = texts.push(stream.push(token))
+            if on_token is not None:  # before its text goes out; ``end``: where the text pushed so far ends
+                on_token(token, chosen[-1], tops[-1] if step.top is not None else {}, len(texts.text))
+            if stopped or bool(step.stopped[0]):
                 finish = "stop"
                 break
             piece = texts.show()
@@ -541,6 +567,8 @@ class Engine:
         if not texts.stopped:  # the last token's text (a stop token's too)
             if texts.push(stream.finish()):
                 finish = "stop"
+        if on_token is not None and produced:  # the end of the last token's text, now that the stream is finished
+            on_token(None, None, None, len(texts.text))
         piece = texts.finish()
         if piece and on_text is not None:
             on_text(piece)

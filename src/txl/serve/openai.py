@@ -19,12 +19,16 @@ def finish_reason(reason: str) -> str:
     return FINISH.get(reason, reason)
 
 
+def model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "owned_by": "txl", "created": 0}
+
+
 def model_list(name: str) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "txl", "created": 0}]}
+    return {"object": "list", "data": [model_card(name)]}
 
 
-def choice(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+def choice(text: str, finish: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
 
 def usage(out: dict) -> dict:
@@ -32,19 +36,30 @@ def usage(out: dict) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def logprob_block(out: dict, *, logprobs: int | None, echo: bool, token_text: Callable[[int], str]) -> dict | None:
-    """OpenAI's ``logprobs``: tokens, their log-probs (None for an unscored one: a document's first token),
-    the top alternatives (``logprobs`` of them; None for the prompt's) and each token's text offset."""
+def logprob_block(out: dict, *, logprobs: int | None, echo: bool, token_text: Callable[[int], str],
+                  start: int = 0) -> dict | None:
+    """OpenAI's ``logprobs``: tokens, their log-probs (None for an unscored one: a document's first token), the
+    top alternatives at each (a dict of ``logprobs`` most likely tokens' texts to their log-probs, the token
+    itself added where it is not among them, as OpenAI and vLLM do; None for an unscored token; the field is
+    None for ``logprobs`` 0) and each token's text offset (from ``start``)."""
     if logprobs is None:
         return None
-    ids, lps, tops = list(out["ids"]), list(out["logprobs"]), list(out["top_logprobs"])
+    ids, lps = list(out["ids"]), list(out["logprobs"])
+    tops: list[dict | None] = [dict(t) for t in out["top_logprobs"]]
     if echo:
         unscored = len(out["prompt_ids"]) - len(out["prompt_logprobs"])
         ids = list(out["prompt_ids"]) + ids
         lps = [None] * unscored + list(out["prompt_logprobs"]) + lps
-        tops = [None] * len(out["prompt_ids"]) + tops
+        prompt_tops = [{token_text(i): v for i, v in zip(*top)} for top in out.get("prompt_top_logprobs", [])]
+        tops = [None] * unscored + (prompt_tops or [{} for _ in out["prompt_logprobs"]]) + tops
     texts = [token_text(t) for t in ids]
-    offsets, pos = [], 0
+    if logprobs:
+        for text, lp, top in zip(texts, lps, tops):
+            if top is not None and lp is not None:
+                # The token's own log-prob, as token_logprobs has it (one computation, so a greedy token's equals
+                # the dict's largest value exactly: lm-evaluation-harness compares them).
+                top[text] = lp
+    offsets, pos = [], start
     for t in texts:
         offsets.append(pos)
         pos += len(t)
@@ -52,18 +67,68 @@ def logprob_block(out: dict, *, logprobs: int | None, echo: bool, token_text: Ca
             "text_offset": offsets}
 
 
-def completion(out: dict, *, cid: str, created: int, model: str, text: str, logprobs: dict | None) -> dict:
-    """The whole answer of a completion (``text``: the prompt too when echoed)."""
+def completion(outs: list[dict], *, cid: str, created: int, model: str, texts: list[str],
+               logprobs: list[dict | None]) -> dict:
+    """The whole answer of a completion: one choice per prompt (``texts``: the prompt too when echoed), the
+    usage summed over them."""
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for out in outs:
+        for k, v in usage(out).items():
+            total[k] += v
+    session = outs[0].get("session") if len(outs) == 1 else None
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice(text, finish_reason(out["finish_reason"]), logprobs)], "usage": usage(out),
-            **({"session": out["session"]} if out.get("session") else {})}
+            "choices": [choice(t, finish_reason(o["finish_reason"]), lp, i)
+                        for i, (o, t, lp) in enumerate(zip(outs, texts, logprobs))],
+            "usage": total, **({"session": session} if session else {})}
 
 
-def chunk(kind: str, data: Any, *, cid: str, created: int, model: str,
-          logprobs: Callable[[dict], dict | None]) -> dict:
-    """One streamed chunk: a piece of text, or (``kind`` 'done') the finish reason, logprobs and usage."""
-    base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-    if kind == "text":
-        return {**base, "choices": [choice(data, None)]}
-    return {**base, "choices": [choice("", finish_reason(data["finish_reason"]), logprobs(data))],
-            "usage": usage(data)}
+class Chunks:
+    """The chunks of one streamed completion, each with the logprobs of the tokens its text covers: a token goes
+    out with the first chunk whose text reaches the end of the token's own; the last chunk ('done') carries the
+    finish reason, the tokens left and the usage. 'token' events (id, log-prob, top, the length of the text
+    shown once it was pushed: each token as drawn, before any text it releases) make no chunk (None).
+
+    A token's text is known to be complete when the next token is pushed: the text stream shows the text
+    before the last token only (``TextStream``: decoding is not token-local), so the end the next token
+    reports is this one's (the last token's: the end reported when the stream finished); text held back for a
+    stop text goes out later, and its tokens with it."""
+
+    def __init__(self, *, cid: str, created: int, model: str, logprobs: int | None,
+                 token_text: Callable[[int], str]) -> None:
+        self.base = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        self.logprobs, self.token_text = logprobs, token_text
+        self.drawn: list[tuple[int, float, dict, float]] = []
+        self.sent = 0  # tokens whose logprobs went out
+        self.text = 0  # characters streamed
+        self.offset = 0  # text_offset of the next token
+
+    def _block(self, last: bool) -> dict | None:
+        n = self.sent
+        while n < len(self.drawn) and (last or self.drawn[n][3] <= self.text):
+            n += 1
+        ids, lps, tops, _ = zip(*self.drawn[self.sent:n]) if n > self.sent else ((), (), (), ())
+        out = {"ids": list(ids), "logprobs": list(lps), "top_logprobs": list(tops)}
+        block = logprob_block(out, logprobs=self.logprobs, echo=False, token_text=self.token_text, start=self.offset)
+        self.sent = n
+        if block is not None:
+            self.offset += sum(len(t) for t in block["tokens"])
+        return block
+
+    def __call__(self, kind: str, data: Any) -> dict | None:
+        if kind == "token":
+            if self.drawn:  # the previous token's text ends where the text shown now ends
+                self.drawn[-1] = (*self.drawn[-1][:3], data[3])
+            if data[0] is not None:  # (None, ..., end): the stream finished, the last token's text ends there
+                self.drawn.append((*data[:3], float("inf")))
+            return None
+        if kind == "text":
+            self.text += len(data)
+            return {**self.base, "choices": [choice(data, None, self._block(False))]}
+        if kind == "echo":  # the prompt, echoed before the continuation: its tokens were read, not drawn
+            block = logprob_block({**data, "ids": [], "logprobs": [], "top_logprobs": []}, logprobs=self.logprobs,
+                                  echo=True, token_text=self.token_text)
+            if block is not None:
+                self.offset = sum(len(t) for t in block["tokens"])
+            return {**self.base, "choices": [choice(data["text"], None, block)]}
+        return {**self.base, "choices": [choice("", finish_reason(data["finish_reason"]), self._block(True))],
+                "usage": usage(data)}

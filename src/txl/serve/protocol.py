@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from txl.config import check_sampling
@@ -131,11 +131,21 @@ class GenerateBody(Sampling):
     logprobs: bool = False
 
 
+NULLABLE = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "logprobs", "echo",
+            "n", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias", "stream_options", "user",
+            "model")
+"""The completion fields OpenAI's spec lets a client send as null (``"max_tokens": null``): null is the default."""
+
+Prompt = str | list[int]
+"""One prompt: text, or token ids (read exactly as given: the first is the context of the rest)."""
+
+
 class CompletionBody(Sampling):
     """POST /v1/completions (OpenAI's legacy completions; the fields it accepts but does not support are
-    refused with 400 when set to anything but their neutral value)."""
+    refused with 400 when set to anything but their neutral value). ``prompt`` is a text, a list of texts, a
+    list of token ids, or a list of such lists (a batch: one choice each, at most serve.max_batch)."""
 
-    prompt: str | list[str] = ""
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
     model: str | None = None
     logprobs: int | None = None
     echo: bool = False
@@ -149,11 +159,25 @@ class CompletionBody(Sampling):
     logit_bias: dict[str, float] | None = None
     stream_options: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULLABLE)}
+        return data
+
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
-            raise out_of_range("give one prompt (a string, or a list of one string)")
+    def _prompt(cls, v: str | list, info: ValidationInfo) -> str | list:
+        limit = (info.context or {}).get("max_batch")
+        if isinstance(v, list):
+            if not v:
+                raise out_of_range("is an empty list: give a text, texts, token ids or lists of token ids")
+            batch = 1 if isinstance(v[0], int) else len(v)
+            if limit is not None and batch > limit:
+                raise out_of_range(f"at most {limit} prompts in one request (serve.max_batch), got {batch}")
+            if any(isinstance(p, list) and not p for p in v):
+                raise out_of_range("holds an empty list of token ids")
         return v
 
     @field_validator("logprobs")
@@ -185,8 +209,30 @@ class CompletionBody(Sampling):
         return v
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+    def prompts(self) -> list[Prompt]:
+        """The prompts of the batch (one for a text or a list of token ids)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+# -- the tokenizer (vLLM's /tokenize, /detokenize) ------------------------------------------------------------
+
+class TokenizeBody(Body):
+    """POST /tokenize: a text's token ids, as a completion's text prompt is read (no context token)."""
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = False
+    """Accepted for vLLM's clients; txl's tokenizers add no special token to a prompt either way."""
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(Body):
+    """POST /detokenize: the text of token ids."""
+
+    tokens: list[int]
+    model: str | None = None
 
 
 # -- reading and checking -------------------------------------------------------------------------------------

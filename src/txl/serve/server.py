@@ -50,13 +50,15 @@ class Server:
         try:
             model, tokenizer, self.name = self.load()
             s = self.config
+            self.name = s.model_name or self.name
             m = Model(model, segment_len=s.segment_len, context=s.context(model.config))  # resolved here, once
             store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl)
             engine = Engine(m, tokenizer, store, max_queue=s.max_queue, max_batch=s.max_batch,
                             durable=s.durability == "request", metrics=self.metrics, threads=s.threads)
             engine.start()
             self.engine = engine
-            logger.info("model %s ready: %d sessions in %s", self.name, len(store.last_used), s.state_dir)
+            logger.info("model %s ready, reading with segment_len %d, %s: %d sessions in %s", self.name,
+                        s.segment_len, m.read_ctx.describe(), len(store.last_used), s.state_dir)
         except Exception as err:  # noqa: BLE001 - the server stays up and says it failed
             self.failed = True
             logger.error("the model failed to load: %s", err)
@@ -118,7 +120,9 @@ async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], firs
                     err = data if isinstance(data, ClientError) else ClientError(500, None, "internal error")
                     yield f"data: {json.dumps({'error': {'field': err.field, 'reason': err.reason}})}\n\n"
                     break
-                yield f"data: {json.dumps(render(kind, data))}\n\n"
+                chunk = render(kind, data)
+                if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 if kind == "done":
                     break
                 kind, data = await events.queue.get()

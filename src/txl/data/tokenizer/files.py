@@ -8,6 +8,8 @@ A saved tokenizer is a directory::
     tokenizer.json      a real Hugging Face ``tokenizers`` tokenizer giving the same ids, where the
                         tokenizer can be expressed in one (not the WikiText-103 rules) and the
                         ``tokenizers`` package is installed: ``tokenizers.Tokenizer.from_file`` reads it
+    tokenizer_config.json  beside it: ``transformers.AutoTokenizer`` loads the directory, its ``eos_token`` the
+                        token read before a document (``Tokenizer.prefix_id``, e.g. lm-evaluation-harness's prefix)
 
 Before txl wrote ``txl_tokenizer.json`` its metadata was itself named ``tokenizer.json``, the name
 Hugging Face tools read as theirs; such directories (older checkpoints) still load.
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "txl-tokenizer"
 META_FILE = "txl_tokenizer.json"
 HF_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
 HF_VOCAB_FILES = ("vocab.txt", "vocab.json")
 HF_PICKLED_VOCAB_FILES = ("vocab.pkl", "vocab.bin")
 UNK_FALLBACK = "<unk>"  # WordLevel needs an unknown token's name even when the vocabulary has none
@@ -76,6 +79,18 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
         logger.info("no %s written: the Hugging Face 'tokenizers' package is not installed", HF_FILE)
     if hf is not None:
         hf.save(str(directory / HF_FILE))
+        config = hf_tokenizer_config(tokenizer, hf)
+        (directory / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def hf_tokenizer_config(tokenizer: Tokenizer, hf: Any) -> dict[str, Any]:
+    """``tokenizer_config.json`` beside ``tokenizer.json``: what ``transformers.AutoTokenizer`` needs to load it
+    (a fast tokenizer, no model config) and the token read before a document (``Tokenizer.prefix_id``) as its
+    ``eos_token``, which lm-evaluation-harness reads before every document it scores; no ``bos_token`` (the
+    harness would prefer it), no padding side or chat template (the models are not chat models)."""
+    prefix = tokenizer.prefix_id
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "eos_token": hf.id_to_token(prefix) if prefix is not None else None}
 
 
 def read_meta(directory: str | Path) -> dict[str, Any] | None:

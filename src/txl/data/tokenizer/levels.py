@@ -122,6 +122,20 @@ class Tokenizer:
         return None
 
     @property
+    def prefix_id(self) -> int | None:
+        """The token a client reads before a document so that its first token is scored (lm-evaluation-harness's
+        prefix token, the ``eos_token`` of the exported ``tokenizer_config.json``): the context token where the
+        level has one (word: ``<eos>``, which ends every line, so a document reads as following a line), else
+        the line break where the vocabulary holds it as one token (char, byte, BPE); None otherwise."""
+        if self.context_id is not None:
+            return int(self.context_id)
+        try:
+            ids = [int(i) for i in self.encode("\n")]
+        except ValueError:  # a byte vocabulary that never saw a line break
+            return None
+        return ids[0] if len(ids) == 1 and ids[0] != self.unk_id else None
+
+    @property
     def unk_id(self) -> int | None:
         """The id unknown symbols become, when the vocabulary has one."""
         vocab = getattr(self, "vocab", None)

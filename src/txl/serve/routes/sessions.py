@@ -20,7 +20,7 @@ async def create(srv: Srv, owner: Owner, req: Annotated[CreateSession, body(Crea
     return await srv.run(None, owner, lambda s, j: srv.info(s), create={"with_memory": req.memory})
 
 
-@router.get("/{sid}")
+@router.api_route("/{sid}", methods=["GET", "HEAD"])
 async def get(sid: str, srv: Srv, owner: Owner):
     return await srv.run(sid, owner, lambda s, j: srv.info(s), changes=False)
 
@@ -67,13 +67,15 @@ async def text(sid: str, request: Request, srv: Srv, owner: Owner, engine: Ready
     return await srv.run(sid, owner, work)
 
 
-def generation(engine: Engine, state, req, job, events: Events | None, top_logprobs: int = 0):
-    """The engine's generation with a request's sampling settings (its text pieces to ``events``)."""
+def generation(engine: Engine, state, req, job, events: Events | None, top_logprobs: int = 0, tokens: bool = False):
+    """The engine's generation with a request's sampling settings (its text pieces to ``events``, and with
+    ``tokens`` each token drawn, (id, log-prob, top alternatives), as a 'token' event before its text)."""
     return engine.generate(state, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
                            top_p=req.top_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
                            stop=req.stop_texts, stop_tokens=req.stop_token_ids or (), job=job,
                            top_logprobs=top_logprobs,
-                           on_text=(lambda piece: events.emit("text", piece)) if events else None)
+                           on_text=(lambda piece: events.emit("text", piece)) if events else None,
+                           on_token=(lambda *t: events.emit("token", t)) if events and tokens else None)
 
 
 @router.post("/{sid}/generate")
