@@ -33,7 +33,7 @@ from txl.config import OptimConfig
 from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.optim import build_optimizer
-from txl.train import train_step
+from txl.train import read_stats, train_step
 
 
 def config() -> txl.ModelConfig:
@@ -72,13 +72,13 @@ def train(step_model, optimizer, info: DistInfo, precision: str, data, memories=
     """Losses of one step per batch (the library's step, memory carried) and the memories after."""
     scaler = torch.amp.GradScaler(info.device.type, enabled=precision == "fp16")
     memories = memories or [None]
-    losses = []
+    steps = []
     for s, (x, y) in enumerate(data):
         batch = Batch(input_ids=x, labels=y, context_len=0, start=s * x.shape[1])
         stats, memories = train_step(step_model, optimizer, scaler, batch, memories, lr=1e-3, clip=0.25,
                                      precision=precision, info=info)
-        losses.append(stats.loss)
-    return losses, memories
+        steps.append(stats)
+    return [s.loss for s in read_stats(steps)], memories  # the figures stay on the device until here
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["fast", "torch", "fast16"]
+ClusterRows = Literal["auto", "selected", "all"]
+StateDtype = Literal["compute", "residual"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -26,9 +28,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl")
+KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16). A finished experiment
+('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype': where
+autocast rounds the memory and u, v). A finished experiment
 run that differs from its config only in them is the same run (experiments.common.train_or_skip)."""
 
 
@@ -116,6 +119,25 @@ class ModelConfig:
     dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
     devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16
     random bits per element, p rounded to a multiple of 2**-16 (0.1 -> 0.1000061)."""
+    cluster_rows: ClusterRows = "auto"
+    """Which rows each tail cluster of the adaptive input and softmax computes (``txl.model.adaptive``); the
+    numbers are the same. 'selected': only the tokens that fall in it, found with ``nonzero`` (the least work,
+    but a host sync per cluster on a GPU, and shapes that change with the batch). 'all': every token, the
+    others masked out (static shapes, no sync: what torch.compile and CUDA graphs need; the tails' matmuls
+    then cover every token: at NVIDIA's WikiText-103 shape about 6x the softmax's work). 'auto': 'selected'
+    eagerly on the CPU, 'all' on other devices and under torch.compile (before issue 34: 'selected' eagerly
+    on every device)."""
+    state_dtype: StateDtype = "compute"
+    """Under autocast, the dtype of the memory rows kept for the next segment and of the biases u, v the queries
+    are shifted by. 'compute': autocast's (bf16 or fp16): every layer then reads its memory and adds u and v
+    without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': each layer
+    input's own dtype and float32 u, v (before issue 34): autocast casts them again in every layer and step.
+    The same without autocast (both are the weights' dtype)."""
+    softmax_pad: int = 0
+    """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
+    cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
+    GPU's tensor-core kernels get the aligned widths they need (NVIDIA's 20,003-wide head ran a Turing-era
+    kernel). 1: no padding. 0 (auto): 64 on CUDA, 1 elsewhere (on the CPU padding only adds work)."""
 
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02
@@ -178,7 +200,11 @@ class ModelConfig:
         if self.attn_type == "rotary" and self.d_head % 2:
             raise ValueError(f"ModelConfig.attn_type='rotary' rotates pairs of channels: d_head={self.d_head} must be "
                              "even; choose n_head so that d_model // n_head is even, or set d_head")
-        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl)):
+        if not isinstance(self.softmax_pad, int) or isinstance(self.softmax_pad, bool) or self.softmax_pad < 0:
+            raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
+                             "1: no padding, 64: widths padded to multiples of 64)")
+        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
+                           ("state_dtype", StateDtype)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
                                  f"{', '.join(map(repr, typing.get_args(kind)))}")

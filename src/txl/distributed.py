@@ -144,6 +144,13 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_sum_tensor(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum a tensor over all processes on the device, without reading it back (identity in a single process)."""
+    if info.enabled:
+        dist.all_reduce(t)
+    return t
+
+
 def all_reduce_min(values: list[float], info: DistInfo) -> list[float]:
     """Element-wise minimum of a few float64 numbers over all processes (identity in a single process)."""
     if not info.enabled:

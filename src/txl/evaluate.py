@@ -21,6 +21,7 @@ from txl.distributed import DistInfo, all_reduce_sum
 from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
 from txl.model import TransformerXL
+from txl.model.transformer import check_token_ids
 from txl.runtime import compile_model
 
 
@@ -103,6 +104,8 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     from txl.data import eval_iterator
 
     device = next(model.parameters()).device
+    if device.type != "cpu":  # the model checks ids on the host only; these move to the device segment by segment
+        check_token_ids(tokens, model.config.vocab_size)
     info = info or DistInfo(rank=0, world_size=1, device=device)
     context = model.config.context() if context is None else context
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
@@ -110,7 +113,9 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     forward = StaticSteps(model) if graphs else compile_model(model, compile)
     total = min(len(it), max_batches) if max_batches else len(it)
     start = time.perf_counter()
-    nll_sum, count = 0.0, 0
+    # Sums kept on the device and read once at the end: reading them per segment would wait for each one.
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
     with inference_context(model):
         # The weights do not change while evaluating, so the memory rows' keys and values are carried from
         # segment to segment (KVCache) instead of being projected again; absolute encodings cannot be cached.
@@ -122,11 +127,11 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
             with autocast(device, precision):
                 out = forward(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache, context=context)
             memory, cache = out.memory, out.kv_cache
-            nll_sum += float(out.nll.double().sum())
-            count += int((batch.labels != IGNORE_INDEX).sum())
+            nll_sum += out.nll.double().sum()
+            count += (batch.labels != IGNORE_INDEX).sum()
             if on_segment is not None:
                 on_segment(i + 1, total)
-    nll_sum, count = all_reduce_sum([nll_sum, float(count)], info)
+    nll_sum, count = all_reduce_sum(torch.stack([nll_sum, count.double()]).tolist(), info)
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
     return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)

@@ -119,8 +119,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             yield
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm`` (inf: only measure it) and return the norm before.
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm to ``max_norm`` (inf: only measure it) and return the norm before,
+    a 0-d tensor on the device (read it when needed: reading is a host sync).
 
     With sharded (DTensor) gradients the norm of the local shards is reduced over the processes first
     (torchtitan's way); otherwise this is ``torch.nn.utils.clip_grad_norm_``, unchanged.
@@ -129,13 +130,13 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
 
     grads = [p.grad for p in params if p.grad is not None]
     if not any(isinstance(g, DTensor) for g in grads):
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # the norm over every shard of every process
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return float(total)
+    return total
 
 
 def all_finite(model: nn.Module, info: DistInfo) -> bool:

@@ -35,7 +35,7 @@ from txl.distributed import (
     OtherRankFailed,
     PeerDied,
     all_reduce_min,
-    all_reduce_sum,
+    all_reduce_sum_tensor,
     any_true,
     barrier,
     init_distributed,
@@ -48,6 +48,7 @@ from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
 from txl.model import Memory, TransformerXL
+from txl.model.transformer import check_token_ids
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import load_weights, read_state
 from txl.rundir import CKPT_DIR, RunDirError, RunLock, open_run_dir
@@ -80,10 +81,26 @@ class TrainResult:
 
 @dataclass
 class StepStats:
-    loss: float
-    tokens: int
+    """One step's figures. As ``train_step`` returns them, loss, tokens and grad_norm are 0-d tensors on the
+    device: reading one is a host sync (the host waits for the step to finish), so the trainer reads a log
+    interval's steps at once (``read_stats``)."""
+
+    loss: float | torch.Tensor
+    tokens: int | torch.Tensor
     lr: float
-    grad_norm: float
+    grad_norm: float | torch.Tensor
+
+
+def read_stats(steps: list[StepStats]) -> list[StepStats]:
+    """The steps' figures as Python numbers, read from the device in one transfer (one host sync)."""
+    tensors = [v.detach().double().reshape(()) for s in steps for v in (s.loss, s.tokens, s.grad_norm)
+               if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else ())
+
+    def read(v: float | int | torch.Tensor) -> float:
+        return next(values) if isinstance(v, torch.Tensor) else v
+
+    return [StepStats(float(read(s.loss)), int(read(s.tokens)), s.lr, float(read(s.grad_norm))) for s in steps]
 
 
 # -- one step -------------------------------------------------------------------------------------------
@@ -114,30 +131,31 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     set_lr(optimizer, lr)
     batch = dataclasses.replace(batch, labels=loss_labels(batch, loss_positions))
     chunks = list(zip(batch.input_ids.chunk(len(memories)), batch.labels.chunk(len(memories))))
-    n_total = int((batch.labels != IGNORE_INDEX).sum())
-    new_memories, nll_sum = [], 0.0
+    # Counts, losses and the norm stay on the device (no host sync inside a step): the caller reads them later.
+    n_total = (batch.labels != IGNORE_INDEX).sum()  # () int64
+    new_memories, nll_sum = [], None
     for i, ((x, y), memory) in enumerate(zip(chunks, memories)):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not info.enabled else parallel.no_sync(model)
         with sync:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
-            n = int((y != IGNORE_INDEX).sum())
+            n = (y != IGNORE_INDEX).sum()  # () int64
             scaler.scale(out.loss * (n / n_total)).backward()
         new_memories.append(out.memory)
-        nll_sum += float(out.loss.detach().double()) * n
-    nll_sum, count = all_reduce_sum([nll_sum, float(n_total)], info)
+        chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
+        nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
+    nll_sum, count = all_reduce_sum_tensor(torch.stack([nll_sum, n_total.double()]), info).unbind()
     loss = nll_sum / count
-    if not math.isfinite(loss):
-        optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss, int(count), lr, float("nan")), new_memories
+    # A non-finite loss is found when the trainer reads the step (``read_stats``), which stops the run before
+    # anything is saved; fp16's gradient scaler skips the update of a step with non-finite gradients itself.
     scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = parallel.clip_grad_norm(params, clip if clip > 0 else math.inf)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, int(count), lr, grad_norm), new_memories
+    return StepStats(loss, count, lr, grad_norm), new_memories
 
 
 def batches(it: OrderedIterator) -> Iterator[Batch]:
@@ -307,6 +325,8 @@ class Trainer:
         self.sharded = t.parallel == "fsdp"  # DCP checkpoints, at any process count (one process included)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=self.precision == "fp16")
+        if info.device.type != "cpu":  # the model checks ids on the host only: check the split before it moves
+            check_token_ids(corpus.train, cfg.model.vocab_size)
         it = OrderedIterator(corpus.train, batch_size=t.batch_size, tgt_len=t.tgt_len, ext_len=cfg.model.ext_len,
                              var_len=t.var_len, seed=t.seed, rank=info.rank, world_size=info.world_size,
                              device=info.device)
@@ -314,6 +334,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
         # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
         self.step_model = StaticSteps(self.ddp) if t.graphs else compile_model(self.ddp, t.compile)
+        self.pending: list[StepStats] = []  # steps whose figures are still on the device (settle)
 
     # -- the stateful parts -------------------------------------------------------------------------
 
@@ -324,6 +345,7 @@ class Trainer:
         return {"optimizer": optimizer, "scaler": self.scaler.state_dict(), "train": self.state.state_dict()}
 
     def save(self, *, best: bool, info: dict[str, Any] | None = None) -> None:
+        self.settle()  # the state's token count complete, and nothing saved after a non-finite loss
         _check_finite(self.model, (info or {}).get("valid_loss"), self.state.step,
                       self.checkpointer.latest() if self.info.is_main else None, self.info)
         parts = self.parts()
@@ -439,6 +461,7 @@ class Trainer:
         segments, or the whole split when it is 0): comparing a partial estimate with a full one would
         keep a worse checkpoint whenever the two estimates disagree.
         """
+        self.settle()  # a diverged step stops the run before its evaluation
         valid, settings = self.validate(self.cfg.train.eval_batches)
         metrics.write("valid", self.state.step, loss=valid.loss, **{self.corpus.metric: valid.value},
                       batches=self.cfg.train.eval_batches)
@@ -476,7 +499,7 @@ class Trainer:
         cfg, t, info, state = self.cfg, self.cfg.train, self.info, self.state
         budget = t.minutes * 60
         start, start_step = time.perf_counter(), state.step
-        seen_since, time_since = 0, start
+        tokens_then, time_since = state.tokens, start
         stream = batches(state.iterator)
         while state.step < (state.horizon or t.max_steps):
             elapsed = time.perf_counter() - start
@@ -489,22 +512,18 @@ class Trainer:
             stats, state.memories = train_step(self.step_model, self.optimizer, self.scaler, batch, state.memories,
                                                lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info,
                                                loss_positions=t.loss_positions)
-            if not math.isfinite(stats.loss):
-                latest = self.checkpointer.latest() if info.is_main else None
-                raise TrainingError(f"loss is {stats.loss} at step {state.step + 1}: training stopped. "
-                                    f"{_divergence_advice(latest, 'resume or restart')}")
             state.step += 1
-            state.tokens += stats.tokens
-            seen_since += stats.tokens
+            self.pending.append(stats)  # read at the next log interval, evaluation or checkpoint (settle)
             done = state.step - start_step
             if budget and done >= CALIBRATION_STEPS and (done == CALIBRATION_STEPS or state.step % t.log_interval == 0):
                 # Re-estimated from the whole run so far, so slow phases (validation, a busy machine) count.
                 state.horizon = time_horizon(state.step, done, time.perf_counter() - start, budget, t.max_steps, info)
                 bar.set_total(state.horizon)
             if state.step % t.log_interval == 0 or state.step == t.max_steps:
+                stats = self.settle()
                 now = time.perf_counter()
-                tok_s = seen_since / max(now - time_since, 1e-9)
-                seen_since, time_since = 0, now
+                tok_s = (state.tokens - tokens_then) / max(now - time_since, 1e-9)
+                tokens_then, time_since = state.tokens, now
                 metrics.write("train", state.step, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
                               tokens=state.tokens, tokens_per_s=tok_s)
                 bar.set_postfix({"loss": f"{stats.loss:.3f}",
@@ -519,9 +538,23 @@ class Trainer:
             elif t.ckpt_interval and state.step % t.ckpt_interval == 0 and not last:
                 self.save(best=False)
             self.stop_here(metrics)
+        self.settle()
         if state.horizon and state.horizon < t.max_steps:
             return "time"
         return "max_steps"
+
+    def settle(self) -> StepStats | None:
+        """Read the steps run since the last read (one host sync for all of them): stop at the first non-finite
+        loss, add their tokens to the state; the last step's figures (None: none pending)."""
+        steps, self.pending = read_stats(self.pending), []
+        first = self.state.step - len(steps) + 1
+        for i, stats in enumerate(steps):
+            if not math.isfinite(stats.loss):
+                latest = self.checkpointer.latest() if self.info.is_main else None
+                raise TrainingError(f"loss is {stats.loss} at step {first + i}: training stopped. "
+                                    f"{_divergence_advice(latest, 'resume or restart')}")
+        self.state.tokens += sum(stats.tokens for stats in steps)
+        return steps[-1] if steps else None
 
     def finish(self, metrics: MetricsLog, stopped: str) -> TrainResult:
         """The last best decision and checkpoint, then the full validation and the test of the best model.

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         self.pre_ln = config.pre_ln
         self.impl = config.attn_impl
         self.recompute = config.recompute_attention
+        self.state_dtype = config.state_dtype
         self.scale = 1.0 / math.sqrt(config.d_head)
         hd = config.n_head * config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
@@ -132,21 +133,27 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
         h = self.norm(x) if self.pre_ln else x  # pre-LN normalises the rows the projections read
+        # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
+        # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
+        w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            q, k, val = F.linear(h, self.qkv.weight).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             if memory is not None:
-                k_memory, val_memory = self.keys_values(memory.to(x.dtype))  # (B, M, H, D) each
-                k, val = torch.cat([k_memory, k], dim=1), torch.cat([val_memory, val], dim=1)  # (B, K, H, D) each
+                k_memory, val_memory = self.keys_values(memory, weight=w[H * D:])  # (B, M, H, D) each
+                # Concatenated heads-first, the layout the attention kernels read (B*H, K, D) as: the cat that
+                # joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
+                k, val = (torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
+                          for a, b in ((k_memory, k), (val_memory, val)))
         else:
-            q = F.linear(h, self.qkv.weight[:H * D]).view(B, T, H, D)  # (B, T, H, D)
+            q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
         if self.impl == "reference":
             attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=mask)  # (B, H, T, D)
         else:
-            query = (q + self.content_bias(u)) * self.scale  # (B, T, H, D): scale the query, not the scores
+            query = (q + self.query_bias(self.content_bias(u), q)) * self.scale  # (B, T, H, D): scale the query
             made = self.positional_inputs(q, k.size(1), positions, v)
             inputs, bias_fn = made if made is not None else ((), None)
             attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
@@ -175,6 +182,11 @@ class Attention(nn.Module):
         rotates them by their index in the window (keys are stored and cached unrotated)."""
         return q, k
 
+    def query_bias(self, bias: torch.Tensor | float, q: torch.Tensor) -> torch.Tensor | float:
+        """A bias the query is shifted by (u, v), in the query's dtype with ``state_dtype='compute'``: q + u would
+        otherwise promote a bf16 query to float32, for autocast to cast it back in every kernel."""
+        return bias.to(q.dtype) if self.state_dtype == "compute" and isinstance(bias, torch.Tensor) else bias
+
     def content_bias(self, u: torch.Tensor | None) -> torch.Tensor | float:
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
@@ -191,16 +203,19 @@ class Attention(nn.Module):
         and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
         return None
 
-    def keys_values(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each.
+    def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each; ``weight``: W_kE and
+        W_v (2*H*D, d) already cast to the compute dtype (None: cast here).
 
         The projection ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per row), so keys
         cached from here are the ones the uncached pass would compute.
         """
         B, N, _ = rows.shape
-        h = self.norm(rows) if self.pre_ln else rows
-        w_kv = self.qkv.weight[self.n_head * self.d_head:]  # (2*H*D, d): W_kE and W_v
-        k, val = F.linear(h, w_kv).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
+        if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
+            weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
+        # Memory rows may be kept in another float dtype than the weights' (ModelConfig.state_dtype).
+        h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)
+        k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
         return k, val
 
 
@@ -231,8 +246,9 @@ class RelativeAttention(Attention):
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # W_kR R depends on the distance alone: index the cache's table
             return [Positions(projected=t[dist]) for t in table]  # (K, H, D) each
-        r = Positions(encodings=drop(sinusoid(dist, config.d_model).to(dtype)))  # (K, d), shared by the layers
-        return [r] * config.n_layer
+        r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
+        # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
+        return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
 
     @classmethod
     def grow_table(cls, attns, table, klen, clamp_len, *, d_model, dtype, device):
@@ -264,7 +280,8 @@ class RelativeAttention(Attention):
     def positional_inputs(self, q, klen, positions, v):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        qv = ((q + self.global_bias(v, "v")) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
+        qv = ((q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale).permute(2, 0, 1, 3).reshape(
+            H, B * T, D)  # (H, B*T, D)
         return (qv, r), kernels.relative_bias
 
 

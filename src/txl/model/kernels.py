@@ -34,6 +34,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from txl.model.positions import rel_shift
 
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``t``'s device run in: autocast's where it is on, else ``t``'s own."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
 # -- rel_shift without the padded copy ------------------------------------------------------------
 
 def _shifted_view(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +168,16 @@ def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> t
     """
     dt = score.dtype
     score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2))  # (N, T, K)
-    return torch.softmax(score, dim=-1, dtype=torch.float32).to(dt)  # (N, T, K)
+    return softmax_in(score, dt)  # (N, T, K)
+
+
+def softmax_in(score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax over the last dim computed in float32, returned in ``dtype``: one kernel where the input is already
+    16-bit (torch's 16-bit softmax accumulates in float32 and rounds once: the same numbers as a float32 softmax
+    cast after, without its two casts), else a float32 softmax cast to ``dtype``."""
+    if score.dtype == dtype and dtype in (torch.bfloat16, torch.float16):
+        return torch.softmax(score, dim=-1)
+    return torch.softmax(score, dim=-1, dtype=torch.float32).to(dtype)
 
 
 def _forward_autocast(device: torch.device) -> dict:
@@ -291,7 +307,7 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
         prob = _probabilities(bias.view(B * H, T, K), qh, kh)  # (B*H, T, K)
     else:  # (T, K), broadcast
         score = torch.baddbmm(bias, qh, kh.transpose(1, 2))  # (B*H, T, K)
-        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype)  # (B*H, T, K)
+        prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
     prob = prob if dropout is None else dropout(prob)
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 

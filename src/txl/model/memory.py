@@ -31,23 +31,37 @@ def memory_length(memory: Memory | None) -> int:
     return 0 if not memory else memory[0].size(1)
 
 
-def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0) -> Memory:
-    """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped.
+def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0,
+                  dtype: torch.dtype | None = None) -> Memory:
+    """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, in ``dtype``
+    (None: the inputs' own; under autocast the model stores its compute dtype, ``ModelConfig.state_dtype``).
 
     ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
     positions of a segment are fed again at the start of the next one (extended context), so they are
-    not written here. Nothing is modified in place: the old memory stays valid.
+    not written here. Nothing is modified in place: the old memory stays valid. When the segment alone
+    fills the memory (T >= mem_len) the new memory is its tail, no concatenation; else one ``cat`` writes
+    the kept old rows and the new ones, cast, into the new memory.
     """
     if mem_len == 0:
         return tuple(h.new_empty((h.size(0), 0, *h.shape[2:])) for h in hiddens)  # any trailing shape: KVCache too
     with torch.no_grad():
         new = []
         for l, h in enumerate(hiddens):
-            if ext_len:
-                h = h[:, : h.size(1) - ext_len]
-            cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l], h], dim=1)  # (B, M+T, d)
-            # A copy of the rows kept, so the dropped ones are freed with ``cat`` instead of living on under a view.
-            new.append(cat[:, -mem_len:].detach().contiguous() if cat.size(1) > mem_len else cat.detach())
+            h = (h[:, : h.size(1) - ext_len] if ext_len else h).detach()  # (B, T, ...)
+            dt = dtype or h.dtype
+            T = h.size(1)
+            if torch.compiler.is_compiling():  # one form for every T: torch.export's segment length is dynamic
+                cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
+                new.append((cat[:, -mem_len:] if cat.size(1) > mem_len else cat).to(dt, copy=True))
+                continue
+            old = memory[l] if memory and memory[l].size(1) and T < mem_len else None
+            if old is None:  # the segment's last mem_len rows, as a copy (dropped rows are freed with h)
+                rows = h[:, T - mem_len:] if T > mem_len else h  # (B, M', ...)
+                new.append(rows.contiguous() if rows.dtype == dt else rows.to(dt))
+                continue
+            keep = min(old.size(1), mem_len - T)
+            out = h.new_empty((h.size(0), keep + T, *h.shape[2:]), dtype=dt)  # (B, M', ...)
+            new.append(torch.cat([old[:, old.size(1) - keep:], h], dim=1, out=out))
     return tuple(new)
 
 
@@ -79,7 +93,7 @@ class RowBuffer:
 
 
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
-                headroom: int = 64) -> tuple[torch.Tensor, RowBuffer]:
+                headroom: int = 64, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowBuffer]:
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
     window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer.
 
@@ -92,7 +106,7 @@ def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer |
             and buffer.end + T <= buffer.data.size(1)
             and (torch.is_inference_mode_enabled() or not buffer.data.is_inference()))  # writable here
     if not fits:
-        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:]))  # (B, C, ...)
+        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:], dtype=dtype))  # (B, C, ...)
         if n:
             buffer.data[:, :n] = old
         buffer.end = n
@@ -107,20 +121,22 @@ def last_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def grow_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int,
-                buffers: Sequence[RowBuffer | None]) -> tuple[Memory, tuple[RowBuffer, ...]]:
+                buffers: Sequence[RowBuffer | None], dtype: torch.dtype | None = None
+                ) -> tuple[Memory, tuple[RowBuffer, ...]]:
     """``update_memory`` (ext_len 0) with each layer's rows appended in place to its ``RowBuffer``: the memory
     is views of the buffers, returned with them. Under ``torch.no_grad()`` (the KVCache's condition)."""
     new, bufs = [], []
     for l, h in enumerate(hiddens):
         old = memory[l] if memory and memory[l].size(1) else None
-        rows, buffer = append_rows(old, h, buffers[l] if buffers else None)  # (B, M + T, d)
+        rows, buffer = append_rows(old, h, buffers[l] if buffers else None, dtype=dtype)  # (B, M + T, d)
         new.append(last_rows(rows, mem_len))
         bufs.append(buffer)
     return tuple(new), tuple(bufs)
 
 
-def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int) -> None:
-    """Raise a ValueError naming what is wrong with a memory passed in by a caller."""
+def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int,
+                 device: torch.device | None = None) -> None:
+    """Raise a ValueError naming what is wrong with a memory passed in by a caller (``device``: the model's)."""
     if not isinstance(memory, (tuple, list)):
         raise ValueError(f"memory must be a tuple of {n_layer} tensors of shape (B, M, {d_model}); "
                          f"got {type(memory).__name__}. Pass the .memory of the previous output, or None")
@@ -134,3 +150,6 @@ def check_memory(memory: Memory, *, n_layer: int, batch_size: int, d_model: int)
                 f"memory[{l}] has shape {tuple(m.shape)}; expected (B={batch_size}, M, d_model={d_model}) "
                 "with the same M in every layer (memory is batch-first; a Hugging Face memory is "
                 "(M, B, d): transpose it with .transpose(0, 1))")
+        if device is not None and m.device != device:
+            raise ValueError(f"memory[{l}] is on {m.device} but the model is on {device}: move the memory with "
+                             "tuple(m.to(device) for m in memory), or pass the .memory this model returned")

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
+from txl.model import kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
 from txl.model.dropout import dropout
@@ -197,6 +199,10 @@ class TransformerXL(nn.Module):
                                                   device=input_ids.device, drop=self.drop, table=table)
 
         u, v = (getattr(self, "u", None), getattr(self, "v", None))
+        # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
+        # once here, not by autocast in every layer (q + u would promote the query to float32).
+        state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
+        u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
@@ -221,9 +227,10 @@ class TransformerXL(nn.Module):
         if grow:
             had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
             new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
-                                                     buffers=had)
+                                                     buffers=had, dtype=state)
         else:
-            new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+            new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len,
+                                       dtype=state)
 
         out = LMOutput(memory=new_memory, hidden=h)
         if grow:
@@ -255,8 +262,9 @@ class TransformerXL(nn.Module):
                      context: Context | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
-        ``forward`` calls it, except under torch.compile: the range checks read token values back from the
-        device (a host sync and a graph break), so compiled callers check at their boundary, once.
+        ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
+        host (CPU) tensors only: on a GPU they would read values back from the device, a host sync inside every
+        step (and a graph break), so callers check their data on the host before it moves (``check_token_ids``).
         """
         c = self.config
         ctx = c.context() if context is None else context
@@ -266,7 +274,8 @@ class TransformerXL(nn.Module):
         self._check_inputs(input_ids, labels, ctx)
         B = input_ids.size(0)
         if memory is not None:
-            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model)
+            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
+                         device=self.embed.layers[0].weight.device)
         if kv_cache is not None:
             self._check_kv_cache(kv_cache, memory_length(memory), B)
 
@@ -303,11 +312,11 @@ class TransformerXL(nn.Module):
                              f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty: pass at least one token")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= c.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is out of range for vocab_size={c.vocab_size}; "
-                             "encode with the vocabulary this model was trained with")
+        # Values are read on the host only: on a GPU each read is a host sync inside the step. Callers that move
+        # data check it before it moves (txl.train, txl.evaluate: check_token_ids on the corpus arrays).
+        on_host = reads_values(input_ids)
+        if on_host:
+            check_token_ids(input_ids, c.vocab_size)
         if ctx.ext_len and ctx.ext_len >= input_ids.size(1):
             raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({input_ids.size(1)} "
                              "tokens); lower ext_len or feed longer segments")
@@ -315,10 +324,26 @@ class TransformerXL(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                                  f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
-            valid = labels[labels != IGNORE_INDEX]
+            valid = labels[labels != IGNORE_INDEX] if on_host else labels[:0]
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
                 raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
                                  f"(use {IGNORE_INDEX} to ignore a position)")
+
+
+def reads_values(t: torch.Tensor) -> bool:
+    """Whether ``forward`` checks the values of ``t`` (token ids, labels): on the host only, where reading is free."""
+    return t.device.type == "cpu"
+
+
+def check_token_ids(ids: torch.Tensor | np.ndarray, vocab_size: int) -> None:
+    """Raise a ValueError if a token id is outside [0, vocab_size): on the host, before the ids move to a device."""
+    if (ids.numel() if isinstance(ids, torch.Tensor) else ids.size) == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is out of range for vocab_size={vocab_size}; "
+                         "encode with the vocabulary this model was trained with")
 
 
 __all__ = ["Attention", "DecoderLayer", "FeedForward", "KVCache", "LMOutput", "TransformerXL", "attention_mask"]
