@@ -342,6 +342,36 @@ def longmem_clamp_section(c: dict[str, Any], img: str) -> list[str]:
     return out
 
 
+def compressive_section(g: dict[str, Any] | None, img: str) -> list[str]:
+    """A compressed memory at the same slots per layer (``experiments.compressive``, Rae et al. 2020)."""
+    out = ["## 7. A compressed memory at the same fixed size (Rae et al. 2020), on the recall corpus", ""]
+    if g is None:
+        return out + ["Not run yet: `python -m experiments.compressive` (see its docstring).", ""]
+    a = g["args"]
+    out += [f"Command: `{g['command']}`.", "",
+            f"The recall corpus and budget of section 6 (the relative encoding with recurrence, {a['n_layer']} "
+            f"layers, segment {a['tgt_len']}, {a['steps']} steps), with two memories of the same 64 slots per layer: "
+            "memory 32 and 32 compressed slots at rate 4 (`compressive-m32-c32x4`: 'conv' trained by the "
+            "attention-reconstruction loss; `-max`, `-mean`: pooling; `-x3`: trained three times as many steps, "
+            "not the same budget) against plain memory 64 (`plain-m64`). "
+            "Each model is scored at its training memory, both memories carried.", "",
+            Path(g["_md"]).read_text(encoding="utf-8"), f"![accuracy against distance, horizons marked]({img})", ""]
+    plain = [m for m in g["regions"] if m.startswith("plain")]
+    if plain:  # the question: past the plain model's one hop, up to the compressive one's
+        lo = g["horizons"][plain[0]]["one_hop"]
+        for model, rows in g["regions"].items():
+            if model.startswith("compressive"):
+                hi = g["horizons"][model]["one_hop"]
+                past = [r for r in rows if r["lo"] >= lo and r["hi"] <= hi and r["n"]]
+                base = [r for r in g["regions"][plain[0]] if r["lo"] >= lo and r["hi"] <= hi]
+                out.append(f"* `{model}` between the plain horizon ({lo}) and its own ({hi}): " + ", ".join(
+                               f"{r['lo']}-{r['hi'] - 1}: {100 * r['acc']:.1f} ± {100 * r['se']:.1f}% against "
+                               f"{100 * b['acc']:.1f} ± {100 * b['se']:.1f}% for `{plain[0]}`"
+                               for r, b in zip(past, base)) + f" (chance {100 * g['chance_accuracy']:.2f}%).")
+        out.append("")
+    return out
+
+
 def longrange_section(g: dict[str, Any] | None, img: str) -> list[str]:
     """The controlled long-range experiment (``experiments.longrange``)."""
     out = ["## 6. Long-range recall under control: what the memory carries (section 3.2), and rotary positions", ""]
@@ -426,7 +456,7 @@ def render(results: Path, doc: Path) -> str:
     rel = os.path.relpath(results, doc.parent)
     data = {}
     for stem in ("ablation", "recl", "char", "speedup", "ablation_wt2", "recl_wt2", "sizing_wt2",
-                 "longmem_clamp_wt2", "longrange", "rotary_wt2"):
+                 "longmem_clamp_wt2", "longrange", "rotary_wt2", "compressive"):
         d = _load(results, stem)
         if d is not None:
             d["_md"] = str(results / f"{stem}.md")
@@ -447,6 +477,7 @@ def render(results: Path, doc: Path) -> str:
     out += wt2_section(data["ablation_wt2"], data["recl_wt2"], data["sizing_wt2"], rel, data["longmem_clamp_wt2"])
     out += rotary_wt2_section(data["rotary_wt2"], data["ablation_wt2"])
     out += longrange_section(data["longrange"], f"{rel}/longrange.png")
+    out += compressive_section(data["compressive"], f"{rel}/compressive.png")
     out += wall_times(data["ablation"], title="## Wall time of each PTB ablation run")
     out += [Path(ROOT / "experiments" / "discussion.md").read_text(encoding="utf-8")]
     text = "\n".join(out).rstrip() + "\n"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
-from experiments import longrange, report, rotary
+from experiments import compressive, longrange, report, rotary
 from txl.data import corpora
 from txl.data.recall import RecallParams, build_recall_corpus
 
@@ -45,6 +45,31 @@ def test_longrange_writes_accuracy_by_distance_and_reuses_runs(small_recall, tmp
     doc = tmp_path / "results.md"
     report.render(tmp_path / "results", doc)
     assert "Long-range recall" in doc.read_text()
+
+
+def test_compressive_writes_accuracy_by_distance_with_each_models_horizons(small_recall, tmp_path, capsys):
+    """experiments.compressive on a tiny budget: the compressed memory and the plain one of the same slots, their
+    horizons, the table, the plot, the reading of the trained compressive model three ways; finished runs reused."""
+    argv = ["--steps", "3", "--batch-size", "4", "--tgt-len", "4", "--n-layer", "1", "--d-model", "16", "--n-head",
+            "2", "--d-inner", "32", "--streams", "2", "--valid-tokens", "3000", "--threads", "1",
+            "--variants", "compressive-m32-c32x4,plain-m64",
+            "--runs-dir", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+    assert compressive.main(argv) == 0
+    out = json.loads((tmp_path / "results" / "compressive.json").read_text())
+    assert out["horizons"] == {"compressive-m32-c32x4": {"one_hop": 4 + 32 + 4 * 32, "n_layer_hops": 4 + 160},
+                               "plain-m64": {"one_hop": 68, "n_layer_hops": 68}}
+    assert out["runs"]["compressive-m32-c32x4"]["model"]["cmem_len"] == 32
+    assert out["runs"]["plain-m64"]["model"]["cmem_len"] == 0
+    for row in out["by_distance"].values():
+        assert sum(b["n"] for b in row["acc"]) == out["answers"] > 100
+    assert [r["lo"] for r in out["regions"]["plain-m64"]] == [3, 4, 36, 68, 164]
+    assert set(out["diagnosis"]["compressive-m32-c32x4"]) == {"as trained", "compressed memory dropped",
+                                                               "states kept uncompressed"}
+    assert (tmp_path / "results" / "compressive.png").stat().st_size > 10_000
+    assert "| compressive-m32-c32x4 | 64 | 1 | 164 | 164 |" in capsys.readouterr().out
+    first = (tmp_path / "runs" / "plain-m64" / "scores.npz").stat().st_mtime_ns
+    assert compressive.main([*argv, "--report-only"]) == 0
+    assert (tmp_path / "runs" / "plain-m64" / "scores.npz").stat().st_mtime_ns == first
 
 
 def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path):

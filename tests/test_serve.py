@@ -228,6 +228,9 @@ def test_one_sessions_requests_never_interleave(server):
     order the server reports, and a serial replay in that order gives the same totals."""
     sid, other = new_session(server), new_session(server)
     pieces = cut(TEXT[:120], 10)
+    # The first piece is read before the others are sent: a generation may come first among them, and it needs
+    # text to continue (an empty session's generation is refused with 400, rightly).
+    assert server.post(f"/v1/sessions/{sid}/text", json={"text": pieces[0]}).status_code == 200
 
     def send(i):
         if i % 4 == 3:
@@ -239,10 +242,12 @@ def test_one_sessions_requests_never_interleave(server):
         return i, r.json()["session"]["requests"]
 
     with futures.ThreadPoolExecutor(6) as pool:
-        order = sorted(pool.map(send, range(len(pieces))), key=lambda x: x[1])
-    assert [n for _, n in order] == list(range(2, len(pieces) + 2))  # the creation is request 1: each counted once
+        order = sorted(pool.map(send, range(1, len(pieces))), key=lambda x: x[1])
+    # The creation is request 1, the first piece 2: each concurrent one counted once, after them.
+    assert [n for _, n in order] == list(range(3, len(pieces) + 2))
     final = server.get(f"/v1/sessions/{sid}").json()
     replay = new_session(server)
+    server.post(f"/v1/sessions/{replay}/text", json={"text": pieces[0]})
     for i, _ in order:
         if i % 4 == 3:
             server.post(f"/v1/sessions/{replay}/generate", json={"max_tokens": 6, "seed": i, "temperature": 0})

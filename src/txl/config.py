@@ -18,6 +18,7 @@ AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["fast", "torch", "fast16"]
+CompressFn = Literal["mean", "max", "conv"]
 ClusterRows = Literal["auto", "selected", "all"]
 StateDtype = Literal["compute", "residual"]
 
@@ -84,6 +85,16 @@ class ModelConfig:
     same_length_style: SameLengthStyle = "pytorch"
     """'pytorch': the original PyTorch and Hugging Face mask, each query sees mem_len keys.
     'tensorflow': the original TensorFlow and NVIDIA mask, each query sees mem_len + 1 keys."""
+
+    # The Compressive Transformer's second memory (Rae et al. 2020; txl.model.compressive).
+    cmem_len: int = 0
+    """Compressed slots kept per layer: states leaving the memory are compressed cmem_rate to one instead of
+    being dropped (0: none, today's Transformer-XL exactly)."""
+    cmem_rate: int = 4
+    """Compression rate c: c states leaving the memory make one compressed slot."""
+    cmem_fn: CompressFn = "conv"
+    """The compression function: 'conv' a 1-D convolution of kernel and stride c (the paper's best, trained by
+    the attention-reconstruction loss), 'mean' or 'max' pooling over c states (no parameters)."""
 
     # Positional encoding: the paper's (relative) and its Table 6 ablations.
     attn_type: AttnType = "relative"
@@ -212,9 +223,31 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
                 "(original PyTorch / Hugging Face) or 'tensorflow' (original TensorFlow / NVIDIA)")
+        self._check_compressive()
         if self.same_length and self.mem_len == 0:  # the first query of every segment would see no key
             raise ValueError("ModelConfig.same_length with mem_len=0 masks every key of a segment's first query "
                              "(its loss is NaN): set mem_len >= 1, or same_length false")
+
+    def _check_compressive(self) -> None:
+        """The compressed memory's fields, and the options it cannot be combined with (yet)."""
+        for name in ("cmem_len", "cmem_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "cmem_len" else 1):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be an integer >= {0 if name == 'cmem_len' else 1}")
+        if self.cmem_fn not in typing.get_args(CompressFn):
+            raise ValueError(f"ModelConfig.cmem_fn={self.cmem_fn!r} is unknown; choose one of "
+                             f"{', '.join(map(repr, typing.get_args(CompressFn)))}")
+        if not self.cmem_len:
+            return
+        if self.mem_len == 0:
+            raise ValueError(f"ModelConfig.cmem_len={self.cmem_len} compresses the states leaving the memory, and "
+                             "mem_len=0 keeps none: set mem_len >= 1, or cmem_len 0")
+        if self.same_length:
+            raise ValueError("ModelConfig.same_length hides all but the last mem_len keys, the compressed slots among "
+                             "them: set same_length false with cmem_len > 0")
+        if self.ext_len:
+            raise ValueError("ModelConfig.ext_len re-feeds rows that the compressed memory would hold twice: set "
+                             "ext_len 0 with cmem_len > 0")
 
     @property
     def n_clusters(self) -> int:

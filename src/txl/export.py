@@ -50,6 +50,10 @@ class SegmentStep(nn.Module):
                              f"positions shift with the empty memory rows; use {either(attn_types(relative=True))}")
         if model.config.mem_len < 1:
             raise ValueError("mem_len=0: the model has no memory to carry; export needs mem_len >= 1")
+        if model.config.cmem_len:
+            raise ValueError(f"cmem_len={model.config.cmem_len}: a compressed memory cannot be exported as a segment "
+                             "step yet (its padded rows would be compressed with real ones); export a model with "
+                             "cmem_len 0")
         self.model = model
         self.eval()  # the step is for inference: no dropout
 

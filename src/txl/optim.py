@@ -35,7 +35,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     ~119 ms (``benchmarks/changes.py``). The update is the same formula.
     """
     kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    params = list(model.parameters())
+    params: list = list(model.parameters())
+    compressor = getattr(model, "compressor", None)
+    if compressor is not None and any(True for _ in compressor.parameters()):
+        # Rae et al. 2020: the compression function learns from its own loss, in its own parameter group (clipped
+        # on its own by train_step), so the main model's step is the one it would take without it.
+        own = {id(p) for p in compressor.parameters()}
+        params = [{"params": [p for p in params if id(p) not in own], "name": "model"},
+                  {"params": list(compressor.parameters()), "name": "compression"}]
     options = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     try:
         return kind(params, fused=True, **options)

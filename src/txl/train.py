@@ -89,18 +89,24 @@ class StepStats:
     tokens: int | torch.Tensor
     lr: float
     grad_norm: float | torch.Tensor
+    compression_loss: float | torch.Tensor | None = None
+    """cmem_len > 0, 'conv': the attention-reconstruction loss (Rae et al. 2020), mean over chunks and processes."""
 
 
 def read_stats(steps: list[StepStats]) -> list[StepStats]:
     """The steps' figures as Python numbers, read from the device in one transfer (one host sync)."""
-    tensors = [v.detach().double().reshape(()) for s in steps for v in (s.loss, s.tokens, s.grad_norm)
-               if isinstance(v, torch.Tensor)]
+    tensors = [v.detach().double().reshape(()) for s in steps
+               for v in (s.loss, s.tokens, s.grad_norm, s.compression_loss) if isinstance(v, torch.Tensor)]
     values = iter(torch.stack(tensors).tolist() if tensors else ())
 
-    def read(v: float | int | torch.Tensor) -> float:
+    def read(v: float | int | torch.Tensor | None) -> float | None:
         return next(values) if isinstance(v, torch.Tensor) else v
 
-    return [StepStats(float(read(s.loss)), int(read(s.tokens)), s.lr, float(read(s.grad_norm))) for s in steps]
+    out = []
+    for s in steps:
+        loss, tokens, grad_norm, aux = read(s.loss), read(s.tokens), read(s.grad_norm), read(s.compression_loss)
+        out.append(StepStats(float(loss), int(tokens), s.lr, float(grad_norm), None if aux is None else float(aux)))
+    return out
 
 
 # -- one step -------------------------------------------------------------------------------------------
@@ -133,7 +139,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     chunks = list(zip(batch.input_ids.chunk(len(memories)), batch.labels.chunk(len(memories))))
     # Counts, losses and the norm stay on the device (no host sync inside a step): the caller reads them later.
     n_total = (batch.labels != IGNORE_INDEX).sum()  # () int64
-    new_memories, nll_sum = [], None
+    new_memories, nll_sum, aux_sum = [], None, None
     for i, ((x, y), memory) in enumerate(zip(chunks, memories)):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not info.enabled else parallel.no_sync(model)
@@ -141,21 +147,29 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
             n = (y != IGNORE_INDEX).sum()  # () int64
-            scaler.scale(out.loss * (n / n_total)).backward()
+            loss = out.loss * (n / n_total)
+            if out.compression_loss is not None:  # its gradient reaches the compression parameters alone
+                loss = loss + out.compression_loss / len(chunks)
+                aux = out.compression_loss.detach().double() / len(chunks)  # () float64
+                aux_sum = aux if aux_sum is None else aux_sum + aux
+            scaler.scale(loss).backward()
         new_memories.append(out.memory)
         chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
         nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
-    nll_sum, count = all_reduce_sum_tensor(torch.stack([nll_sum, n_total.double()]), info).unbind()
+    sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
+    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind()
+    aux_sum = aux[0] / info.world_size if aux else None  # every process's mean over equal shares
     loss = nll_sum / count
     # A non-finite loss is found when the trainer reads the step (``read_stats``), which stops the run before
     # anything is saved; fp16's gradient scaler skips the update of a step with non-finite gradients itself.
     scaler.unscale_(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = parallel.clip_grad_norm(params, clip if clip > 0 else math.inf)
+    # Each parameter group is clipped on its own: the compression function's (Rae et al. 2020, its own loss) does
+    # not change the main model's clipping. One group (every model without one) is the global norm, as before.
+    norms = [parallel.clip_grad_norm(list(g["params"]), clip if clip > 0 else math.inf) for g in optimizer.param_groups]
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, count, lr, grad_norm), new_memories
+    return StepStats(loss, count, lr, norms[0], aux_sum), new_memories
 
 
 def batches(it: OrderedIterator) -> Iterator[Batch]:
@@ -524,8 +538,9 @@ class Trainer:
                 now = time.perf_counter()
                 tok_s = (state.tokens - tokens_then) / max(now - time_since, 1e-9)
                 tokens_then, time_since = state.tokens, now
+                extra = {} if stats.compression_loss is None else {"compression_loss": stats.compression_loss}
                 metrics.write("train", state.step, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                              tokens=state.tokens, tokens_per_s=tok_s)
+                              tokens=state.tokens, tokens_per_s=tok_s, **extra)
                 bar.set_postfix({"loss": f"{stats.loss:.3f}",
                                  self.corpus.metric: f"{metric_value(stats.loss, self.corpus.metric):.3f}",
                                  "tok/s": f"{tok_s:,.0f}"})

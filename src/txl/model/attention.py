@@ -79,6 +79,10 @@ class Attention(nn.Module):
     (absolute encodings add to each memory row a position that shifts every step)."""
     clamps_distances: ClassVar[bool] = False
     """``Context.clamp_len`` applies to its positions (Shaw's learned table clamps at its own size)."""
+    reads_compressed: ClassVar[bool] = True
+    """It can attend over a compressed memory (``ModelConfig.cmem_len``, Rae et al. 2020): the layers read
+    [compressed; memory; segment] as one window and each row takes the position of its index in it
+    (``txl.model.compressive``). Every encoding here positions rows by window index, so all of them can."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -24,6 +24,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model import kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
+from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
@@ -65,7 +66,8 @@ class LMOutput:
     """What one segment produces. Fields that were not asked for are None."""
 
     memory: Memory
-    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped."""
+    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped (cmem_len > 0: then one
+    (B, C', d) tensor per layer of the compressed memory, ``txl.model.compressive``)."""
     hidden: torch.Tensor
     """(B, T, d) final hidden states."""
     loss: torch.Tensor | None = None
@@ -76,6 +78,9 @@ class LMOutput:
     """(B, T, V) log-probabilities of the next token (float32)."""
     kv_cache: KVCache | None = None
     """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
+    compression_loss: torch.Tensor | None = None
+    """cmem_len > 0, 'conv', training: the attention-reconstruction loss (Rae et al. 2020), whose gradient reaches
+    the compression parameters alone; add it to ``loss`` for backward."""
 
 
 class TransformerXL(nn.Module):
@@ -94,6 +99,10 @@ class TransformerXL(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
+        # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
+        if c.cmem_len and not self.encoding.reads_compressed:
+            raise ValueError(f"attn_type={c.attn_type!r} cannot read a compressed memory; set cmem_len 0")
+        self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
 
@@ -131,6 +140,8 @@ class TransformerXL(nn.Module):
                 if isinstance(module, AdaptiveLogSoftmax) and module.n_clusters:
                     nn.init.normal_(module.cluster_weight, 0.0, c.init_std)
                     nn.init.zeros_(module.cluster_bias)
+            elif isinstance(module, Compressor):  # no draw: mean pooling
+                module.reset_parameters()
             elif isinstance(module, Attention):  # an encoding's own parameters: u, v, Shaw's E and b
                 for p in module._parameters.values():
                     nn.init.normal_(p, 0.0, c.init_std)
@@ -141,13 +152,18 @@ class TransformerXL(nn.Module):
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
         """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
         p = next(self.parameters())
-        return zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
-                            device=p.device, dtype=p.dtype)
+        memory = zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
+                              device=p.device, dtype=p.dtype)
+        if self.compressor is not None:  # and an empty compressed memory
+            memory += zeros_memory(self.config.n_layer, batch_size, self.config.d_model, 0, device=p.device,
+                                   dtype=p.dtype)
+        return memory
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
-        return KVCache() if self.encoding.cacheable else None
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step) or
+        that compresses its memory (the compressed rows are not cached yet)."""
+        return KVCache() if self.encoding.cacheable and self.compressor is None else None
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -178,12 +194,19 @@ class TransformerXL(nn.Module):
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
             self.check_inputs(input_ids, labels, memory, kv_cache, ctx)
         B, T = input_ids.shape
+        own, compressed = memory, None  # the memory the update continues, and the compressed one
+        if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
+            own, compressed = split_state(memory, c.n_layer)
+            memory = window(own, compressed)
         M = memory_length(memory)
         # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer
         mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
                               style=ctx.same_length_style, device=input_ids.device)  # (T, K)
         if padding is not None:
+            if self.compressor is not None:
+                raise ValueError("padding is not supported with a compressed memory (cmem_len > 0): pads would be "
+                                 "compressed with real rows; read rows of different lengths one at a time")
             if padding.shape != (B, M + T) or padding.dtype != torch.bool:
                 raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
                                  f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
@@ -224,7 +247,12 @@ class TransformerXL(nn.Module):
                 buffers.append(grown)
             h = layer(x, mem, mask, pos, u, v, kv=kv)
         h = self.drop(h)  # (B, T, d)
-        if grow:
+        compression_loss = None
+        if self.compressor is not None:
+            new_memory, compression_loss = self.compressor.update(
+                own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in self.layers],
+                train=self.training and labels is not None, dtype=state)
+        elif grow:
             had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
             new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
                                                      buffers=had, dtype=state)
@@ -232,7 +260,7 @@ class TransformerXL(nn.Module):
             new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len,
                                        dtype=state)
 
-        out = LMOutput(memory=new_memory, hidden=h)
+        out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
         if grow:
             # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
             out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
@@ -274,8 +302,11 @@ class TransformerXL(nn.Module):
         self._check_inputs(input_ids, labels, ctx)
         B = input_ids.size(0)
         if memory is not None:
-            check_memory(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
-                         device=self.embed.layers[0].weight.device)
+            check = check_memory if self.compressor is None else check_state
+            check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
+        if self.compressor is not None and (ctx.same_length or ctx.ext_len):
+            raise ValueError("a compressive model (cmem_len > 0) reads with same_length false and ext_len 0: "
+                             "same_length would hide the compressed slots, ext_len feed rows twice")
         if kv_cache is not None:
             self._check_kv_cache(kv_cache, memory_length(memory), B)
 
@@ -287,6 +318,9 @@ class TransformerXL(nn.Module):
         if not self.encoding.cacheable:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
+        if self.compressor is not None:
+            raise ValueError("kv_cache is not supported with a compressed memory (cmem_len > 0) yet; pass "
+                             "kv_cache=None (model.start_kv_cache() gives None for this model)")
         if self.training or torch.is_grad_enabled():
             raise ValueError("kv_cache needs eval mode under torch.no_grad(): cached keys are detached (weight "
                              "gradients through memory rows would be lost) and dropout would change them; "

@@ -104,8 +104,11 @@ class Model:
     def __init__(self, model, *, segment_len: int, context: Context | None = None, mem_len: int | None = None,
                  same_length: bool | None = None, clamp_len: int | None = None) -> None:
         """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's."""
-        self.model = model.eval()
         c = model.config
+        if c.cmem_len:  # the sessions, their state files and the batched rows hold one memory per layer
+            raise ValueError(f"cmem_len={c.cmem_len}: a model with a compressed memory cannot be served yet (a session "
+                             "carries one memory); serve a model with cmem_len 0")
+        self.model = model.eval()
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
         if context is None:
             context = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)

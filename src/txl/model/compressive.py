@@ -1,0 +1,222 @@
+"""The Compressive Transformer's second memory (Rae, Potapenko, Jayakumar, Lillicrap, ICLR 2020).
+
+Shape legend: B batch, T segment length, M memory length, C compressed slots, c compression rate
+(``cmem_rate``), N rows leaving the memory (a multiple of c), d d_model, H heads, D head width, L layers.
+
+Transformer-XL drops the states that leave its memory of ``mem_len`` rows. The Compressive Transformer
+compresses them instead, c rows to one slot, into a second memory of ``cmem_len`` slots per layer (oldest
+slots dropped), and every layer attends over [compressed; memory; segment] (Rae et al. 2020, Algorithm 1).
+At a fixed size of mem_len + cmem_len slots per layer, one layer then reaches mem_len + c x cmem_len states
+back instead of mem_len + cmem_len.
+
+**The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both
+memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
+first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
+next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Not
+yet: a KV cache, left padding, export and serving (each refused in one line where it is asked for).
+
+**Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment], the
+oldest floor((M + T - mem_len) / c) x c are compressed, and the memory keeps the rest (mem_len to
+mem_len + c - 1 rows), so no state is dropped unless it leaves the compressed memory. With segments and
+memory a multiple of c (training) the memory keeps exactly mem_len rows; a stream of (B, 1) steps
+compresses one group every c steps.
+
+**Positions.** The layers attend over the concatenation [compressed; memory; segment], and every encoding
+gives each row the position of its index in that window, as Rae et al.'s Algorithm 1 feeds the
+concatenation to Transformer-XL's relative attention: for the relative encoding compressed slot j of C
+is at distance C + M + i - j from query i, as if each slot were one token. The alternative, each slot at
+the distance of the c tokens it stands for, is not a function of i - j on the window's indices (the
+Toeplitz structure ``rel_shift``, the fused kernels and the KV cache's distance table rely on). Which
+encodings read a compressed memory is declared by each (``Attention.reads_compressed``).
+
+**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019,
+eq. (1)): the language-model loss never reaches the compression function. Its parameters ('conv') are
+trained by the attention-reconstruction loss alone (Rae et al. 2020, section 3.2, Algorithm 2): per
+layer, the layer's content attention of the current segment over the rows leaving the memory against
+over their compression, || attn(h, old) - attn(h, f_c(old)) ||^2, with h, the old rows and the layer's
+weights all stop-gradient. The loss reaches the compression parameters only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from txl.config import ModelConfig
+from txl.model.memory import Memory, check_memory
+
+
+def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memory | None]:
+    """A compressive model's memory -> (memory, compressed): L tensors (B, M, d) and L tensors (B, C, d)."""
+    if state is None:
+        return None, None
+    if not isinstance(state, (tuple, list)) or len(state) != 2 * n_layer:
+        n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
+        raise ValueError(f"a compressive model's memory holds 2 x n_layer = {2 * n_layer} tensors (the memory, then "
+                         f"the compressed memory, one per layer); got {n}. Pass the .memory of the previous "
+                         "output, or None to start afresh")
+    return tuple(state[:n_layer]), tuple(state[n_layer:])
+
+
+def join_state(memory: Memory, compressed: Memory) -> Memory:
+    """(memory, compressed) -> the 2L tensors of a compressive model's memory."""
+    return (*memory, *compressed)
+
+
+def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int,
+                device: torch.device | None = None) -> None:
+    """Raise a ValueError naming what is wrong with a compressive model's memory passed in by a caller."""
+    memory, compressed = split_state(state, n_layer)
+    check_memory(memory, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
+    check_memory(compressed, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
+
+
+def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
+    """Per layer the rows the layer attends to before the segment: [compressed; memory] (B, C + M, d)."""
+    if memory is None:
+        return None
+    if not compressed or compressed[0].size(1) == 0:
+        return memory
+    return tuple(torch.cat([cm, m.to(cm.dtype)], dim=1) for cm, m in zip(compressed, memory))  # (B, C + M, d)
+
+
+def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int,
+          dtype: torch.dtype | None = None) -> tuple[Memory, list[torch.Tensor]]:
+    """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``.
+
+    Of [memory; segment] the oldest floor((M + T - mem_len) / rate) x rate rows leave; the rest stay (mem_len
+    to mem_len + rate - 1 rows). Gradient stopped and kept in ``dtype`` (None: the inputs' own), as
+    ``update_memory``.
+    """
+    kept, leaving = [], []
+    with torch.no_grad():
+        for l, h in enumerate(hiddens):
+            h = h if dtype is None else h.to(dtype)
+            rows = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
+            n = max(0, rows.size(1) - mem_len) // rate * rate  # (B, M + T, d): the first n rows leave
+            kept.append(rows[:, n:].detach().contiguous() if n else rows.detach())  # (B, M', d)
+            leaving.append(rows[:, :n].detach())  # (B, N, d)
+    return tuple(kept), leaving
+
+
+def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch.Tensor, n_head: int,
+                      norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
+    """A layer's content attention (no positional term) of queries (B, T, d) over rows (B, N, d): (B, H, T, D).
+
+    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN layer norm (weight, bias,
+    eps), or None (post-LN: the projections read the rows as they are).
+    """
+    if norm is not None:
+        queries = F.layer_norm(queries, queries.shape[-1:], norm[0], norm[1], norm[2])
+        rows = F.layer_norm(rows, rows.shape[-1:], norm[0], norm[1], norm[2])
+    B, T, _ = queries.shape
+    N = rows.size(1)
+    D = w_qkv.size(0) // (3 * n_head)
+    q = F.linear(queries, w_qkv[:n_head * D]).view(B, T, n_head, D).transpose(1, 2)  # (B, H, T, D)
+    k, v = F.linear(rows, w_qkv[n_head * D:]).view(B, N, 2, n_head, D).unbind(2)  # (B, N, H, D) each
+    return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
+
+
+class Compressor(nn.Module):
+    """The compression function f_c: (B, N, d) rows -> (B, N / c, d) slots, and the compressed memory's update.
+
+    'conv': a 1-D convolution of kernel and stride c (Rae et al. 2020 found it the best of their functions),
+    initialised to mean pooling so that it starts from 'mean' and the reconstruction loss improves on it;
+    'mean' and 'max': pooling over each group of c rows, no parameters (nothing to train).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fn, self.rate, self.cmem_len = config.cmem_fn, config.cmem_rate, config.cmem_len
+        d, c = config.d_model, config.cmem_rate
+        self.learns = config.cmem_fn == "conv"
+        """Whether f_c has parameters, trained by the reconstruction loss."""
+        if self.learns:  # torch.empty, no random draw: the rest of the model initialises as without a compressor
+            self.weight = nn.Parameter(torch.empty(d, d, c))  # (d_out, d_in, c): Conv1d's layout
+            self.bias = nn.Parameter(torch.empty(d))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """'conv': mean pooling, weight[o, i, k] = [o == i] / c, bias 0."""
+        if self.learns:
+            d = self.weight.size(0)
+            eye = torch.eye(d, dtype=self.weight.dtype, device=self.weight.device)  # (d, d)
+            self.weight.copy_(eye[:, :, None].expand(d, d, self.rate) / self.rate)  # (d, d, c)
+            self.bias.zero_()
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) rows, N a multiple of c -> (B, N / c, d) compressed slots."""
+        B, N, d = rows.shape
+        if self.learns:  # (B, d, N) -> (B, d, N / c) -> (B, N / c, d)
+            return F.conv1d(rows.to(self.weight.dtype).transpose(1, 2), self.weight, self.bias,
+                            stride=self.rate).transpose(1, 2)
+        groups = rows.view(B, N // self.rate, self.rate, d)  # (B, N / c, c, d)
+        return groups.mean(2) if self.fn == "mean" else groups.amax(2)  # (B, N / c, d)
+
+    def update(self, memory: Memory | None, compressed: Memory | None, hiddens: Sequence[torch.Tensor], *,
+               mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
+               ) -> tuple[Memory, torch.Tensor | None]:
+        """The next state (memory, then compressed memory: ``join_state``) and, with ``train``, the
+        attention-reconstruction loss (mean over layers of the mean squared error; None without parameters).
+
+        ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
+        ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped);
+        ``dtype``: what both memories are kept in (None: the layer inputs' own; ``ModelConfig.state_dtype``).
+        """
+        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
+        learn = train and self.learns and torch.is_grad_enabled()
+        new, losses = [], []
+        for l, old in enumerate(leaving):
+            have = compressed[l] if compressed else old.new_empty(old.size(0), 0, old.size(2))  # (B, C, d)
+            if dtype is not None:
+                have = have.to(dtype)
+            if old.size(1) == 0:
+                new.append(have)
+                continue
+            with torch.set_grad_enabled(learn):
+                slots = self(old)  # (B, N / c, d)
+            if learn:
+                losses.append(self.reconstruction_error(hiddens[l].detach(), old, slots, layers[l]))
+            slots = slots.detach().to(have.dtype)
+            cat = torch.cat([have, slots], dim=1) if have.size(1) else slots  # (B, C + N / c, d)
+            new.append(cat[:, -self.cmem_len:].contiguous() if cat.size(1) > self.cmem_len else cat)
+        loss = None
+        if learn:
+            # Every step uses every compression parameter, also one that compressed nothing (the first segments of
+            # a stream): DDP's reducer then sees the same parameters used at every step.
+            loss = torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
+        return join_state(kept, tuple(new)), loss
+
+    @staticmethod
+    def reconstruction_error(queries: torch.Tensor, old: torch.Tensor, slots: torch.Tensor, attn: nn.Module
+                             ) -> torch.Tensor:
+        """Rae et al. 2020, Algorithm 2: || attn(h, old) - attn(h, f_c(old)) ||^2 (the mean squared error),
+        the layer's weights and the rows gradient-stopped: only ``slots``' graph (f_c's parameters) learns."""
+        w = _whole(attn.qkv.weight)
+        norm = (_whole(attn.norm.weight), _whole(attn.norm.bias), attn.norm.eps) if attn.pre_ln else None
+        with torch.no_grad():
+            target = content_attention(queries, old, w_qkv=w, n_head=attn.n_head, norm=norm)  # (B, H, T, D)
+        got = content_attention(queries, slots.to(queries.dtype), w_qkv=w, n_head=attn.n_head, norm=norm)
+        return F.mse_loss(got.float(), target.float())
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A layer's weight, detached, whole: read outside the layer's own forward, a sharded model's (FSDP2) weight is
+    the local shard of a DTensor, so it is gathered here (every process reads the same layers in the same order)."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def horizon(*, n_layer: int, mem_len: int, tgt_len: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict[str, int]:
+    """The theoretical reach in tokens of a model: one layer's window (segment + memory + c x compressed slots,
+    the farthest one attention hop reads) and n_layer hops of memory (the farthest a dependency can travel
+    through the cached states of the layers below, Dai et al. 2019 section 3.2; Rae et al. 2020 section 3)."""
+    span = mem_len + cmem_rate * cmem_len
+    return {"one_hop": tgt_len + span, "n_layer_hops": n_layer * span + tgt_len}
+
+
+__all__ = ["Compressor", "check_state", "content_attention", "evict", "horizon", "join_state", "split_state",
+           "window"]
