@@ -155,6 +155,8 @@ def test_compiled_static_steps_trace_one_graph_and_equal_eager():
 def test_absolute_encodings_and_ext_len_are_refused_in_one_line():
     with pytest.raises(ValueError, match="attn_type='absolute' adds absolute positions"):
         StaticSteps(txl.TransformerXL(tiny_config(attn_type="absolute")))
+    with pytest.raises(ValueError, match="a compressed memory .cmem_len=4. does not take: turn graphs off"):
+        StaticSteps(txl.TransformerXL(tiny_config(cmem_len=4, cmem_rate=2)))
     model = model_for()
     steps = StaticSteps(model, compile=False)
     with pytest.raises(ValueError, match="ext_len 0"):

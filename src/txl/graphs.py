@@ -84,6 +84,10 @@ class StaticSteps:
             raise ValueError(f"static shapes hide the memory rows not yet filled, which needs an encoding whose "
                              f"scores depend on distances alone; attn_type={core.config.attn_type!r} adds absolute "
                              "positions: turn graphs off (--train.graphs false / --eval.graphs false)")
+        if getattr(core.config, "cmem_len", 0):
+            raise ValueError(f"static shapes hide the memory rows not yet filled with the padding mask, which a "
+                             f"compressed memory (cmem_len={core.config.cmem_len}) does not take: turn graphs off "
+                             "(--train.graphs false / --eval.graphs false), or set cmem_len 0")
         self.model, self.core = model, core
         self.forward = compile_static(model, backend) if compile else model
         self.compiled = compile
