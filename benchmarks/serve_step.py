@@ -6,7 +6,8 @@ generation steps on the kept batch ('generate'); batch sizes are interleaved, re
 tokens/s of each printed with its ratio to B = 1. ``--profile`` prints torch.profiler's top operators
 for one read and one generation at the largest B.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--profile]
+    OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--clock cpu]
+                                              [--profile]
     python -m benchmarks.serve_step --device cuda --batch 1 8 32     # on a GPU (the results come back to the host)
 
 ``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
@@ -31,6 +32,24 @@ import torch
 from benchmarks.serve_common import make_model_dir
 
 
+def baseline_model(package, directory: Path):
+    """``package``'s model of ``directory`` (saved by this tree): an older tree that does not know this config's
+    newer fields builds the model of the fields it knows (their defaults are the old behaviour) and loads the
+    same weights."""
+    import dataclasses
+
+    import txl
+
+    if package is txl:
+        return txl.from_pretrained(directory)
+    new = txl.from_pretrained(directory)
+    known = {f.name for f in dataclasses.fields(package.ModelConfig)}
+    model = package.TransformerXL(package.ModelConfig(**{k: v for k, v in dataclasses.asdict(new.config).items()
+                                                         if k in known}))
+    model.load_state_dict(new.state_dict())
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -40,10 +59,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="where the engine's model runs: cpu (default), cuda, cuda:N or "
                    "any torch device")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: elapsed time (default); cpu: this process's CPU time (time.process_time), which on a "
+                   "shared machine leaves out the time other processes held the core (on a GPU only 'wall' is fair)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     import importlib
     import sys
@@ -58,7 +81,7 @@ def main() -> None:
         directory = make_model_dir(Path(tmp) / "model")
         engines = {}
         for name, package in trees.items():
-            model = importlib.import_module(package).from_pretrained(directory).to(args.device)
+            model = baseline_model(importlib.import_module(package), directory).to(args.device)
             engine = importlib.import_module(f"{package}.serve.engine")
             engines[name] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False,
                                           clamp_len=0), engine.Unit)
@@ -82,18 +105,18 @@ def main() -> None:
         m, Unit = engines[tree]
         rows = [m.run("prefill", [Unit("prefill", torch.randint(0, V, (S,), generator=g).tolist(),
                                        memory(m))])[0] for _ in range(B)]
-        start = time.perf_counter()
+        start = clock()
         for _ in range(args.steps):
             rows = m.run("step", [Unit("step", [1], row=r.row) for r in rows])
-        return B * args.steps, time.perf_counter() - start
+        return B * args.steps, clock() - start
 
     times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.repeats):
         for B in args.batch:
             for tree in trees:
-                start = time.perf_counter()
+                start = clock()
                 n = read(tree, B)
-                times.setdefault((tree, "read", B), []).append(n / (time.perf_counter() - start))
+                times.setdefault((tree, "read", B), []).append(n / (clock() - start))
                 n, seconds = generate(tree, B)
                 times.setdefault((tree, "generate steps", B), []).append(n / seconds)
     for tree in trees:

@@ -474,3 +474,14 @@ def test_bad_input_is_one_clear_line(world, case, monkeypatch, tmp_path):
 def test_the_table_is_large_and_unique():
     names = [c[0] for c in CASES]
     assert len(names) >= 60 and len(set(names)) == len(names)
+
+
+def test_no_command_offers_allow_pickle():
+    """A pickled vocabulary is always read with the restricted unpickler (txl.data.tokenizer.hf_vocab), so no
+    command has a flag to allow it: `txl serve --help` offered one that did nothing."""
+    from txl.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert "serve" in commands
+    offered = sorted(name for name, p in commands.items() if "--allow-pickle" in p._option_string_actions)
+    assert offered == []

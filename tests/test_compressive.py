@@ -147,14 +147,14 @@ def test_eviction_keeps_whole_groups_so_no_state_is_lost():
 
 
 def test_generation_steps_carry_both_memories():
-    """A compressive model decodes one token at a time (no KV cache: start_kv_cache gives None) with both memories
+    """A compressive model decodes one token at a time (with a KV cache of its window) with both memories
     carried. Steps of 1 and segments of 4 read the same rows with the same memories until something is
     compressed (after, each is a valid reading of its own: rows leave the memory at other moments): there, the
     next-token log-probabilities agree."""
     from txl.generation import IncrementalDecoder
 
     model = compressive()
-    assert model.start_kv_cache() is None
+    assert model.start_kv_cache() is not None
     x = tokens(4)[:, :16]
     a, b = IncrementalDecoder(model, mem_len=MEM, segment_len=T), IncrementalDecoder(model, mem_len=MEM, segment_len=T)
     whole = a.feed(x)
@@ -169,15 +169,44 @@ def test_generation_steps_carry_both_memories():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
+def test_the_kv_cache_equals_the_uncached_model(attn_type):
+    """Reading with a KV cache (steps of 1 and 3 tokens) gives the uncached model's log-probs and both memories:
+    with a finite mem_len (rows compressed every few steps: the cache is rebuilt from the state then) and with
+    the memory keeping every row (a generation: nothing compressed, the cache only grows, never rebuilt)."""
+    model = compressive(attn_type=attn_type)
+    x = tokens(6)[:, :24]
+    for mem_len, rebuilt in ((MEM, True), (1 << 30, False)):
+        ctx = model.config.context(mem_len=mem_len)
+        state_a = state_b = None
+        cache = model.start_kv_cache()
+        t, n, empties, kept = 0, 3, 0, 0
+        with torch.no_grad():
+            while t < x.size(1):
+                a = model(x[:, t:t + n], memory=state_a, context=ctx)
+                b = model(x[:, t:t + n], memory=state_b, context=ctx, kv_cache=cache)
+                torch.testing.assert_close(b.log_probs, a.log_probs, rtol=1e-5, atol=1e-5)
+                for ma, mb in zip(a.memory, b.memory, strict=True):
+                    torch.testing.assert_close(mb, ma, rtol=1e-5, atol=1e-5)
+                state_a, state_b, cache = a.memory, b.memory, b.kv_cache
+                C = a.memory[2].size(1)
+                assert not cache.keys or cache.keys[0].shape[:2] == (2, C + a.memory[0].size(1))
+                empties += not cache.keys
+                kept += bool(cache.keys)
+                t, n = t + n, 1 if n == 3 else 3
+        assert (empties > 0) == rebuilt and kept > 0 and C == (CMEM if rebuilt else 0)
+
+
 def test_bad_state_and_unsupported_options_are_named():
     model = compressive()
     x = tokens(1)[:, :T]
     plain_memory = tuple(torch.zeros(2, 4, 32) for _ in range(2))
     with pytest.raises(ValueError, match=r"compressive model's memory holds 2 x n_layer = 4 tensors"):
         model(x, memory=plain_memory)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"kv_cache is not supported with a compressed memory"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"kv_cache holds 3 rows for batch 2 but the memory has "
+                                                         r"0 rows"):  # the window's rows: compressed and memory
         from txl.model import KVCache
-        model(x, kv_cache=KVCache())
+        model(x, kv_cache=KVCache(keys=(torch.zeros(2, 3, 4, 8),) * 2, values=(torch.zeros(2, 3, 4, 8),) * 2))
     with pytest.raises(ValueError, match=r"padding is not supported with a compressed memory"):
         model(x, padding=torch.zeros(2, T, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"reads with same_length false and ext_len 0"):
@@ -341,15 +370,6 @@ def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_pat
     last = "checkpoints/step_00000004"
     w = {name: weights(d / last) for name, d in runs.items() if name != "fsdp"}
     assert max_difference(w["single"], w["ddp"]) < 1e-5 and "compressor.weight" in w["ddp"]
-
-
-def test_serving_refuses_a_compressed_memory_at_load():
-    """A served session carries one memory (not done for cmem_len > 0): the model is refused when the server
-    loads it, in one line, instead of a 500 at the first request."""
-    from txl.serve.engine import Model
-
-    with pytest.raises(ValueError, match=r"cmem_len=3: a model with a compressed memory cannot be served yet"):
-        Model(compressive(), segment_len=4)
 
 
 RECALL_STEPS = 3000

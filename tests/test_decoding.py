@@ -118,6 +118,55 @@ def test_a_generation_step_calls_no_cat_on_memory_or_keys(mem_len):
     assert rows.length == (76 if mem_len is None else 9) and rows.buffers
 
 
+class OpCounter(TorchDispatchMode):
+    """The aten ops a region calls, by name (``aten.index``), and the input shapes of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[tuple[int, ...]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((str(func.overloadpacket), [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clamp_len", [0, 40])
+def test_a_generation_step_reads_the_positional_table_as_a_view(monkeypatch, clamp_len):
+    """70 (B, 1) steps of relative attention (the cache's W_kR R table doubles on the way; clamp_len 40 is reached
+    at step 35): no layer gathers, flips or selects rows of the table while no distance is clamped (the table
+    keeps the farthest first, so distances K-1 .. 0 are its last K rows), one gather per layer once clamped; the
+    model reads its weights' version once a step (it walks every parameter); the log-probs are the uncached
+    model's."""
+    import txl.model.transformer as transformer
+    from txl.model.kv_cache import weights_version
+
+    torch.manual_seed(0)
+    c = tiny_config(vocab_size=50, n_layer=3, clamp_len=clamp_len)
+    model = txl.TransformerXL(c).eval()
+    decoder = Decoder(model, check_weights=False)
+    reads = []
+    monkeypatch.setattr(transformer, "weights_version", lambda m: reads.append(1) or weights_version(m))
+    prompt, ids = torch.randint(0, 50, (2, 6)), torch.randint(0, 50, (2, 70))
+    lp, rows = decoder.run(prompt, None)
+    gathers, table_rows = [], []
+    for t in range(70):
+        reads.clear()
+        counter = OpCounter()
+        with counter:
+            lp, rows = decoder.run(ids[:, t:t + 1], rows)
+        assert len(reads) == 1
+        gathers.append(sum(1 for name, shapes in counter.calls
+                           if name in ("aten.index", "aten.flip", "aten.index_select", "aten.gather")
+                           and shapes[0][1:] == (c.n_head, c.d_head)))
+        table_rows.append(decoder.table[0].size(0))
+    # K - 1 = 6 + t is the farthest distance of step t: clamped from 41 on.
+    assert gathers == [0 if clamp_len == 0 or 6 + t <= clamp_len else c.n_layer for t in range(70)]
+    assert len(set(table_rows)) > 2  # the table grew on the way
+    with torch.no_grad():  # the last step against the whole sequence read at once, no cache
+        whole = model(torch.cat([prompt, ids], 1), context=decoder.context).log_probs[:, -1]  # (2, V)
+    torch.testing.assert_close(lp, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_the_decoder_equals_the_model_alone_with_pads():
     """Decoder.run over a left-padded batch (prefill, then steps, then a subset, then rows of two batches
     gathered): each row's log-probs are its own, alone."""

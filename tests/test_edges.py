@@ -8,6 +8,7 @@ real subprocesses with real signals where the fault is a signal (``slow``).
 import errno
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -344,8 +345,8 @@ def test_export_missing_parent_is_refused_not_created(trained, tmp_path, capsys)
 def test_export_write_failure_is_one_line(trained, tmp_path, capsys, monkeypatch):
     import txl.export
 
-    def disk_full(program, path):
-        Path(path).write_bytes(b"PK")
+    def disk_full(program, f):
+        f.write(b"PK")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(txl.export.torch.export, "save", disk_full)
@@ -543,11 +544,15 @@ def test_divergence_before_any_checkpoint_says_there_is_nothing_to_resume(corpus
         "again with the same command and --overwrite\n")
 
 
-def test_resume_of_a_finished_run_writes_each_final_row_once(corpus, tmp_path):
+def test_resume_of_a_finished_run_writes_each_final_row_once(corpus, tmp_path, caplog):
+    """...and says the run had finished (it only evaluates again)."""
     out = tmp_path / "r"
     assert main(args(corpus, out, "--max-steps", "4")) == 0
     before = rows(out)
-    assert main(["train", "--resume", str(out)]) == 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txl"):
+        assert main(["train", "--resume", str(out)]) == 0
+    assert "the run had finished (step 4 of 4): nothing to train" in caplog.text
     after = rows(out)
     kinds = [r["kind"] for r in after]
     assert kinds.count("test") == 1 and kinds.count("valid_full") == 1 and kinds.count("valid") == 1

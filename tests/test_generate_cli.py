@@ -81,6 +81,43 @@ def test_unknown_words_warn_and_vocab_without_unk_fails(hf_dir, tmp_path, caplog
         load_model_tokenizer(hf_dir, vocab_file=tmp_path / "vocab.txt").encode_prompt("the zebra")
 
 
+def added_tokens_dir(directory, added, vocab_size):
+    """A Hugging Face snapshot whose tokenizer has added tokens: vocab.txt, and the added_tokens.json that
+    TransfoXLTokenizer.save_pretrained writes ({token: id}, ids after the vocabulary's), the model sized
+    ``vocab_size``."""
+    torch.manual_seed(0)
+    txl.save_hf(txl.TransformerXL(tiny_config(vocab_size=vocab_size, cutoffs=[10, 20], div_val=2)), directory)
+    write_vocab_txt(WORDS, directory / "vocab.txt")
+    (directory / "added_tokens.json").write_text(json.dumps({t: len(WORDS) + i for i, t in enumerate(added)}))
+    return directory
+
+
+def test_added_tokens_are_read_as_transformers_reads_them(tmp_path, capsys):
+    """vocab_size = len(tokenizer): the added tokens follow the vocabulary, at the ids transformers gives them;
+    a model sized for the vocabulary alone (TransfoXLTokenizer adds <formula> by default, which the model never
+    had) reads the vocabulary alone; ids that do not follow the vocabulary are refused, naming the file."""
+    n = len(WORDS)
+    grown = added_tokens_dir(tmp_path / "grown", ["<formula>", "newword"], n + 2)
+    tok = load_model_tokenizer(grown, vocab_size=n + 2)
+    assert tok.vocab_size == n + 2
+    idx = tok.vocab.index
+    assert tok.encode_prompt("the <formula> cat newword") == [idx["the"], n, idx["cat"], n + 1]
+    assert tok.decode([n, idx["sat"], n + 1]) == "<formula> sat newword"
+    rc, out, err = run_cli(capsys, "generate", "--checkpoint", grown, "--prompt", "the <formula> cat newword",
+                           "--max-new-tokens", "3", "--seed", "0")
+    assert rc == 0 and "Traceback" not in err, err
+
+    base = added_tokens_dir(tmp_path / "base", ["<formula>"], n)
+    tok = load_model_tokenizer(base, vocab_size=n)
+    assert tok.vocab_size == n and tok.encode_prompt("<formula>") == [tok.unk_id]
+    assert load_model_tokenizer(base).vocab_size == n  # the model's config.json says so when no vocab_size is given
+    assert load_model_tokenizer(grown).vocab_size == n + 2
+
+    (grown / "added_tokens.json").write_text(json.dumps({"<formula>": n + 1}))  # a gap at id n
+    with pytest.raises(ValueError, match=r"added_tokens.json: the added tokens must take the ids after"):
+        load_model_tokenizer(grown, vocab_size=n + 2)
+
+
 def test_cli_generate_is_reproducible(hf_dir, capsys):
     args = ["generate", "--checkpoint", hf_dir, "--prompt", "the cat sat", "--max-new-tokens", 12,
             "--temperature", 0.8, "--top-k", 10, "--top-p", 0.9, "--seed", 3]

@@ -167,6 +167,34 @@ def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
     assert read_vocab(tmp_path / "converted.txt") == vocab
 
 
+@pytest.mark.oracle
+def test_added_tokens_saved_by_hf_save_pretrained(tmp_path, monkeypatch):
+    """TransfoXLTokenizer.save_pretrained writes vocab.pkl and added_tokens.json (<formula>, added by default when
+    the vocabulary lacks it, and a token added by add_tokens): the word tokenizer has len(tokenizer) symbols and
+    gives every word transformers' id."""
+    hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
+    if "sacremoses" not in sys.modules:
+        try:
+            import sacremoses  # noqa: F401
+        except ImportError:
+            fake = _fake_sacremoses()
+            monkeypatch.setitem(sys.modules, "sacremoses", fake)
+            monkeypatch.setattr(hf, "sm", fake, raising=False)
+            monkeypatch.setattr(hf, "requires_backends", lambda *args, **kwargs: None)
+    from txl.data.tokenizer import WordTokenizer
+
+    write_vocab_txt(SYMBOLS, tmp_path / "vocab.txt")
+    tokenizer = hf.TransfoXLTokenizer(vocab_file=str(tmp_path / "vocab.txt"))
+    tokenizer.add_tokens(["newword"])
+    out = tmp_path / "saved"
+    tokenizer.save_pretrained(str(out))
+    assert (out / "added_tokens.json").is_file() and (out / "vocab.pkl").is_file()
+    ours = WordTokenizer.from_hf_vocab(out / "vocab.pkl", rules="whitespace")
+    assert ours.vocab_size == len(tokenizer) == len(SYMBOLS) + 2
+    words = list(SYMBOLS) + ["<formula>", "newword"]
+    assert [ours.vocab.index[w] for w in words] == tokenizer.convert_tokens_to_ids(words)
+
+
 def test_write_vocab_txt_round_trip_and_validation(tmp_path):
     path = write_vocab_txt(["<eos>", "é", "x"], tmp_path / "v.txt")
     assert path.read_text(encoding="utf-8") == "<eos>\né\nx\n"

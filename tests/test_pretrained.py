@@ -345,3 +345,19 @@ def test_recorded_hub_repo_is_what_the_oracle_writes(tmp_path):
         ours = txl.from_pretrained(GOLDEN)
         got = ours(x, memory=ours.init_memory(1, ours.config.mem_len)).log_probs
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_finetune_evaluates_in_its_own_context_not_the_presets(offline_cache):
+    """The default preset's eval.mem_len (192) is 3x its own model's training memory: a fine-tune of another model
+    trained with mem_len 150 tests with 150 (its own context), unless --eval.* is given."""
+    from txl.finetune import load_init, run_config
+
+    init = load_init("org/tiny")
+    preset = load_preset("default")
+    assert preset["eval"]["mem_len"] == 192
+    cfg = run_config(preset, {"model.mem_len": 150, "model.same_length": False}, init)
+    context = cfg.eval.context(cfg.model)
+    assert (context.mem_len, context.same_length) == (150, False)
+    assert cfg.eval.tgt_len == preset["eval"]["tgt_len"]  # the preset's other evaluation settings stay
+    given = run_config(preset, {"model.mem_len": 150, "eval.mem_len": 450}, init)
+    assert given.eval.context(given.model).mem_len == 450

@@ -12,13 +12,15 @@ The convention, for everyone who adds a README section:
       skip: WHY              the block is not run; WHY is the skip reason pytest reports (-rs)
       slow                   the block takes seconds (deselected by -m "not slow")
       sub: OLD => NEW        run the block with the text OLD replaced by NEW (OLD must occur; repeatable)
+      serve: ARGS            `txl serve ARGS` runs while the block runs (a free port, its own state directory),
+                             and the block's http://127.0.0.1:8000 is that server's address
       -->
 
   Substitutions stand for tiny sizes (a tiny preset, a few steps, ``--help`` instead of an hours-long run) and
   for local stand-ins of what the network would give; the rest of the command runs as written.
 * The scratch directory holds those stand-ins (:func:`workspace`): a Hugging Face Hub cache, read with
   HF_HUB_OFFLINE=1, whose ``transfo-xl/transfo-xl-wt103`` is tests/golden/hf_transfo_xl_tiny (what
-  transformers' ``save_pretrained`` writes) and the same files as a local ``transfo-xl-wt103/``; ``my.txt``;
+  transformers' ``save_pretrained`` writes; no local ``transfo-xl-wt103/``: a block names the Hub id); ``my.txt``;
   ``my_corpus/`` and ``my_text/`` (train/valid/test.txt, in that vocabulary's words); a fake WikiText-103
   (``data/wt103``, and ``wiki.test.tokens``) and Penn Treebank (``data/ptb``, as ``txl data download`` leaves them).
 * bash blocks run under ``bash -euo pipefail`` with this Python's bin directory first on PATH (``txl``,
@@ -31,9 +33,10 @@ and every checkpoint path it shows must be spelt as training writes it (``step_0
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,6 +61,7 @@ class Block:
     body: str
     skip: str | None = None
     slow: bool = False
+    serve: str | None = None
     subs: list[tuple[str, str]] = field(default_factory=list)
 
     def text(self) -> str:
@@ -71,7 +75,7 @@ class Block:
 
 def parse_directives(text: str, line: int) -> dict:
     """The directives of a ``<!-- docs-test ... -->`` comment (see the module docstring)."""
-    out: dict = {"skip": None, "slow": False, "subs": []}
+    out: dict = {"skip": None, "slow": False, "subs": [], "serve": None}
     for raw in re.split(r"\n", text.strip().removeprefix(":").strip()):
         item = raw.strip()
         if not item:
@@ -83,12 +87,14 @@ def parse_directives(text: str, line: int) -> dict:
             out["skip"] = value
         elif key == "slow" and not value:
             out["slow"] = True
+        elif key == "serve" and value:
+            out["serve"] = value
         elif key == "sub" and "=>" in value:
             old, _, new = value.partition("=>")
             out["subs"].append((old.strip(), new.strip()))
         else:
             raise AssertionError(f"README line {line}: unknown docs-test directive {item!r} (skip: WHY, slow, "
-                                 "sub: OLD => NEW)")
+                                 "sub: OLD => NEW, serve: ARGS)")
     return out
 
 
@@ -129,7 +135,7 @@ def workspace(tmp_path_factory):
     shutil.copytree(GOLDEN, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(GOLDEN, root / "transfo-xl-wt103")
+    (root / "part2.txt").write_text("the cat sat on a mat .\n")
     (root / "my.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
     for folder, n in (("my_corpus", 3000), ("my_text", 3000)):
         (root / folder).mkdir()
@@ -163,9 +169,50 @@ def test_readme_block_runs(block, workspace):
     root, env = workspace
     text = block.text()
     cmd = ["bash", "-euo", "pipefail", "-c", text] if block.lang == "bash" else [sys.executable, "-c", text]
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    with serving(block, root, env) as url:
+        if url is not None:
+            text = text.replace("http://127.0.0.1:8000", url)
+            cmd[-1] = text
+        result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (f"README line {block.line} failed ({result.returncode}):\n{text}\n"
                                     f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+
+
+@contextlib.contextmanager
+def serving(block: Block, root: Path, env: dict):
+    """The `txl serve` of a block's ``serve:`` directive, ready (/health 200) at a free port: yields its address
+    (None without the directive); stopped with SIGTERM (its drain) afterwards."""
+    if block.serve is None:
+        yield None
+        return
+    import signal
+    import time
+    import urllib.request
+
+    log = root / f"serve-line{block.line}.log"
+    argv = [sys.executable, "-m", "txl", "serve", *shlex.split(block.serve), "--port", "0",
+            "--serve.state_dir", str(root / f"serve-line{block.line}")]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline, url = time.monotonic() + 300, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, f"txl serve did not start:\n{log.read_text()}"
+            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+            try:
+                if found and urllib.request.urlopen(found.group(1) + "/health", timeout=5).status == 200:
+                    url = found.group(1)
+            except OSError:  # not accepting yet, or 503 while the model loads
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_readme_blocks_found_and_directives_parsed():
@@ -178,29 +225,29 @@ def test_readme_blocks_found_and_directives_parsed():
         parse_directives("skpi: x", 1)
 
 
-def _resolves(dotted: str) -> bool:
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[cut:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return False
-        return True
-    return False
+RESOLVE = """
+import functools, sys
+import txl
+missing = []
+for name in sys.argv[1:]:
+    try:
+        functools.reduce(getattr, name.split(".")[1:], txl)
+    except AttributeError:
+        missing.append(name)
+print(" ".join(missing))
+"""
 
 
 def test_readme_api_names_exist():
-    """Every `txl.a.b` the README names exists: txl.generation.FINISHED, txl.checkpoint.latest, ..."""
+    """Every `txl.a.b` the README names exists after `import txl` alone, as a reader writes it (a fresh process:
+    this one has imported the submodules already): txl.generation.FINISHED, txl.checkpoint.latest, ..."""
     text = README.read_text(encoding="utf-8")
-    names = set(re.findall(r"`(txl(?:\.[A-Za-z_]\w*)+)", text))
+    names = sorted(set(re.findall(r"`(txl(?:\.[A-Za-z_]\w*)+)", text)))
     assert "txl.generation.FINISHED" in names
-    missing = sorted(n for n in names if not _resolves(n))
-    assert not missing, f"the README names {missing}, which do not exist"
+    out = subprocess.run([sys.executable, "-c", RESOLVE, *names], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not out.stdout.split(), f"the README names {out.stdout.split()}, which `import txl` alone does not give"
 
 
 def test_readme_checkpoint_paths_are_spelt_as_training_writes_them():
@@ -209,3 +256,69 @@ def test_readme_checkpoint_paths_are_spelt_as_training_writes_them():
     text = README.read_text(encoding="utf-8")
     steps = re.findall(rf"{CKPT_DIR}/(step_\d+)", text)
     assert steps and all(re.fullmatch(r"step_\d{8}", s) for s in steps), steps
+
+
+def test_the_default_jobs_duration_is_stated_alike():
+    """The README, `txl train --list-presets` (the preset's expected time) and `txl --help` give the default job
+    one duration, on one CPU thread (the default thread count)."""
+    from txl.cli import build_parser
+    from txl.presets import preset_expected_time
+
+    minutes = re.compile(r"(\d+(?:\.\d+)?)[ -]min(?:ute)?s? on (one CPU thread|[^;,)]*cores?)")
+    readme = README.read_text(encoding="utf-8")
+    intro = readme[readme.index("## The two commands"):readme.index("Run the tests:")]
+    help_text = build_parser().format_help()
+    stated = {where: minutes.findall(text) for where, text in (("README", intro), ("--list-presets",
+                                                                   preset_expected_time("default")),
+                                                                  ("txl --help", " ".join(help_text.split())))}
+    assert all(found == [stated["--list-presets"][0]] * len(found) and found for found in stated.values()), stated
+    assert stated["--list-presets"][0][1] == "one CPU thread"
+
+
+def test_the_eval_example_follows_the_readmes_advice():
+    """'Choosing the evaluation context' advises --eval.clamp_len = the training mem_len + tgt_len: the example
+    that evaluates runs/default (the default job) with a longer memory follows it."""
+    from txl.presets import run_config
+
+    text = README.read_text(encoding="utf-8")
+    assert "`--eval.clamp_len` = the training `mem_len + tgt_len`" in text
+    [clamp] = re.findall(r"^txl eval runs/default .*--eval\.clamp_len (\d+)", text, re.M)
+    default = run_config("default")
+    assert int(clamp) == default.model.mem_len + default.train.tgt_len
+
+
+def test_the_readme_speaks_to_its_reader():
+    """No words about how the README was written (issue numbers, the session that wrote it): they mean nothing to a
+    reader of the project."""
+    text = README.read_text(encoding="utf-8")
+    found = re.findall(r"[^.\n]*(?:\bissue \d+|\bissues? #?\d+|the session that|today's)[^.\n]*", text, re.I)
+    assert not found, found
+
+
+def test_the_readme_gives_the_suites_fast_subset():
+    """The README's fast subset is a marker pytest knows (pyproject's markers), with the whole suite's duration."""
+    text = README.read_text(encoding="utf-8")
+    block = text[text.index("Run the tests:"):text.index("## Python API")]
+    assert re.search(r"python -m pytest -q +# the whole suite: about \d+ minutes", block)
+    assert 'python -m pytest -q -m "not slow"' in block
+    assert re.search(r'^\s*"slow: ', (ROOT / "pyproject.toml").read_text(), re.M)
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    """Run from the checkout, the README's commands leave no untracked file git would offer to add: every -o/--out
+    they name, the Python API's saved models, the virtual environment and txl serve's default state directory are
+    covered by .gitignore."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    from txl.serve.config import ServeConfig
+
+    text = "\n".join(b.body for b in BLOCKS)
+    paths = set(re.findall(r"(?:\s-o|--out)\s+\"?([\w./-]+)", text))
+    paths |= set(re.findall(r"save_(?:pretrained|hf)\(model, \"([\w./-]+)\"\)", text))
+    paths |= {".venv/bin/python", ServeConfig().state_dir + "/x.safetensors"}
+    paths = {p for p in paths if not p.startswith("/")}  # a cluster's shared disk, not the checkout
+    assert {"step.pt2", "scores.jsonl", "my-model", ".venv/bin/python"} <= paths, paths
+    found = subprocess.run(["git", "check-ignore", "--no-index", *sorted(paths)], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert found.returncode in (0, 1), found.stderr
+    assert set(found.stdout.split()) == paths, f"not ignored: {sorted(paths - set(found.stdout.split()))}"

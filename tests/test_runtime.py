@@ -126,3 +126,53 @@ def test_every_command_takes_threads_and_run_json_records_the_machine(corpus, tm
         main(["eval", str(out), "--threads", "0"])
     assert stop.value.code == 2
     assert "txl eval: error: argument --threads: --threads '0' must be a whole number >= 1" in capsys.readouterr().err
+
+
+ENGINE_THREADS = """
+import os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import torch
+from serve_util import loader, make_model_dir
+from txl.serve.engine import Engine, Job, Model
+from txl.serve.session import SessionStore
+
+torch.set_num_threads(1)  # what the command line does (--threads, else OMP_NUM_THREADS, else 1)
+model, tokenizer, _ = loader(make_model_dir(__import__("pathlib").Path(sys.argv[2]) / "m"))()
+engine = Engine(Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=-1), tokenizer,
+                SessionStore(sys.argv[2], max_in_memory=2, ttl=60), max_queue=4, max_batch=4, durable=False)
+before = len(os.listdir("/proc/self/task"))
+engine.start()
+done = threading.Event()
+result = {}
+
+def work(state, job):  # runs on the worker thread: a matmul and a reduction large enough to split across threads
+    a = torch.randn(1000, 1000)
+    (a @ a).exp().sum()
+    return len(os.listdir("/proc/self/task"))
+
+engine.submit(Job(session=None, owner="", work=work, emit=lambda kind, data: (result.update({kind: data}),
+                                                                              done.set())))
+done.wait(60)
+print(before, result["done"])
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_the_serve_worker_thread_computes_with_the_commands_thread_count(tmp_path):
+    """OpenMP's thread count is per thread, a new thread starting from OMP_NUM_THREADS (else every core): the serve
+    worker sets the command's count, so a server started without OMP_NUM_THREADS computes as one started with
+    OMP_NUM_THREADS=1 (one thread: the worker alone is added to the process, no OpenMP team)."""
+    import os
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: every thread's OpenMP default is one thread already")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    tests = str(Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", ENGINE_THREADS, tests, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, during = map(int, out.stdout.split())
+    assert during == before + 1, f"{before} threads before the worker started, {during} while it computed"

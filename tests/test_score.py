@@ -60,6 +60,19 @@ def test_scores_equal_full_forward_when_memory_covers():
     assert model.training  # left as it was
 
 
+@pytest.mark.parametrize("doc, context_id", [([], None), ([5], None), ([], 0)])
+def test_a_document_with_nothing_scored_has_no_figures_not_nan(doc, context_id):
+    """An empty document (or one token without a context token) scores nothing: its totals are 0 and its mean
+    figures None (as `txl score` writes null), never NaN; the documents around it score as alone."""
+    model = tiny_model()
+    other = documents([9])[0]
+    empty, full = score_documents(model, [doc, other], segment_len=4, context_id=context_id)
+    assert (empty.n_tokens, empty.nll) == (0, 0.0)
+    assert empty.mean_nll is None and empty.perplexity is None and empty.bits_per_token is None
+    [alone] = score_documents(model, [other], segment_len=4, context_id=context_id)
+    assert full.perplexity == pytest.approx(alone.perplexity, rel=1e-6) and math.isfinite(full.perplexity)
+
+
 def test_streams_segments_and_reads_iterators():
     """An iterator document (never held whole) gives the same scores, streamed segment by segment."""
     model = tiny_model()

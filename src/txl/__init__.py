@@ -1,13 +1,14 @@
 """txl: Transformer-XL (Dai et al., 2019) language models in PyTorch.
 
-The public names are imported on first use (PEP 562), so ``txl --help`` and ``import txl.config`` do
-not pay for importing torch.
+The public names, and the submodules (``txl.generation``), are imported on first use (PEP 562), so ``txl --help``
+and ``import txl.config`` do not pay for importing torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing's constant, without importing typing: `txl`'s entry point imports this first
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 """The one version source: pyproject.toml reads it (setuptools dynamic version)."""
@@ -24,8 +25,14 @@ __all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "Transform
 
 
 def __getattr__(name: str) -> Any:
+    import importlib
+    import importlib.util
+
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    # A submodule on first use too, so `import txl` then `txl.generation.FINISHED` works as the README writes it.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'txl' has no attribute {name!r}")
 
 

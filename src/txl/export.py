@@ -155,5 +155,9 @@ def export(model: TransformerXL, path: str | os.PathLike, *, format: Format = "t
         raise FileNotFoundError(f"{path}: the directory {path.parent} does not exist; create it first")
     if format == "onnx":
         return export_onnx(model, path)
-    torch.export.save(export_program(model), str(path))
+    program = export_program(model)
+    # Written through a file object: given a name, torch warns unless it ends in .pt2, and a command writes to a
+    # temporary name (fileio.atomic_write) that must not.
+    with open(path, "wb") as f:
+        torch.export.save(program, f)
     return path

@@ -12,7 +12,10 @@ else from the command line:
   whitespace), never with a vocabulary built from the new corpus, and saved with every checkpoint. A
   corpus or ``--data.level`` of another level than the checkpoint's tokenizer is refused;
 * data, optimiser, schedule, training and evaluation settings are the preset's (``--preset``, default
-  'default') with the overrides, as for any run.
+  'default') with the overrides, as for any run, but the preset's evaluation *context* (``eval.mem_len``,
+  ``clamp_len``, ``same_length``, ``ext_len``): it was sized for the preset's own model (the default's
+  eval.mem_len 192 is 3x its training memory of 64), so a fine-tune evaluates in its own context (the
+  checkpoint's, with the --model.* context overrides: mem_len 150 tests with 150) unless --eval.* says otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from txl.presets import apply_overrides
 
 log = logging.getLogger(__name__)
 
+EVAL_CONTEXT_FIELDS = frozenset({"mem_len", "clamp_len", "same_length", "ext_len"})
+"""The [eval] fields of an evaluation context: a preset's belong to the preset's model, not to a checkpoint's."""
 CONTEXT_FIELDS = frozenset({"mem_len", "ext_len", "clamp_len", "same_length", "same_length_style", "dropout",
                             "dropatt", *KERNEL_FIELDS, "init_std", "proj_init_std"})
 """Model fields a fine-tuning run may change: they own no parameters and do not change what the trained
@@ -72,8 +77,11 @@ def check_architecture(pretrained: ModelConfig, requested: ModelConfig) -> None:
 
 def run_config(base: dict[str, Any], overrides: dict[str, Any], init: Init) -> RunConfig:
     """The run's config: ``base`` (a preset) with the checkpoint's model section, then ``overrides``."""
-    # The preset's tokenisation level is not the checkpoint's concern: only an explicit --data.level is checked.
-    data = {**base, "data": {**base.get("data", {}), "level": None}, "model": init.model.config.to_dict()}
+    # The preset's tokenisation level is not the checkpoint's concern: only an explicit --data.level is checked;
+    # nor is its evaluation context, sized for the preset's model (module docstring).
+    evaluation = {k: v for k, v in base.get("eval", {}).items() if k not in EVAL_CONTEXT_FIELDS}
+    data = {**base, "data": {**base.get("data", {}), "level": None}, "eval": evaluation,
+            "model": init.model.config.to_dict()}
     cfg = RunConfig.from_dict(apply_overrides(data, overrides))
     check_architecture(init.model.config, cfg.model)
     level = init.tokenizer.spec["level"]

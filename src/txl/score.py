@@ -60,19 +60,23 @@ class DocumentScore:
     logprobs: np.ndarray | None = field(default=None, repr=False)
     """(n_tokens,) per-token log-probabilities, when asked for with keep_logprobs."""
 
+    # A document with no token scored (empty, or one token and no context_id) has no mean: these figures are
+    # None for it, as `txl score` writes null, rather than NaN (a NaN is not a measurement, and is not JSON).
     @property
-    def mean_nll(self) -> float:
-        return self.nll / self.n_tokens if self.n_tokens else math.nan
+    def mean_nll(self) -> float | None:
+        """Mean NLL per token in nats; None when no token was scored."""
+        return self.nll / self.n_tokens if self.n_tokens else None
 
     @property
-    def perplexity(self) -> float:
-        """exp(mean NLL): word-level perplexity for a word vocabulary."""
-        return math.exp(self.mean_nll) if self.n_tokens else math.nan
+    def perplexity(self) -> float | None:
+        """exp(mean NLL): word-level perplexity for a word vocabulary; None when no token was scored."""
+        return math.exp(self.nll / self.n_tokens) if self.n_tokens else None
 
     @property
-    def bits_per_token(self) -> float:
-        """Mean NLL in bits: bits per character (or byte) for a character (or byte) vocabulary."""
-        return self.mean_nll / math.log(2) if self.n_tokens else math.nan
+    def bits_per_token(self) -> float | None:
+        """Mean NLL in bits: bits per character (or byte) for a character (or byte) vocabulary; None when no
+        token was scored."""
+        return self.nll / self.n_tokens / math.log(2) if self.n_tokens else None
 
 
 class _Reader:

@@ -6,6 +6,10 @@ for SIGINT, 143 for SIGTERM), never a traceback and never an error about somethi
 * Outside training (start-up, ``txl generate``, ``score``, ``eval``, ``export``, ``data``), the command
   line's entry point runs the command under ``terminate_raises()``: SIGTERM raises ``Interrupted`` as
   Ctrl-C raises KeyboardInterrupt (``Interrupted`` is one), so ``finally`` blocks and atomic writes clean up.
+  That holds from the entry point's first line (``txl.__main__.entry``, before ``txl.cli`` is imported). Where
+  an exception raised inside an import could be lost or changed (torch's C start-up swallows one; Python 3.11
+  wraps one raised in a class body in RuntimeError), ``deferred()`` holds the signal to the end of the import,
+  and ``interruption_in`` finds one that another exception wraps.
 * In the training loop ``StopRequest`` only records the signal; the loop looks at it at each step
   boundary, writes a checkpoint there and stops (``Stopped``), so the run resumes exactly (a checkpoint
   written from inside a signal handler could catch the optimiser half-way through a step). A second
@@ -46,6 +50,45 @@ def signal_name(err: KeyboardInterrupt) -> str:
     return err.signal.name if isinstance(err, Interrupted) else "SIGINT"
 
 
+INTACT = {
+    "train": "nothing was written; run the same command again",
+    "eval": "nothing was written (the sweep's table and plot are written when it ends)",
+    "generate": "the text above is all that was generated; nothing was written",
+    "score": "an -o file is written whole when scoring ends, so nothing was written",
+    "export": "the -o file is written whole when the export ends, so nothing was written",
+    "data": "a partial download is kept as FILE.part and resumes, and a token-cache entry is written whole or "
+            "not at all: run the same command again",
+    "serve": "the server had not started serving; nothing was written",
+}
+"""What a command interrupted before its own handling (start-up, or where it has none) leaves intact: every file
+it writes is atomic or resumable."""
+
+
+def interruption_in(err: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or ``Interrupted``) that ``err`` is, or that caused it, or None: Python wraps one raised
+    in some places in another exception (3.11 turns one raised in a class body's ``__set_name__``, while a module
+    defining a dataclass is imported, into a RuntimeError 'Error calling __set_name__'), which is the interruption
+    all the same."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), for a message before it is parsed."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def interrupted_line(command: str | None, err: KeyboardInterrupt) -> str:
+    """The one line a command prints when a signal interrupts it: which command, which signal, what is intact."""
+    intact = INTACT.get(command or "")
+    return f"txl{f' {command}' if command else ''}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}"
+
+
 @contextlib.contextmanager
 def terminate_raises() -> Iterator[None]:
     """Within the block SIGTERM raises ``Interrupted(SIGTERM)``, as SIGINT raises KeyboardInterrupt; the
@@ -62,6 +105,30 @@ def terminate_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM are recorded, not raised; the first is raised as ``Interrupted`` when the
+    block ends. For imports of C extensions that swallow an exception raised inside them: torch's C start-up imports
+    numpy and carries on without it when that import fails, so a Ctrl-C there was lost (the command went on) and
+    numpy left half-imported. No-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        raise Interrupted(signal.Signals(got[0]))
 
 
 class StopRequest:

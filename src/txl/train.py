@@ -494,6 +494,10 @@ class Trainer:
                 remove_partial(self.out / CKPT_DIR)  # what a killed writer left (start() does it afresh)
                 remove_partial(self.out)
             self.restore(resume)
+            end = state.horizon or t.max_steps
+            if state.step >= end:  # nothing to train: say so, rather than appear to start a run that only evaluates
+                log.info("the run had finished (step %d of %d): nothing to train; its best checkpoint is evaluated "
+                         "again (--max-steps N trains on to step N)", state.step, end)
         elif info.is_main:
             self.checkpointer.start(cfg)
         metrics = MetricsLog(self.out, enabled=info.is_main, tensorboard=t.tensorboard,

@@ -18,6 +18,7 @@ from txl.cli import eval as eval_cmd
 from txl.cli import export as export_cmd
 from txl.cli import train as train_cmd
 from txl.cli.options import is_main_process
+from txl.signals import command_of, deferred, exit_code, interrupted_line, interruption_in, terminate_raises
 
 SUBCOMMANDS = [data, train_cmd, eval_cmd, generate, score, export_cmd, serve, consolidate, size]
 
@@ -53,6 +54,24 @@ def _threads(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    A signal at any moment, even while the parser is built or torch is imported, is one line and exit 128 + N
+    (130 for Ctrl-C, 143 for SIGTERM): SIGTERM raises as Ctrl-C does (``txl.signals``) from the first line on.
+    """
+    try:
+        with terminate_raises():
+            return _main(argv)
+    except BaseException as err:  # start-up: parsing, imports (torch), before the command's own handling
+        cut = interruption_in(err)
+        if cut is None:
+            raise
+        if is_main_process():
+            print(interrupted_line(command_of(sys.argv[1:] if argv is None else argv), cut), file=sys.stderr)
+        return exit_code(cut)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
@@ -73,51 +92,41 @@ def main(argv: list[str] | None = None) -> int:
     level = (logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR
     logging.basicConfig(level=max(level, logging.WARNING), format="%(message)s", stream=sys.stderr)
     logging.getLogger("txl").setLevel(level)
-    from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
+    with deferred():  # a Ctrl-C in torch's C start-up would be lost there (see txl.signals.deferred): raised after
+        import torch
+
+        from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
 
     retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
     threads, why = choose_threads(args.threads)
-    import torch
 
     torch.set_num_threads(threads)
     args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
     logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
     if main_process and (advice := oversubscribed(threads)) is not None:
         logging.getLogger(__name__).warning(advice)
-    from txl.signals import terminate_raises
-
     try:
         with terminate_raises(), _thread_errors_reported_by_caller():  # SIGTERM: as Ctrl-C, below
             return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:  # bad input: one clear line, no traceback
+        if interruption_in(err) is not None:
+            raise  # a signal that Python wrapped: main reports it as the interruption it is
         if main_process:
             print(f"txl {args.command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # an output file (a full disk, an I/O error): one line naming it
+        if interruption_in(err) is not None:
+            raise
         if main_process:
             where = f"{err.filename}: " if getattr(err, "filename", None) and str(err.filename) not in str(err) else ""
             print(f"txl {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM, at any moment: an interruption, not an error
-        from txl.signals import exit_code, signal_name
-
         if main_process:
-            intact = INTACT.get(args.command)
-            print(f"txl {args.command}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}",
-                  file=sys.stderr)
+            print(interrupted_line(args.command, err), file=sys.stderr)
         return exit_code(err)
 
 
-INTACT = {
-    "train": "nothing was written",
-    "eval": "nothing was written (the sweep's table and plot are written when it ends)",
-    "generate": "the text above is all that was generated; nothing was written",
-    "score": "an -o file is written whole when scoring ends, so nothing was written",
-    "export": "the -o file is written whole when the export ends, so nothing was written",
-    "data": "a partial download is kept as FILE.part and resumes, and a token-cache entry is written whole or "
-            "not at all: run the same command again",
-}
-"""What an interrupted command leaves intact (every file it writes is atomic or resumable)."""
 
 
 @contextlib.contextmanager

@@ -69,7 +69,8 @@ PRETRAINED_TGT_LEN = 128
 PRETRAINED_BATCH_SIZE = 10
 
 
-def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str, vocab: str | None = None):
+def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str, vocab: str | None = None,
+                       vocab_size: int | None = None):
     """The split of a named corpus (or a train/valid/test folder) encoded with the checkpoint's vocabulary."""
     from pathlib import Path
 
@@ -78,7 +79,7 @@ def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str,
     from txl.data.corpora import get_spec, resolve_sources
     from txl.data.tokenizer import load_model_tokenizer
 
-    codec = load_model_tokenizer(directory, vocab_file=vocab, pretokenized=True)
+    codec = load_model_tokenizer(directory, vocab_file=vocab, pretokenized=True, vocab_size=vocab_size)
     spec, _ = get_spec(corpus)
     folder = Path(data_dir) if data_dir else (Path(corpus) if Path(corpus).is_dir() else Path("data") / spec.name)
     ids: list[int] = []
@@ -112,7 +113,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
                          "a time")
     model = txl.from_pretrained(directory, device=device)
     tokens, spec, codec, n_unk = _pretrained_tokens(directory, data["corpus"], data.get("data_dir"), args.split,
-                                                    args.vocab)
+                                                    args.vocab, model.config.vocab_size)
     if codec.vocab_size != model.config.vocab_size:
         raise ValueError(f"the vocabulary in {directory} has {codec.vocab_size} symbols but the model has "
                          f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")

@@ -19,8 +19,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a training run directory (its best checkpoint), a model directory, or a Hub repo id")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
     p.add_argument("--vocab", metavar="FILE", help="vocabulary file, when the checkpoint holds none")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a pickled vocab.pkl/vocab.bin (only if you trust its origin)")
     p.add_argument("--pretokenized", action="store_true",
                    help="word-level text is already split into tokens: split on spaces only")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
@@ -59,7 +57,11 @@ def run_defaults(directory) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import signal
+    import threading
     from pathlib import Path
+
+    from txl.signals import Interrupted, StopRequest
 
     try:
         import uvicorn
@@ -75,9 +77,13 @@ def run(args: argparse.Namespace) -> int:
     config = serve_config(args, resolve_model_dir(args.model, revision=args.revision))
     args.checkpoint = args.model
     failed: list[Exception] = []
+    loaded = threading.Event()
+    stopped_at_start: list[int] = []
+    """A signal that came before the model was loaded: start-up is interrupted (one line, 128 + N), not drained."""
 
     def load():
         model, tokenizer, directory = load_model_and_tokenizer(args)
+        loaded.set()
         # The name clients see: a Hub id as given, a directory by its last part (never a server path).
         return model, tokenizer, Path(args.model).name if Path(args.model).exists() else str(args.model)
 
@@ -89,8 +95,17 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("txl.serve.access").setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
+        async def _serve(self, sockets=None) -> None:
+            if early.requested:  # a signal came before uvicorn took over SIGINT and SIGTERM: never start
+                stopped_at_start.append(int(early.signal))
+                return
+            await super()._serve(sockets)
+
         def handle_exit(self, sig, frame) -> None:
-            # SIGTERM and SIGINT drain and exit 0: uvicorn would raise the signal again once stopped.
+            # Once the model is loaded, SIGTERM and SIGINT drain and exit 0 (uvicorn would raise the signal again
+            # once stopped); before, they interrupt the start-up.
+            if not loaded.is_set():
+                stopped_at_start.append(sig)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
@@ -101,9 +116,14 @@ def run(args: argparse.Namespace) -> int:
     server = Server(uvicorn.Config(app, access_log=False, log_level="info", log_config=None,
                                    timeout_graceful_shutdown=config.drain_seconds))
     try:
-        server.run(sockets=[sock])
+        # Until uvicorn installs its own handlers (in its event loop), a signal is recorded rather than raised
+        # inside asyncio's set-up, where it would leave uvicorn's coroutine never awaited.
+        with StopRequest() as early:
+            server.run(sockets=[sock])
     finally:
         sock.close()
+    if stopped_at_start:
+        raise Interrupted(signal.Signals(stopped_at_start[0]))
     if failed:
         raise ValueError(f"the model could not be loaded: {failed[0]}")
     return 0

@@ -1,6 +1,6 @@
 """`txl train`: train from a preset (default: a small byte-level model on this Python's stdlib source).
 
-    txl train                                      # the default job: 1500 seeded steps, ~5 minutes on 2 CPU cores
+    txl train                                      # the default job: 2,000 seeded steps, ~4.5 min on one CPU thread
     txl train --preset ptb --data.data_dir ../shared/data/ptb
     txl train --preset enwik8_base --model.mem_len 300 --optim.lr 1e-3
     txl train --config runs/ptb/run.json --train.out_dir runs/ptb2   # a saved run's config
@@ -28,7 +28,8 @@ DEFAULT_PRESET = "default"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a model (no arguments: the default 5-minute CPU job)", allow_abbrev=False,
+        "train", help="train a model (no arguments: the default job, about 4.5 min on one CPU thread)",
+        allow_abbrev=False,
         usage="txl train [--config NAME_OR_FILE | --resume DIR] [--list-presets] [--SECTION.FIELD VALUE ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a Transformer-XL. Every config field below can be set as --SECTION.FIELD VALUE; the "

@@ -247,9 +247,14 @@ class RelativeAttention(Attention):
 
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
+        if table and (clamp_len <= 0 or klen - 1 <= clamp_len):
+            # W_kR R depends on the distance alone, and no distance is clamped: the cache's table holds the farthest
+            # first, so distances K-1 .. 0 are its last K rows, a view (a gather of them cost most of a (1, 1)
+            # decoding step's time outside the matmuls on CPU).
+            return [Positions(projected=t[t.size(0) - klen:]) for t in table]  # (K, H, D) each
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
-        if table:  # W_kR R depends on the distance alone: index the cache's table
-            return [Positions(projected=t[dist]) for t in table]  # (K, H, D) each
+        if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
+            return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
         r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
         # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
         return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer

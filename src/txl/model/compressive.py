@@ -13,7 +13,10 @@ back instead of mem_len + cmem_len.
 memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
 first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
 next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Not
-yet: a KV cache, left padding, export and serving (each refused in one line where it is asked for).
+yet: left padding and export (each refused in one line where it is asked for). ``txl serve`` carries both in a
+session (its rows batched only with rows of the same lengths). A KV cache holds the keys and values of the
+window [compressed; memory] (``Compressor.next_cache``): kept while the window only grows (a generation), rebuilt
+from the state after a compression.
 
 **Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment], the
 oldest floor((M + T - mem_len) / c) x c are compressed, and the memory keeps the rest (mem_len to
@@ -46,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
-from txl.model.memory import Memory, check_memory
+from txl.model.kv_cache import KVCache
+from txl.model.memory import Memory, check_memory, memory_length
 
 
 def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memory | None]:
@@ -189,6 +193,20 @@ class Compressor(nn.Module):
             # a stream): DDP's reducer then sees the same parameters used at every step.
             loss = torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
         return join_state(kept, tuple(new)), loss
+
+    @staticmethod
+    def next_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], buffers: Sequence | None,
+                   memory: Memory | None, state: Memory, T: int, *, positions, weights_version) -> KVCache:
+        """The KV cache for the call after one that read T tokens over the window [compressed; ``memory``] with
+        ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None), ``state``
+        the state it returned. While nothing was compressed the next window is this one grown by the T rows, whose
+        keys these are (a generation, whose memory keeps every row, never compresses); once rows left the memory
+        the window changed (rows gone, new slots): an empty cache, which the next call fills from the state."""
+        L = len(keys)
+        if memory_length(state[:L]) != memory_length(memory) + T:
+            return KVCache(positions=positions)
+        return KVCache(keys=tuple(keys), values=tuple(values), positions=positions, weights_version=weights_version,
+                       buffers=tuple((None, *b) for b in buffers) if buffers is not None else ())
 
     @staticmethod
     def reconstruction_error(queries: torch.Tensor, old: torch.Tensor, slots: torch.Tensor, attn: nn.Module

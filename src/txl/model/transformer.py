@@ -161,9 +161,9 @@ class TransformerXL(nn.Module):
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step) or
-        that compresses its memory (the compressed rows are not cached yet)."""
-        return KVCache() if self.encoding.cacheable and self.compressor is None else None
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step); a
+        compressive model's cache holds the keys and values of its window, [compressed; memory]."""
+        return KVCache() if self.encoding.cacheable else None
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -191,8 +191,11 @@ class TransformerXL(nn.Module):
         """
         c = self.config
         ctx = c.context() if context is None else context
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter:
+        # twice was ~5% of a (1, 1) decoding step of a small model on CPU).
+        version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
-            self.check_inputs(input_ids, labels, memory, kv_cache, ctx)
+            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version)
         B, T = input_ids.shape
         own, compressed = memory, None  # the memory the update continues, and the compressed one
         if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
@@ -261,16 +264,19 @@ class TransformerXL(nn.Module):
                                        dtype=state)
 
         out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
-        if grow:
+        if self.compressor is not None and kv_cache is not None:
+            out.kv_cache = self.compressor.next_cache(keys, values, buffers if grow else None, own, new_memory, T,
+                                                      positions=table, weights_version=version)
+        elif grow:
             # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
             out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
                                    values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
                                    buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=self._weights_version())
+                                   weights_version=version)
         elif kv_cache is not None:
             out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
                                    values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=self._weights_version())
+                                   positions=table, weights_version=version)
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -287,12 +293,13 @@ class TransformerXL(nn.Module):
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
-                     context: Context | None = None) -> None:
+                     context: Context | None = None, *, version: int | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
         ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
         host (CPU) tensors only: on a GPU they would read values back from the device, a host sync inside every
         step (and a graph break), so callers check their data on the host before it moves (``check_token_ids``).
+        ``version``: ``weights_version(self)`` when the caller has read it already (None: read here).
         """
         c = self.config
         ctx = c.context() if context is None else context
@@ -307,10 +314,12 @@ class TransformerXL(nn.Module):
         if self.compressor is not None and (ctx.same_length or ctx.ext_len):
             raise ValueError("a compressive model (cmem_len > 0) reads with same_length false and ext_len 0: "
                              "same_length would hide the compressed slots, ext_len feed rows twice")
-        if kv_cache is not None:
-            self._check_kv_cache(kv_cache, memory_length(memory), B)
+        if kv_cache is not None:  # a compressive model's cache covers its window, [compressed; memory]
+            rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
+                memory, c.n_layer)))
+            self._check_kv_cache(kv_cache, rows, B, version)
 
-    def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int) -> None:
+    def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int, version: int | None = None) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
         c = self.config
         if not isinstance(cache, KVCache):
@@ -318,9 +327,6 @@ class TransformerXL(nn.Module):
         if not self.encoding.cacheable:
             raise ValueError(f"kv_cache is not supported with attn_type={c.attn_type!r}: it adds a position "
                              "that shifts every step to each memory row, so the keys change; pass kv_cache=None")
-        if self.compressor is not None:
-            raise ValueError("kv_cache is not supported with a compressed memory (cmem_len > 0) yet; pass "
-                             "kv_cache=None (model.start_kv_cache() gives None for this model)")
         if self.training or torch.is_grad_enabled():
             raise ValueError("kv_cache needs eval mode under torch.no_grad(): cached keys are detached (weight "
                              "gradients through memory rows would be lost) and dropout would change them; "
@@ -335,7 +341,7 @@ class TransformerXL(nn.Module):
             raise ValueError(f"kv_cache holds {cache.length} rows for batch {k.size(0)} but the memory has "
                              f"{mlen} rows for batch {batch_size}: pass the kv_cache returned with this memory "
                              "(both come from the same output), or KVCache() to rebuild it from the memory")
-        if cache.weights_version not in (None, weights_version(self)):
+        if cache.weights_version not in (None, weights_version(self) if version is None else version):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
 

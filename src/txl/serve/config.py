@@ -54,7 +54,7 @@ class ServeConfig:
     drain_seconds: float = 10.0
     """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
     threads: int = 0
-    """Torch threads for the forward passes (0: torch's default)."""
+    """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
     model_name: str = ""
     """The model's name for clients: GET /v1/models/NAME, and a completion's model must be it (or absent);
     empty: the model directory's name, or the Hub id as given."""

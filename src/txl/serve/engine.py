@@ -60,6 +60,8 @@ class Unit:
     """'step': the row of a generation batch it continues (instead of ``memory`` and ``kv``)."""
     top: int = 0
     """'score': also the ``top`` most likely tokens at each position (a completion's echoed prompt)."""
+    compressed: torch.Tensor | None = None
+    """A compressive model's (cmem_len > 0) compressed memory (L, C, d) beside ``memory`` (None: empty)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -90,6 +92,8 @@ class Result:
     """'prefill' and 'step': (V,) log-probabilities of the next token."""
     memory: torch.Tensor | None = None
     """'score': the row's new memory (L, m', d)."""
+    compressed: torch.Tensor | None = None
+    """'score', a compressive model: the row's new compressed memory (L, C', d)."""
     row: tuple[Rows, int] | None = None
     """'prefill' and 'step': the row in the generation batch (``Rows.take`` gives its memory, keys, values)."""
     top: list[tuple[list[int], list[float]]] | None = None
@@ -105,15 +109,19 @@ class Model:
                  same_length: bool | None = None, clamp_len: int | None = None) -> None:
         """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's."""
         c = model.config
-        if c.cmem_len:  # the sessions, their state files and the batched rows hold one memory per layer
-            raise ValueError(f"cmem_len={c.cmem_len}: a model with a compressed memory cannot be served yet (a session "
-                             "carries one memory); serve a model with cmem_len 0")
         self.model = model.eval()
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
         if context is None:
             context = c.context(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
         self.read_ctx = context
         self.segment_len, self.mem_len = segment_len, context.mem_len
+        # A compressive model (Rae et al. 2020): a session carries the memory and the compressed memory, and its
+        # rows are batched only with rows of the same lengths (no pads: they would be compressed with real rows).
+        self.cmem_len, self.cmem_rate = c.cmem_len, c.cmem_rate
+        if c.cmem_len and (context.same_length or context.mem_len == 0):
+            raise ValueError(f"a compressive model (cmem_len={c.cmem_len}) reads with a memory and same_length false: "
+                             f"serve it with mem_len > 0 (got {context.mem_len}) and same_length false "
+                             f"(got {context.same_length})")
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
         self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False)
@@ -125,6 +133,8 @@ class Model:
 
     @torch.no_grad()
     def run(self, kind: str, units: list[Unit]) -> list[Result]:
+        if self.cmem_len:
+            return self._run_compressive(kind, units)
         T = len(units[0].inputs)
         x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
         if kind == "score":
@@ -161,6 +171,96 @@ class Model:
                 return first if idx == list(range(first.size)) else first.select(idx)
         return self.decoder.rows([u.row[0].take(u.row[1]) if u.row is not None else (u.memory, u.kv)
                                   for u in units])
+
+    # -- a compressive model: both memories, rows of equal lengths batched -------------------------------------
+    def take(self, row: tuple[Rows, int]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A generation row's memory (L, m, d) and keys, values (``Rows.take``; a compressive model's rows hold its
+        state, the L memories then the L compressed ones: the memory alone, and the keys and values of its window
+        [compressed; memory] (L, C + m, H, D) each, None without)."""
+        rows, b = row
+        if not self.cmem_len:
+            return rows.take(b)
+        kv = (torch.stack([k[b] for k in rows.keys]), torch.stack([v[b] for v in rows.values])
+              ) if rows.keys and rows.version == self.decoder.version else None
+        return torch.stack([m[b] for m in rows.memory[:self.n_layer]]), kv  # (L, m, d)
+
+    def _state_of(self, u: Unit) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
+        """A compressive unit's (memory (L, m, d), compressed (L, C, d), its window's keys and values or None),
+        memory and compressed None when empty."""
+        if u.row is None:
+            return u.memory, u.compressed, u.kv
+        (rows, b), L = u.row, self.n_layer
+        if not rows.memory:
+            return None, None, None
+        memory, kv = self.take(u.row)
+        return memory, torch.stack([m[b] for m in rows.memory[L:]]), kv  # (L, m, d), (L, C, d)
+
+    def _run_compressive(self, kind: str, units: list[Unit]) -> list[Result]:
+        """``run`` for a compressive model: the units' rows grouped by (memory, compressed) lengths, one forward
+        per group without padding (the model refuses pads: they would be compressed with the real rows)."""
+        results: list[Result | None] = [None] * len(units)
+        if kind == "step" and units[0].row is not None:
+            first = units[0].row[0]
+            if all(u.row is not None and u.row[0] is first for u in units):  # one batch's rows: stepped as they are
+                idx = [u.row[1] for u in units]
+                rows = first if idx == list(range(first.size)) else first.select(idx)  # no pads: a plain select
+                return self._generate(units, rows)
+        groups: dict[tuple, list[int]] = {}
+        states = [self._state_of(u) for u in units]
+        for i, (mem, cmem, _) in enumerate(states):
+            lengths = (0 if mem is None else mem.size(1), 0 if cmem is None else cmem.size(1))
+            groups.setdefault(lengths, []).append(i)
+        for (m, _), idx in groups.items():
+            state, keys, values = None, (), ()
+            if m and all(states[i][2] is not None for i in idx):  # every row's window keys: (L, B, C + m, H, D) each
+                keys, values = (tuple(torch.stack([states[i][2][j] for i in idx], 1).to(self.device, self.dtype)
+                                      .unbind(0)) for j in (0, 1))
+            if m:  # (L, B, m, d) and (L, B, C, d) -> the model's 2L tensors (B, m, d) then (B, C, d)
+                mem = torch.stack([states[i][0] for i in idx], 1).to(self.device, self.dtype)
+                cmem = torch.stack([states[i][1] if states[i][1] is not None else mem.new_zeros(mem.size(0), 0,
+                                    mem.size(-1)) for i in idx], 1).to(self.device, self.dtype)
+                state = (*mem.unbind(0), *cmem.unbind(0))
+            group = [units[i] for i in idx]
+            if kind == "score":
+                out = self._score(group, state)
+            else:
+                out = self._generate(group, Rows(state or (), keys, values, [0] * len(idx),
+                                                 version=self.decoder.version if keys else None))
+            for i, r in zip(idx, out):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    def _generate(self, units: list[Unit], rows: Rows) -> list[Result]:
+        """Prefill or step ``units`` after ``rows`` (no pads) through the decoder: the rows it returns hold the
+        model's state (every token read kept uncompressed) and the keys and values of its window."""
+        x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
+        next_lp, new = self.decoder.run(x, rows)
+        next_lp = next_lp.cpu()  # (B, V)
+        return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
+
+    def _score(self, units: list[Unit], state) -> list[Result]:
+        """Read one group of score units of equal state lengths as `txl score` reads: both memories after it are
+        the model's own (it keeps mem_len to mem_len + c - 1 rows and compresses whole groups of c)."""
+        T, L = len(units[0].inputs), self.n_layer
+        x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
+        y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
+        lp, out = read(self.model, x, y, state, context=self.read_ctx)
+        k = max(u.top for u in units)
+        if k:
+            B, d = out.hidden.shape[0], out.hidden.shape[-1]
+            log_probs = self.model.softmax.log_prob(out.hidden.reshape(B * T, d)).float()  # (B * T, V)
+            values, ids = log_probs.view(B, T, -1).topk(k, dim=-1)  # (B, T, k) each
+            values, ids = values.cpu().tolist(), ids.cpu().tolist()
+        results = []
+        for b, u in enumerate(units):
+            mem = cmem = None
+            if u.with_memory:
+                mem = torch.stack([m[b] for m in out.memory[:L]])  # (L, m', d)
+                cmem = torch.stack([m[b] for m in out.memory[L:]])  # (L, C', d)
+                cmem = cmem if cmem.size(1) else None
+            top = [(i[:u.top], v[:u.top]) for i, v in zip(ids[b], values[b])] if u.top else None
+            results.append(Result(logprobs=lp[b].tolist(), memory=mem, compressed=cmem, top=top))
+        return results
 
 
 # -- jobs ------------------------------------------------------------------------------------------------
@@ -219,24 +319,37 @@ class Engine:
         # worker runs the next forward. A session stays active until its write returns, so nothing else touches
         # it meanwhile and its next request starts after; the reply waits for the write ('request' durability).
         self.writer = ThreadPoolExecutor(max(1, min(max_batch, 8)), "txl-serve-write") if durable else None
-        self.written: queue.SimpleQueue[tuple[Job, Any, OSError | None, float]] = queue.SimpleQueue()
+        self.written: queue.SimpleQueue[tuple[Job, Any, Exception | None, float]] = queue.SimpleQueue()
         self._temp = 0
+        self._failure: str | None = None
         self.context_ids = [] if tokenizer.context_id is None else [int(tokenizer.context_id)]
 
     # -- the request side (any thread) ------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the worker stopped when it should be running (None while it runs, or before ``start``)."""
+        if self._failure is not None:
+            return self._failure
+        if self.thread.ident is None or self.thread.is_alive() or self.stopping:
+            return None
+        return "the model worker stopped"
+
     def submit(self, job: Job) -> None:
         with self.lock:
             if self.stopping:
                 raise ClientError(503, None, "the server is shutting down")
+            if self.failure is not None:
+                raise ClientError(503, None, "the model worker stopped on an internal error (see the server's log); "
+                                  "restart the server")
             if self.waiting >= self.max_queue:
                 raise QueueFull
             self.waiting += 1
             self._temp += 1
             job.key = job.session or f"~{self._temp}"
-        self.incoming.put(job)
+            self.incoming.put(job)
         self.wake.set()
 
     def stop(self, timeout: float) -> None:
@@ -264,8 +377,29 @@ class Engine:
 
     # -- the worker --------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        try:
+            self._serve()
+        except BaseException as err:  # an error no request caused: the requests get 503, /health says so
+            with self.lock:  # no job is submitted after this (submit checks it under the lock)
+                self._failure = f"the model worker stopped on {type(err).__name__} (see the server's log)"
+            logger.exception("the model worker stopped; every model request now answers 503", exc_info=err)
+            down = ClientError(503, None, "the model worker stopped on an internal error (see the server's log); "
+                               "restart the server")
+            jobs = list(self.active.values()) + [j for q in self.queues.values() for j in q]
+            while True:
+                try:
+                    jobs.append(self.incoming.get_nowait())
+                except queue.Empty:
+                    break
+            for job in jobs:
+                job.emit("error", down)
+
+    def _serve(self) -> None:
+        # OpenMP's thread count is per thread: a new thread starts with OMP_NUM_THREADS (else every core), whatever
+        # torch.set_num_threads said in the main thread. Set it here, or a server started without OMP_NUM_THREADS
+        # computes with every core (other bits, and ~20x slower beside a busy process) while one started with
+        # OMP_NUM_THREADS=1 uses one.
+        torch.set_num_threads(self.threads or torch.get_num_threads())
         last_sweep = 0.0
         while True:
             self._complete_writes()
@@ -390,7 +524,7 @@ class Engine:
         start, error = time.perf_counter(), None
         try:
             self.store.write(job.state)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - whatever failed, the request is answered and the session freed
             error = err
         self.written.put((job, value, error, time.perf_counter() - start))
         self.wake.set()
@@ -402,8 +536,14 @@ class Engine:
             except queue.Empty:
                 return
             if error is not None:  # the session stays changed (dirty): written again at eviction or exit
-                logger.error("could not write session %s: %s", job.state.id, error)
-                self._fail(job, ClientError(507, None, "the session's state could not be written (disk full?)"))
+                if not isinstance(error, OSError):
+                    self._fail(job, error)  # logged with its traceback: a 500
+                    continue
+                logger.error("could not write session %s to %s (%s); it stays in memory with this request's change",
+                             job.state.id, self.store.dir, error.strerror or error)
+                self._fail(job, ClientError(507, None, "the request was done but the session's state could not be "
+                                            "written (the server's disk is full?); the session keeps the change in "
+                                            "memory and is written again with its next request"))
                 continue
             self.store.dirty.discard(job.state.id)
             if self.metrics is not None:
@@ -443,6 +583,8 @@ class Engine:
             known, last = generated
             if len(toks) - 1 < S:  # all in the unfinished segment: nothing to compute
                 out, unfinished = list(known), False
+            elif self.m.cmem_len:  # a compressive model compresses at the boundary: the segment is read again
+                pass
             else:  # the segment completes: its memory from the generation's rows, as its reading would keep it
                 rows, b = last.row
                 memory, _ = rows.take(b)  # (L, m, d): the memory rows, then every token the generation read
@@ -452,15 +594,17 @@ class Engine:
                 out = list(known[:S - offset + 1])  # labels toks[offset..S]
                 toks, offset = toks[S:], 0
         while len(toks) - 1 >= S:  # a complete segment: S labels, its memory kept
-            r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory, top=top)
+            r = yield Unit("score", toks[:S], state.memory, toks[1:S + 1], with_memory=state.with_memory, top=top,
+                           compressed=state.compressed)
             out.extend(r.logprobs[max(offset - 1, 0):])
             if top:
                 tops.extend(r.top[max(offset - 1, 0):])
-            state.memory = r.memory
+            state.memory, state.compressed = r.memory, r.compressed
             toks, offset = toks[S:], max(offset - S, 0)
         first = max(offset - 1, 0)
         if unfinished and len(toks) >= 2 and first <= len(toks) - 2:  # read again from the boundary
-            r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory, top=top)
+            r = yield Unit("score", toks[:-1], state.memory, toks[1:], with_memory=state.with_memory, top=top,
+                           compressed=state.compressed)
             out.extend(r.logprobs[first:])
             if top:
                 tops.extend(r.top[first:])
@@ -543,9 +687,9 @@ class Engine:
                     and kept.inputs == len(state.tokens) - 1):
                 # The last generation's rows read every token but its last one, with the same memory and the same
                 # context a prefill would give them: one step from them, batched with the others' steps.
-                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv)
+                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv, compressed=state.compressed)
             else:
-                r = yield Unit("prefill", state.tokens, state.memory)
+                r = yield Unit("prefill", state.tokens, state.memory, compressed=state.compressed)
         for i in range(max_tokens):
             if job.cancelled:
                 finish = "cancelled"
@@ -581,7 +725,7 @@ class Engine:
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
         yield from self.read_ids(state, produced, (chosen, r) if produced else None)
         if produced and state.memory is start_memory:  # no segment ended: the rows stay valid for the next one
-            memory, kv = r.row[0].take(r.row[1])  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
+            memory, kv = self.m.take(r.row)  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
             m0 = 0 if start_memory is None else start_memory.size(1)
             state.generation = Kept(memory, kv, memory.size(1) - m0, start_memory, state.n_tokens)
         state.generated += len(produced)

@@ -74,7 +74,8 @@ class Server:
 
     def info(self, state) -> dict:
         m = self.engine.m
-        return state.info(n_layer=m.n_layer, mem_len=m.mem_len, d_model=m.d_model)
+        return state.info(n_layer=m.n_layer, mem_len=m.mem_len, d_model=m.d_model, cmem_len=m.cmem_len,
+                          cmem_rate=m.cmem_rate)
 
     async def run(self, session: str | None, owner: str, work, *, changes: bool = True, create: dict | None = None,
                   delete: bool = False, events: Events | None = None) -> Any:

@@ -1,10 +1,12 @@
 """Sessions: a document's reading state, its text carried over between requests, and where it is kept.
 
-Shape legend: L layers, m memory rows (<= mem_len), d d_model.
+Shape legend: L layers, m memory rows (<= mem_len; a compressive model's: mem_len to mem_len + c - 1), C
+compressed slots (<= cmem_len), d d_model.
 
 A session's state is what Transformer-XL carries from one segment to the next (Dai et al. 2019,
 section 3.2): the memory, (L, m, d), whatever the length of the document, plus the tokens read since
-the last segment boundary (at most segment_len + 1; the first is the input that predicts the next). The
+the last segment boundary (at most segment_len + 1; the first is the input that predicts the next); a
+compressive model's (Rae et al. 2020, ``txl.model.compressive``) also its compressed memory, (L, C, d). The
 scores of those tokens are recomputed from the memory at the boundary when more text comes, so a
 document read in any pieces is read in exactly the segments `txl score` reads it in.
 
@@ -66,6 +68,9 @@ class SessionState:
     """False: each segment is read alone (the page's 'without memory' view)."""
     memory: torch.Tensor | None = None
     """(L, m, d) float: every layer's input for the last m positions before ``tokens``; None when empty."""
+    compressed: torch.Tensor | None = None
+    """(L, C, d): a compressive model's compressed memory (the states that left ``memory``, c to a slot); None
+    when empty (and always for a model without one)."""
     tokens: list[int] = field(default_factory=list)
     """Tokens since the last segment boundary; tokens[0] is the input that predicts tokens[1]."""
     tail: str = ""
@@ -88,29 +93,43 @@ class SessionState:
     """RAM only, never written: the rows of the session's last generation (``engine.Kept``), so that a generation
     that follows it directly steps on from them instead of reading its tokens again; None otherwise."""
 
-    def info(self, *, n_layer: int, mem_len: int, d_model: int) -> dict:
+    def info(self, *, n_layer: int, mem_len: int, d_model: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict:
+        """What GET /v1/sessions/{id} reports; ``cmem_len`` > 0: a compressive model's, whose memory keeps up to
+        mem_len + cmem_rate - 1 rows (rows leave in whole groups of c) and whose compressed memory is reported too."""
         m = 0 if self.memory is None else int(self.memory.size(1))
         bits = self.nll / 0.6931471805599453
-        return {
+        rows = mem_len + cmem_rate - 1 if cmem_len else mem_len
+        info = {
             "id": self.id, "object": "session", "with_memory": self.with_memory,
             "tokens_read": self.n_tokens, "tokens_generated": self.generated, "tokens_scored": self.n_scored,
             "nll": self.nll, "bits_per_token": bits / self.n_scored if self.n_scored else None,
             "chars": self.chars, "bits_per_char": bits / self.chars if self.chars and self.n_scored else None,
             "pending_chars": len(self.tail), "pending_bytes": len(self.raw), "requests": self.requests,
-            "memory": {"shape": [n_layer, m, d_model], "max_shape": [n_layer, mem_len, d_model],
-                       "bytes": 0 if self.memory is None else self.memory.numel() * self.memory.element_size()},
+            "memory": {"shape": [n_layer, m, d_model], "max_shape": [n_layer, rows, d_model],
+                       "bytes": _bytes(self.memory)},
             "created": self.created, "last_used": self.last_used,
         }
+        if cmem_len:
+            C = 0 if self.compressed is None else int(self.compressed.size(1))
+            info["compressed_memory"] = {"shape": [n_layer, C, d_model], "max_shape": [n_layer, cmem_len, d_model],
+                                         "rate": cmem_rate, "bytes": _bytes(self.compressed)}
+        return info
 
     # -- saving ------------------------------------------------------------------------------------
     def to_file(self, path: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         meta = {k: getattr(self, k) for k in ("id", "owner", "with_memory", "tokens", "tail", "n_tokens", "n_scored",
                                              "nll", "chars", "generated", "requests", "created", "last_used")}
         meta["raw"] = self.raw.hex()
         tensors = {"memory": self.memory.contiguous()} if self.memory is not None else {}
-        save_file(tensors, str(path), metadata={"txl_session": json.dumps(meta)})
+        if self.compressed is not None:
+            tensors["compressed"] = self.compressed.contiguous()
+        # Serialized in memory and written by Python's own file I/O, so that a full disk is the OSError it is
+        # (safetensors' save_file reports it as SafetensorError, which no caller would read as a disk error).
+        data = save(tensors, metadata={"txl_session": json.dumps(meta)})
+        with open(path, "wb") as f:
+            f.write(data)
 
     @classmethod
     def from_file(cls, path: Path) -> SessionState:
@@ -119,8 +138,14 @@ class SessionState:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["txl_session"])
             memory = f.get_tensor("memory") if "memory" in f.keys() else None
+            # A file written before compressed memories were served has none: the session reads on from an empty one.
+            compressed = f.get_tensor("compressed") if "compressed" in f.keys() else None
         meta["raw"] = bytes.fromhex(meta["raw"])
-        return cls(memory=memory, **meta)
+        return cls(memory=memory, compressed=compressed, **meta)
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _lines(text: str) -> list[str]:
@@ -166,6 +191,27 @@ def take_text(state: SessionState, data: str | bytes, tokenizer, *, final: bool)
     return ids, text, tail, raw
 
 
+TEMPORARY = re.compile(r"^\.tmp-[A-Za-z0-9_-]{32}\.safetensors-(?P<pid>\d+)-[0-9a-f]+$")
+"""A session file being written by ``atomic_write`` in process ``pid``."""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
 class SessionStore:
     """Sessions by id: the most recently used ``max_in_memory`` in RAM, the others in ``state_dir``.
 
@@ -173,6 +219,8 @@ class SessionStore:
     """
 
     SUFFIX = ".safetensors"
+    RETRY_SECONDS = 2.0
+    """How often eviction tries again while session files cannot be written."""
 
     def __init__(self, state_dir: str | os.PathLike, *, max_in_memory: int, ttl: float) -> None:
         self.dir = Path(state_dir)
@@ -186,6 +234,23 @@ class SessionStore:
             if ID_PATTERN.match(p.stem):
                 self.last_used[p.stem] = p.stat().st_mtime
         self.evictions = 0
+        self.retry_at = 0.0
+        """While writes fail (a full disk): when eviction next tries (monotonic); 0 while they succeed."""
+        n = self.remove_stale_temporaries()
+        if n:
+            logger.info("removed %d temporary session files left in %s by a server that was killed", n, self.dir)
+
+    def remove_stale_temporaries(self) -> int:
+        """Remove what a writer killed mid-write left (``atomic_write``'s ``.tmp-ID.safetensors-PID-HEX``): those of
+        a process that no longer runs. A live process's temporary (another server on the same directory, mid-write)
+        is left to it."""
+        n = 0
+        for p in self.dir.glob(".tmp-*" + self.SUFFIX + "-*"):
+            found = TEMPORARY.match(p.name)
+            if found and not _running(int(found.group("pid"))):
+                p.unlink(missing_ok=True)
+                n += 1
+        return n
 
     def path(self, sid: str) -> Path:
         return self.dir / (sid + self.SUFFIX)
@@ -242,8 +307,12 @@ class SessionStore:
         self.path(sid).unlink(missing_ok=True)
 
     def evict(self, pinned: set[str]) -> int:
-        """Write the least recently used sessions beyond the budget to disk and drop them from RAM."""
-        if len(self.ram) <= self.max_in_memory:
+        """Write the least recently used sessions beyond the budget to disk and drop them from RAM.
+
+        A session that cannot be written (a full disk) stays in RAM, changed, beyond the budget: the error is
+        logged once, eviction tries again every ``RETRY_SECONDS`` and says when writes work again. Nothing is
+        lost and the worker goes on serving."""
+        if len(self.ram) <= self.max_in_memory or time.monotonic() < self.retry_at:
             return 0
         n = 0
         for sid in list(self.ram):
@@ -252,7 +321,18 @@ class SessionStore:
             if sid in pinned:
                 continue
             if sid in self.dirty:
-                self.save(self.ram[sid])
+                try:
+                    self.save(self.ram[sid])
+                except OSError as err:
+                    if not self.retry_at:
+                        logger.error("could not write session %s to %s (%s): sessions stay in memory beyond "
+                                     "serve.max_sessions_in_memory=%d until they can be written (retried every %g s)",
+                                     sid, self.dir, _reason(err), self.max_in_memory, self.RETRY_SECONDS)
+                    self.retry_at = time.monotonic() + self.RETRY_SECONDS
+                    break
+                if self.retry_at:
+                    logger.info("sessions can be written to %s again", self.dir)
+                    self.retry_at = 0.0
             del self.ram[sid]
             n += 1
         self.evictions += n
@@ -265,8 +345,15 @@ class SessionStore:
         return len(old)
 
     def flush(self, exclude: set[str] = frozenset()) -> int:
-        """Write every session changed since it was last written (at shutdown), but ``exclude``."""
+        """Write every session changed since it was last written (at shutdown), but ``exclude``; a session that
+        cannot be written is logged (by id) and the others are still written. Returns how many were written."""
         dirty = [self.ram[sid] for sid in self.dirty if sid in self.ram and sid not in exclude]
+        n = 0
         for state in dirty:
-            self.save(state)
-        return len(dirty)
+            try:
+                self.save(state)
+                n += 1
+            except OSError as err:
+                logger.error("could not write session %s to %s (%s): its changes since it was last written are lost",
+                             state.id, self.dir, _reason(err))
+        return n

@@ -19,7 +19,8 @@ Where a model's tokenizer is found (:func:`load_model_tokenizer`):
 * a txl checkpoint directory holds the tokenizer saved by training, directly or in ``tokenizer/``;
 * a Hugging Face ``transfo-xl`` directory holds its word vocabulary: ``vocab.txt`` or ``vocab.json``
   (plain formats), or the pickled ``vocab.pkl`` / ``vocab.bin`` (what ``TransfoXLTokenizer.save_pretrained``
-  writes), read with a restricted unpickler that builds only plain containers (``hf_vocab``).
+  writes), read with a restricted unpickler that builds only plain containers (``hf_vocab``), and the
+  tokens of an ``added_tokens.json`` beside it appended at their ids, as ``transformers`` does.
   Its text follows the WikiText-103 conventions: prompts are tokenised with them, unless
   ``pretokenized``, and output is detokenised with them.
 
@@ -273,7 +274,8 @@ def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = Non
         if not Path(vocab_file).is_file():
             raise FileNotFoundError(f"--vocab {vocab_file} is not a file: pass the vocabulary (vocab.txt, one word "
                                     "a line, JSON, or the vocab.pkl that TransfoXLTokenizer.save_pretrained writes)")
-        return _checked(WordTokenizer.from_hf_vocab(vocab_file, allow_pickle=allow_pickle, rules=rules), vocab_size)
+        return _checked(WordTokenizer.from_hf_vocab(vocab_file, allow_pickle=allow_pickle, rules=rules,
+                                                    vocab_size=vocab_size), vocab_size)
     directory = Path(checkpoint)
     if not (directory.is_dir() and _holds_vocabulary(directory)):
         from txl.hub import resolve_model_dir
@@ -291,8 +293,19 @@ def load_model_tokenizer(checkpoint: str | Path, *, vocab_size: int | None = Non
                 f"{directory} has no vocabulary: a txl checkpoint holds {META_FILE} (saved by training), a "
                 f"Hugging Face transfo-xl directory holds {', '.join(HF_VOCAB_FILES + HF_PICKLED_VOCAB_FILES)}; "
                 "add one, or pass a vocabulary file (--vocab FILE)")
-        tok = WordTokenizer.from_hf_vocab(found[0], allow_pickle=allow_pickle, rules=rules)
+        # The added tokens the model has room for: the caller's vocab_size, else the model's config beside it.
+        room = vocab_size if vocab_size is not None else _config_vocab_size(directory)
+        tok = WordTokenizer.from_hf_vocab(found[0], allow_pickle=allow_pickle, rules=rules, vocab_size=room)
     return _checked(tok, vocab_size)
+
+
+def _config_vocab_size(directory: Path) -> int | None:
+    """The vocab_size of the model config in ``directory`` (a Hugging Face config.json), or None."""
+    try:
+        size = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _checked(tok: Tokenizer, vocab_size: int | None) -> Tokenizer:

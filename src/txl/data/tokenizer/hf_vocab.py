@@ -38,10 +38,12 @@ from typing import Any
 from txl.data.tokenizer.vocab import Vocab
 
 __all__ = [
+    "ADDED_TOKENS_FILE",
     "InertObject",
     "read_vocab",
     "restricted_unpickle",
     "vocab_from_pickled_dict",
+    "with_added_tokens",
     "write_vocab_txt",
 ]
 
@@ -214,6 +216,42 @@ def read_vocab(path: str | Path, *, allow_pickle: bool = True) -> Vocab:
     if stripped[:1] in ("[", "{"):
         return _parse_json(stripped, path)
     return _parse_text(text)
+
+
+ADDED_TOKENS_FILE = "added_tokens.json"
+"""What ``save_pretrained`` writes beside the vocabulary for tokens added to it: ``{token: id}``."""
+
+
+def with_added_tokens(vocab: Vocab, path: str | Path, *, vocab_size: int | None = None) -> Vocab:
+    """``vocab`` with the tokens of an ``added_tokens.json`` appended at their ids, as ``transformers`` reads them.
+
+    Hugging Face gives an added token the next id after the vocabulary (``len(tokenizer)`` grows); one already in
+    the vocabulary at that id is listed but not added again. ``TransfoXLTokenizer`` adds ``<formula>`` by default
+    when its vocabulary lacks it, so a model may have been sized for the base vocabulary alone: with
+    ``vocab_size`` (the model's), only the added tokens whose ids are below it are appended (the others would
+    index past the model's embedding; their text reads as unknown words).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); it should map each added token to its id") from None
+    if not isinstance(data, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in data.values()):
+        raise ValueError(f"{path} must be a JSON object mapping each added token to its integer id")
+    added = []
+    for token, i in sorted(data.items(), key=lambda kv: kv[1]):
+        if i < len(vocab) and vocab.symbols[i] == token:
+            continue  # already in the vocabulary, at that id
+        added.append((token, i))
+    expected = list(range(len(vocab), len(vocab) + len(added)))
+    if [i for _, i in added] != expected or any(token in vocab for token, _ in added):
+        raise ValueError(f"{path}: the added tokens must take the ids after the vocabulary's {len(vocab)} symbols, "
+                         f"{len(vocab)}.., each once and not already in it; got {dict(added)}")
+    if vocab_size is not None:
+        added = [(token, i) for token, i in added if i < vocab_size]
+    if not added:
+        return vocab
+    return Vocab(vocab.symbols + [token for token, _ in added], unk=vocab.unk, eos=vocab.eos, bos=vocab.bos)
 
 
 def write_vocab_txt(symbols: Iterable[str], path: str | Path) -> Path:

@@ -306,17 +306,21 @@ class WordTokenizer(Tokenizer):
 
     @classmethod
     def from_hf_vocab(cls, path: str | Path, *, allow_pickle: bool = True, rules: str = "wt103",
-                      wt103_backend: str = "builtin") -> WordTokenizer:
+                      wt103_backend: str = "builtin", vocab_size: int | None = None) -> WordTokenizer:
         """The word tokenizer of a Hugging Face / original Transformer-XL vocabulary file.
 
         ``vocab.txt`` / ``vocab.json``, or a pickled ``vocab.pkl`` / ``vocab.bin`` read with a restricted
         unpickler (``txl.data.tokenizer.hf_vocab``; ``allow_pickle=False`` refuses pickles). Its text follows the
         WikiText-103 conventions, so ``rules="wt103"`` by default; ``rules="whitespace"`` for text already in
-        WikiText form.
+        WikiText form. The tokens of an ``added_tokens.json`` beside it are appended at their ids, as
+        ``transformers`` reads them (those below ``vocab_size``, the model's, when given; see
+        ``hf_vocab.with_added_tokens``); they are whole words, as the vocabulary's.
         """
-        from txl.data.tokenizer.hf_vocab import read_vocab
+        from txl.data.tokenizer.hf_vocab import ADDED_TOKENS_FILE, read_vocab, with_added_tokens
 
         vocab = read_vocab(path, allow_pickle=allow_pickle)
+        if (added := Path(path).parent / ADDED_TOKENS_FILE).is_file():
+            vocab = with_added_tokens(vocab, added, vocab_size=vocab_size)
         spec = make_spec("word", specials=[], unk=vocab.unk, eos=EOS, add_eos=vocab.eos_id is not None,
                          rules=rules, wt103_backend=wt103_backend)
         return cls(spec, vocab)

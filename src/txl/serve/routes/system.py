@@ -24,6 +24,8 @@ async def health(srv: Srv):
     if srv.engine is None:
         status = "failed" if srv.failed else "loading"
         return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+    if srv.engine.failure is not None:  # the model worker is gone: every model request answers 503
+        return JSONResponse({"status": "failed", "reason": srv.engine.failure}, status_code=503)
     return {"status": "draining" if srv.engine.stopping else "ok", "model": srv.name,
             "level": srv.engine.tokenizer.level, "segment_len": srv.engine.m.segment_len,
             "mem_len": srv.engine.m.mem_len, "same_length": srv.engine.m.read_ctx.same_length,
