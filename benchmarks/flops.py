@@ -76,6 +76,9 @@ SHAPES = {
     # A word-level model a CPU can train: an adaptive softmax with two tail clusters (div_val 4), Zipf tokens.
     "word": Shape(n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=64, mem_len=64, batch=8,
                   vocab_size=32000, cutoffs=(2000, 10000), div_val=4, zipf=True),
+    # base at a size a GPU is busy with (16,384 tokens a step; base's 1,024 leave an H100 waiting on the host).
+    "base-gpu": Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=512, mem_len=512,
+                      batch=32),
     # NVIDIA DeepLearningExamples, Transformer-XL PyTorch, WikiText-103 base (wt103_base.yaml), per GPU.
     "nvidia": Shape(n_layer=16, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=192, mem_len=192, batch=32,
                     vocab_size=267735, cutoffs=(20000, 40000, 200000), div_val=1, zipf=True,
@@ -130,15 +133,17 @@ def flops_per_token(shape: Shape, phase: str) -> float:
     return 6 * n + 3 * attn if phase.startswith("train") else 2 * n + attn
 
 
-def speedup_flop_ratio(shape: Shape, length: int) -> float:
+def speedup_flop_ratio(shape: Shape, length: int, tgt_len: int | None = None) -> float:
     """Executed forward FLOPs per predicted token: a vanilla model slid over L-token windows against
-    Transformer-XL with T = M = L, counting here W_kR R as well (the memory rows' keys and values come from
-    the key/value cache of the previous segment, as in ``txl.evaluate``). The softmax is left out of both
-    (the vanilla model scores one position per window, XL every position: a constant per predicted token)."""
+    Transformer-XL reading T-token segments against M = L cached states (T = L unless ``tgt_len``), counting
+    here W_kR R as well (the memory rows' keys and values come from the key/value cache of the previous
+    segment, as in ``txl.evaluate``). The softmax is left out of both (the vanilla model scores one position
+    per window, XL every position: a constant per predicted token)."""
     hd = shape.n_head * shape.d_head
     n = matmul_params(shape)
     vanilla = 2 * n * length + length * attention_flops(shape, length, positional=False)  # one window
-    klen = 2 * length
+    T = tgt_len or length
+    klen = length + T
     xl = (2 * n + attention_flops(shape, klen)  # per segment token
-          + shape.n_layer * 2 * shape.d_model * hd * klen / length)  # W_kR R, once per segment (batch 1)
+          + shape.n_layer * 2 * shape.d_model * hd * klen / T)  # W_kR R, once per segment (batch 1)
     return vanilla / xl

@@ -1,22 +1,27 @@
-"""Issue 26's GPU checks in one command, sized to a lease of device time.
+"""The GPU checks of issues 34 and 26 in one command, sized to a lease of device time.
 
 A GPU is lent to a session by chance and for minutes (at present 15 minutes of device time, the machine's
 start included, at most 10 minutes a command). So the checks are prepared here, run as one command, most
 valuable first, each in a subprocess with its own time limit, and everything they measure is written as it
 comes: a step cut off by the budget keeps its finished measurements, and a second call runs what is left
-(``--skip`` the steps done). On the lent machine (its python3 holds a CUDA PyTorch; nothing can be fetched):
+(``--skip`` the steps done). Issue 34's come first and fit one 9-minute command (``--budget 530``): every
+``-m gpu`` test; NVIDIA's shape in bf16, eager and through CUDA graphs (``txl.graphs``), each with one profiled
+step (host against device time); the same with every change of the issue switched back (``benchmarks.switches``:
+an A/B in one lease), or the whole earlier tree (``--baseline-src``); serving on CUDA. On the lent machine (its
+python3 holds a CUDA PyTorch; nothing can be fetched):
 
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_session --out $OUT --budget 420
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_session --out $OUT --budget 530
 
     python3 -m benchmarks.gpu_session --list                 # the steps, their limits and commands
     python3 -m benchmarks.gpu_session --smoke --out /tmp/s   # the same machinery on a CPU, tiny shapes
 
 Written to --out (at most 8 files, as the device tool brings back): ``summary.md`` (each step's outcome and its
-tables, and the benchmark rows of every step against the issue's targets; also printed at the end),
-``session.log`` (every step's whole output), ``env.json`` (GPU, driver, torch and CUDA versions),
-``results.jsonl`` (the benchmark rows of every step, each with its step's name), ``speedup.md`` /
-``speedup.json`` (the paper's Table 9 lengths).
+tables, issue 34's targets and the benchmark rows against issue 26's; also printed), ``targets.md`` (issue 34's
+targets table alone: training >= 200,000 and evaluation >= 400,000 tokens/s, host below device time, CUDA
+graphs >= eager, every ``-m gpu`` test passing, and each A/B), ``session.log`` (every step's whole output),
+``env.json`` (GPU, driver, torch and CUDA versions), ``results.jsonl`` (the benchmark rows of every step, each
+with its step's name), ``speedup.md`` / ``speedup.json`` (the paper's Table 9 lengths).
 
 The oracle on CUDA (``test_hf_parity_on_cuda``) needs transformers 4.37.2, which the GPU image lacks (it
 has 5.x, without TransfoXL): carry its wheels (benchmarks/README.md, "A GPU session") and pass
@@ -26,9 +31,11 @@ has 5.x, without TransfoXL): carry its wheels (benchmarks/README.md, "A GPU sess
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import sessions
+from benchmarks import sessions, switches
 from txl.fileio import append_jsonl, read_jsonl, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +63,10 @@ class Step:
     needs: tuple[str, ...] = ()  # modules that must import, else the step is skipped and says why
 
 
+GPU_TESTS = ("tests",)
+"""Where the ``-m gpu`` tests are collected from: all of the suite, so that none is left out."""
+
+
 def bench_step(name: str, what: str, work: Path, device: str, worker_timeout: float, cap_s: float, min_s: float,
                *more: str) -> Step:
     """A ``benchmarks.run`` step (no speed-up sweep; a failed measurement is a row) writing into ``work / name``."""
@@ -65,54 +76,73 @@ def bench_step(name: str, what: str, work: Path, device: str, worker_timeout: fl
                 bench=str(out))
 
 
-def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | None = None) -> list[Step]:
-    """The checks in the order they run: the issue's steps 1, 2, 3, what one GPU can run of 4, 5, then the whole
-    suite. Step 4 proper (DDP and FSDP across GPUs) needs two, and step 6 (WikiText-2 rows, ~15 minutes each)
-    more time than a lease has."""
+def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | None = None,
+         baseline_src: str | None = None) -> list[Step]:
+    """The checks in the order they run, most valuable first: issue 34's within one 9-minute command (the
+    ``-m gpu`` tests; NVIDIA's shape in bf16 eager, through CUDA graphs (txl.graphs) and with every change of the
+    issue switched back, each profiled once for host and device time; the whole earlier tree with
+    ``baseline_src``; serving; each change alone; base at GPU size), then issue 26's remaining ones for a second
+    call (the paper's speed-up lengths, DDP/FSDP2 in a group of one, reference attention, the whole suite)."""
     py = sys.executable
     if smoke:  # the same steps on a CPU at the smallest sizes: the machinery, not the figures
-        shapes, dtypes, reps = ["tiny"], ["fp32"], ["--steps", "1", "--warmup", "0", "--threads", "1"]
+        shapes, big, dtype, reps = ["tiny"], ["tiny"], "fp32", ["--steps", "1", "--warmup", "0", "--threads", "1"]
         lengths, speedup_shape, serve_batch = "8,16", "tiny", ["1", "2"]
+        graphs = ["--graphs-backend", "aot_eager"]  # dynamo's graphs without inductor's code generation
     else:
-        shapes, dtypes, reps = ["base", "nvidia"], ["bf16", "tf32"], []
+        shapes, big, dtype, reps = ["nvidia"], ["base-gpu"], "bf16", []
         lengths, speedup_shape, serve_batch = PAPER_LENGTHS, "small", ["1", "8", "32"]
+        graphs = []
     pytest = (py, "-m", "pytest", "-p", "no:cacheprovider")
+    phases = ("--dtypes", dtype, "--phases", "train", "eval")
+    every = switches.available()  # the changes this txl holds (the model-side ones once merged)
     steps = [
         Step("env", "the device", (py, "-m", "benchmarks.gpu_session", "--describe", device,
                                    "--env-out", str(work / "env.json")), 60, 10, files=(str(work / "env.json"),)),
-        Step("gpu-tests", "1: pytest -m gpu", (*pytest, "-q", "-rfEs", "-m", "gpu", "tests/test_gpu.py",
-                                               "tests/test_dropout.py"), 240, 45),
+        Step("gpu-tests", "every -m gpu test", (*pytest, "-q", "-rfEs", "-m", "gpu",
+                                                     "--continue-on-collection-errors", *GPU_TESTS), 240, 45),
     ]
     if oracle_site:
-        steps.append(Step("oracle-cuda", "1: the oracle on CUDA", (*pytest, "-q", "-rfEs", "-m", "gpu and oracle",
-                                                                   "tests/test_gpu.py"), 120, 30,
+        steps.append(Step("oracle-cuda", "the oracle on CUDA", (*pytest, "-q", "-rfEs", "-m", "gpu and oracle",
+                                                                "tests/test_gpu.py"), 120, 30,
                           env={"PYTHONPATH": os.pathsep.join([oracle_site, os.environ.get("PYTHONPATH", "")])}))
     steps += [
-        bench_step("bench-eager", "2: eager, fused attention", work, device, 100, 420, 60,
-                   "--shapes", *shapes, "--dtypes", *dtypes, "--phases", "train", "eval", *reps),
-        Step("speedup", "3: evaluation speed-up", (py, "-m", "experiments.speedup", "--device", device, "--shape",
-                                                   speedup_shape, "--lengths", lengths, "--reps", "2" if smoke else "3",
-                                                   "--results", str(work / "speedup")), 180, 30,
+        bench_step("bench-eager", "eager, profiled once", work, device, 100, 120, 40,
+                   "--shapes", *shapes, *phases, "--modes", "eager", "--profile", *reps),
+        bench_step("bench-graphs", "static shapes through CUDA graphs (txl.graphs), profiled once", work, device,
+                   200, 300, 90, "--shapes", *shapes, *phases, "--modes", "graphs", "--profile", *graphs, *reps),
+        bench_step("bench-before", "eager with every change of issue 34 switched back (A/B)", work, device, 100, 120,
+                   40, "--shapes", *shapes, *phases, "--modes", "eager", "--before", *every, *reps),
+    ]
+    if baseline_src:  # the earlier tree's txl, imported first by the step's benchmark and its workers
+        step = bench_step("bench-baseline", "eager, the earlier tree (--baseline-src)", work, device, 100, 120, 40,
+                          "--shapes", *shapes, *phases, "--modes", "eager", *reps)
+        steps.append(dataclasses.replace(step, env={"PYTHONPATH": os.pathsep.join(
+            [str(Path(baseline_src).resolve()), str(ROOT), os.environ.get("PYTHONPATH", "")])}))
+    steps += [
+        Step("serve-engine", "serving, the engine's batched read and generation",
+             (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
+              "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 90, 20),
+        *[bench_step(f"bench-before-{name}", f"eager with {name} switched back: {switches.SWITCHES[name].what}",
+                     work, device, 100, 120, 35, "--shapes", *shapes, *phases, "--modes", "eager", "--before", name,
+                     *reps) for name in every if len(every) > 1],  # one switch: bench-before is it
+        bench_step("bench-big", "eager beside CUDA graphs at base's GPU size", work, device, 200, 300, 120,
+                   "--shapes", *big, *phases, "--modes", "eager", "graphs", *graphs, *reps),
+        Step("flex", "FlexAttention (positional score_mod) beside SDPA, one layer, forward and backward",
+             (py, "-m", "benchmarks.flex", *(["--smoke", "--reps", "1"] if smoke else ["--device", device])), 150, 60),
+        Step("speedup", "evaluation speed-up at the paper's lengths",
+             (py, "-m", "experiments.speedup", "--device", device, "--shape", speedup_shape, "--lengths", lengths,
+              "--reps", "2" if smoke else "10", "--results", str(work / "speedup")), 180, 30,
              files=(str(work / "speedup" / "speedup.md"), str(work / "speedup" / "speedup.json"))),
-        Step("parallel-one", "4, on one GPU: DDP and FSDP2 over NCCL in a group of one, a DCP round trip",
+        Step("parallel-one", "DDP and FSDP2 over NCCL in a group of one, a DCP round trip",
              (py, "-m", "benchmarks.parallel_one", "--device", device,
               *(["--precisions", "fp32", "--steps", "2"] if smoke else [])), 150, 30),
-        bench_step("bench-compiled", "2: compiled beside eager", work, device, 200, 480, 120,
-                   "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train", "eval", "--compile", "on", *reps),
-        bench_step("bench-reference", "2: reference attention beside fused", work, device, 100, 300, 60,
-                   "--shapes", *shapes, "--dtypes", dtypes[0], "--phases", "train", "eval",
-                   "--model.attn_impl", "reference", *reps),
-        bench_step("profile", "2: where the time goes", work, device, 100, 200, 45,
-                   "--shapes", shapes[-1], "--dtypes", dtypes[0], "--phases", "train", "eval", "--profile",
-                   *(reps or ["--steps", "3", "--warmup", "2"])),
-        Step("serve-engine", "5: serving, the engine's batched read and generation",
-             (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
-              "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 150, 30),
-        Step("serve-http", "5: txl serve, sessions read concurrently",
+        bench_step("bench-reference", "reference attention beside fused", work, device, 100, 300, 60,
+                   "--shapes", *shapes, *phases, "--model.attn_impl", "reference", *reps),
+        Step("serve-http", "txl serve, sessions read concurrently",
              (py, "-m", "benchmarks.serve_throughput", "--sessions", *(["1", "2"] if smoke else ["1", "4", "16"]),
               "--seconds", "1" if smoke else "5", "--rounds", "1"), 180, 60,
              needs=("fastapi", "uvicorn", "httpx")),
-        Step("suite", "1: the whole suite on the GPU machine",
+        Step("suite", "the whole suite on the GPU machine",
              (*pytest, "-v", "--tb=line", "-rfE", *(["tests/test_imports.py"] if smoke else [])), 600, 120),
     ]
     return steps
@@ -156,6 +186,12 @@ def merge_results(step: Step, out: Path) -> list[dict]:
     for row in rows:
         append_jsonl(out / "results.jsonl", row)
     return rows
+
+
+def pytest_counts(output: str) -> str:
+    """pytest's closing counts ('1 failed, 18 passed, 3 skipped, 38 deselected'), or '' if the output has none."""
+    found = re.findall(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s", output, flags=re.M)
+    return found[-1].strip() if found else ""
 
 
 def missing(modules: tuple[str, ...]) -> list[str]:
@@ -213,6 +249,74 @@ def verdicts(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + checks + [""])
 
 
+PLAIN_STEPS = ("bench-eager", "bench-graphs", "bench-big")
+"""The steps measuring the code as it is (the others switch changes back, or run the earlier tree)."""
+
+
+def mode(r: dict) -> str:
+    return "graphs" if r.get("graphs") else ("compiled" if r.get("compile") else "eager")
+
+
+def targets(rows: list[dict], done: list[tuple[str, str, float]]) -> str:
+    """Issue 34's targets, each measured or not, met or missed: NVIDIA's shape in bf16 at >= 200,000 training and
+    >= 400,000 evaluation tokens/s (the faster of eager and CUDA graphs), a profiled step's host time below its
+    device time, CUDA graphs at least as fast as eager at every shape measured, every ``-m gpu`` test passing;
+    then each change's A/B (the rows with changes switched back, or the earlier tree, against the plain eager
+    row of the same shape and phase)."""
+    runs = [r for r in rows if r.get("kind") in ("train", "eval")]
+    plain = [r for r in runs if r.get("step") in PLAIN_STEPS and not r.get("before")]
+    lines = ["## Issue 34's targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    for kind, floor in (("train", TARGETS["nvidia", "train"]), ("eval", TARGETS["nvidia", "eval"])):
+        cands = [r for r in plain if r["shape"] == "nvidia" and r["kind"] == kind and r["dtype"] == "bf16"]
+        if cands:
+            r = max(cands, key=lambda r: r["tokens_per_s"])
+            mfu = r.get("mfu_vs_bf16_peak", r["mfu"])
+            lines.append(f"| nvidia {kind} bf16 >= {floor:,} tokens/s | {r['tokens_per_s']:,.0f} ({mode(r)}; MFU "
+                         f"{mfu:.3f}) | {'met' if r['tokens_per_s'] >= floor else 'missed'} |")
+        else:
+            lines.append(f"| nvidia {kind} bf16 >= {floor:,} tokens/s | not measured | - |")
+    profiled = [r for r in plain if r.get("profile_device_ms")]
+    for r in profiled:
+        host, dev = r["profile_host_ms"], r["profile_device_ms"]
+        lines.append(f"| host < device time per step: {r['shape']} {r['kind']} {r['dtype']} {mode(r)} | host "
+                     f"{host:.1f} ms, device {dev:.1f} ms | {'met' if host < dev else 'missed'} |")
+    for r in (r for r in plain if r.get("profile_error")):
+        lines.append(f"| host < device time per step: {r['shape']} {r['kind']} {r['dtype']} {mode(r)} | the profile "
+                     f"failed: {r['profile_error'][-120:]} | - |")
+    if not profiled:
+        lines.append("| host < device time per step | not measured (no profiled GPU step) | - |")
+    by = {(r["shape"], r["dtype"], r["kind"], mode(r)): r for r in plain}
+    pairs = [(key, by[key], by[(*key[:3], "eager")]) for key in by if key[3] != "eager" and (*key[:3], "eager") in by]
+    for key, fast, eager in pairs:
+        ratio = fast["tokens_per_s"] / eager["tokens_per_s"]
+        lines.append(f"| {key[3]} >= eager: {' '.join(key[:3])} | {ratio:.2f}x ({fast['tokens_per_s']:,.0f} against "
+                     f"{eager['tokens_per_s']:,.0f}) | {'met' if ratio >= 1 else 'missed'} |")
+    if not pairs:
+        lines.append("| compiled >= eager at every shape | not measured | - |")
+    tests = next((o for n, o, _ in done if n == "gpu-tests"), None)
+    if tests is None or tests.startswith("not run"):
+        verdict = "-"
+    elif not tests.startswith("ok"):
+        verdict = "missed"
+    else:
+        verdict = "met" if " passed" in tests else "not measured (none ran here)"
+    lines.append(f"| every -m gpu test passing | {tests or 'not run'} | {verdict} |")
+    ab = []
+    for r in runs:
+        if not (r.get("before") or r.get("step") == "bench-baseline"):
+            continue
+        now = by.get((r["shape"], r["dtype"], r["kind"], mode(r)))
+        what = "the earlier tree" if r.get("step") == "bench-baseline" else ", ".join(r["before"]) + " switched back"
+        if now:
+            ab.append(f"| {r['shape']} {r['kind']} {r['dtype']} {mode(r)} | {what} | {r['tokens_per_s']:,.0f} | "
+                      f"{now['tokens_per_s']:,.0f} | {now['tokens_per_s'] / r['tokens_per_s']:.2f}x |")
+    if ab:
+        lines += ["", "A/B: each change (or all of them) against the code as it is, same worker, same lease.", "",
+                  "| shape phase dtype mode | before | tokens/s before | tokens/s now | now / before |",
+                  "|---|---|---|---|---|", *ab]
+    return "\n".join(lines + [""])
+
+
 def summary(done: list[tuple[str, str, float]], sections: list[str], rows: list[dict], budget: float, used: float,
             out: Path) -> str:
     head = ["# GPU session", "", f"budget {budget:.0f} s, used {used:.0f} s", "",
@@ -220,7 +324,7 @@ def summary(done: list[tuple[str, str, float]], sections: list[str], rows: list[
     env = out / "env.json"
     if env.is_file():
         head += ["```", env.read_text().strip(), "```", ""]
-    return "\n".join(head + [verdicts(rows)] + sections)
+    return "\n".join(head + [targets(rows, done), verdicts(rows)] + sections)
 
 
 def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, str, float]]:
@@ -242,6 +346,8 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
         print(f"[{time.monotonic() - start:5.0f} s] {step.name} ({step.what}), up to {min(left, step.cap_s):.0f} s",
               flush=True)
         outcome, seconds, output = run_step(step, min(left, step.cap_s), log)
+        if counts := pytest_counts(output):
+            outcome += f"; {counts}"
         if step.bench:
             new = merge_results(step, out)
             rows += new
@@ -254,6 +360,7 @@ def run_session(steps: list[Step], out: Path, budget: float) -> list[tuple[str, 
                         f"\n\n```\n{tables(output)}\n```\n")
         print(f"        {outcome} in {seconds:.0f} s", flush=True)
         write_text(out / "summary.md", summary(done, sections, rows, budget, time.monotonic() - start, out))
+        write_text(out / "targets.md", targets(rows, done))
     text = summary(done, sections, rows, budget, time.monotonic() - start, out)
     write_text(out / "summary.md", text)
     print(text)
@@ -294,12 +401,16 @@ def describe(device: str, path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_session", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="where the results go (the device tool's $OUT); emptied of ours first")
-    p.add_argument("--budget", type=float, default=420, help="seconds for all the steps together (default 420)")
+    p.add_argument("--budget", type=float, default=530,
+                   help="seconds for all the steps together (default 530: one 9-minute command)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cuda:N; cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one step each: check the machinery on a CPU")
     p.add_argument("--skip", default="", help="comma-separated steps not to run (a second call: the ones done)")
     p.add_argument("--only", default="", help="comma-separated steps to run, in the plan's order")
     p.add_argument("--oracle-site", help="a directory holding transformers 4.37.2 and its pins (carried wheels)")
+    p.add_argument("--baseline-src", help="a directory holding an earlier txl package (DIR/txl), e.g. made by "
+                                          "'git archive a4a52e2 src/txl | tar -x -C .baseline' as .baseline/src: "
+                                          "the bench-baseline step measures it beside the code as it is")
     p.add_argument("--list", action="store_true", help="print the plan and exit")
     p.add_argument("--describe", help=argparse.SUPPRESS)  # the env step, run as a subprocess
     p.add_argument("--env-out", type=Path, help=argparse.SUPPRESS)
@@ -309,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cpu" if args.smoke and args.device == "cuda" else args.device
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "txl-gpu-session"
-    steps = plan(device, work, smoke=args.smoke, oracle_site=args.oracle_site)
+    if args.baseline_src and not (Path(args.baseline_src) / "txl" / "__init__.py").is_file():
+        p.error(f"--baseline-src {args.baseline_src}: no txl package there (DIR/txl/__init__.py); give the "
+                "directory that holds it, e.g. .baseline/src")
+    steps = plan(device, work, smoke=args.smoke, oracle_site=args.oracle_site, baseline_src=args.baseline_src)
     names = [s.name for s in steps]
     for flag, value in (("--skip", args.skip), ("--only", args.only)):
         unknown = [n for n in value.split(",") if n and n not in names]
@@ -341,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in ("summary.md", "session.log", "env.json", "results.jsonl", "speedup.md", "speedup.json"):
+    for name in ("summary.md", "targets.md", "session.log", "env.json", "results.jsonl", "speedup.md", "speedup.json"):
         (args.out / name).unlink(missing_ok=True)
     done = run_session(steps, args.out, args.budget)
     return 0 if all(o.startswith(("ok", "not run")) for _, o, _ in done) else 1

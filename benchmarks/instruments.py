@@ -18,13 +18,15 @@ CPU = torch.device("cpu")
 
 
 class Profile:
-    """torch.profiler around one step; ``table`` is its top operators by self time (device time on a GPU)."""
+    """torch.profiler around one step; ``table`` is its top operators by self time (device time on a GPU);
+    ``host_ms`` and ``device_ms`` its host (CPU) and device (CUDA) time in all."""
 
     def __init__(self, device: torch.device, rows: int = 18) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof, self.rows, self.device, self.table = profile(activities=activities), rows, device, ""
+        self.host_ms = self.device_ms = 0.0
 
     def __enter__(self) -> Profile:
         self.prof.__enter__()
@@ -35,7 +37,12 @@ class Profile:
             torch.cuda.synchronize(self.device)
         self.prof.__exit__(*exc)
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        self.table = self.prof.key_averages().table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
+        averages = self.prof.key_averages()
+        self.table = averages.table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
+        # The step's host time (every op's own CPU time: what the host spends issuing it) and device time (every
+        # kernel's): a step whose host time exceeds its device time leaves the GPU waiting on the host.
+        self.host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3
+        self.device_ms = sum(e.self_device_time_total for e in averages) / 1e3 if self.device.type == "cuda" else 0.0
 
 
 def make_clock(device: torch.device):

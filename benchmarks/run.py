@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -58,7 +59,7 @@ from pathlib import Path
 import torch
 
 import txl
-from benchmarks import sessions
+from benchmarks import sessions, switches
 from benchmarks.flops import (  # noqa: F401 (Shape, SHAPES, ... are this driver's vocabulary: bench.SHAPES)
     NVIDIA_A100,
     SHAPES,
@@ -77,6 +78,7 @@ from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.evaluate import autocast
 from txl.fileio import write_jsonl
+from txl.model.memory import memory_length
 from txl.optim import build_optimizer
 from txl.presets import apply_overrides
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, retain_freed_memory, to_device
@@ -90,6 +92,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the trainer's precision names
 PHASES = ("train", "train-keep", "train-recompute", "eval")
+MODES = {"eager": (), "compiled": ("--compiled",), "graphs": ("--graphed",)}
+"""How a phase runs: its worker's flags."""
+GPU_SHAPES = ("base-gpu", "nvidia")
+"""The CUDA default shapes: base at B 32, T = M = 512 (16,384 tokens a step), and NVIDIA's WikiText-103 base at
+their own geometry (6,144 training tokens a step; evaluation B 32, T 64, M 640), which their published figures
+are for. The CPU's base (1,024 tokens a step) leaves a GPU waiting on the host."""
 DEFAULT_PHASES = ("train", "train-recompute", "eval")
 # Dai et al. 2019, Table 9: evaluation speed-up over Al-Rfou et al. (2018) on a GPU, by attention length.
 PAPER_SPEEDUP = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}
@@ -152,12 +160,25 @@ def bf16_loss_check(model, x, y, memory) -> dict:
     return dict(loss_fp32=fp32, loss_bf16=bf16, loss_diff=abs(bf16 - fp32))
 
 
+def profiled(device: torch.device, step) -> dict:
+    """One step under torch.profiler: its top operators and host / device time; a profiler that cannot trace the
+    step (CUDA graphs are replayed, not launched op by op) loses the profile, not the row's measurements."""
+    try:
+        with Profile(device) as prof:
+            step()
+    except RuntimeError as err:
+        return dict(profile_error=str(err)[-300:])
+    return dict(profile=prof.table, profile_host_ms=prof.host_ms, profile_device_ms=prof.device_ms)
+
+
 def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
-                 recompute: bool | None = None, compile: bool = False, profile: bool = False,
+                 recompute: bool | None = None, compile: bool = False, graphs: bool = False,
+                 graphs_backend: str | None = None, profile: bool = False,
                  device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed training steps of the library's train_step (memory carried), peak samples around each; with
     ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``). ``recompute``:
-    ``ModelConfig.recompute_attention`` (None: the model's default, or ``--model``'s)."""
+    ``ModelConfig.recompute_attention`` (None: the model's default, or ``--model``'s). ``graphs``: the steps
+    through ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs), as ``train.graphs`` runs them."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     changes = {} if recompute is None else dict(recompute_attention=recompute)
@@ -165,7 +186,9 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))  # the trainer's optimiser (fused Adam)
     precision = PRECISION[dtype_name]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    step_model = compile_model(model, compile)
+    step_model = static_steps(model, graphs_backend) if graphs else compile_model(model, compile)
+    if graphs:  # untimed: the compilation, then CUDA graphs' warm-up run and their recording
+        warmup = max(warmup, GRAPHS_WARMUP)
     memories, samples, extra, bracket = [None], [], {}, Bracket(peak)
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup and dtype_name == "bf16":
@@ -173,9 +196,8 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
         if i == warmup:
             bracket.start()
         if i == warmup + steps:  # the extra, profiled step
-            with Profile(device) as prof:
-                library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
-            extra["profile"] = prof.table
+            extra.update(profiled(device, functools.partial(library_step, step_model, optimizer, scaler, x, y,
+                                                            memories, precision, device, i * shape.tgt_len)))
             break
         t0 = peak.clock()
         memories = library_step(step_model, optimizer, scaler, x, y, memories, precision, device, i * shape.tgt_len)
@@ -186,17 +208,23 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
 
 
 def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
-                compile: bool = False, profile: bool = False, device: torch.device = CPU) -> tuple[list[dict], dict]:
+                compile: bool = False, graphs: bool = False, graphs_backend: str | None = None,
+                profile: bool = False, device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed evaluation segments (per-token NLL, memory and key/value cache carried), peak samples around each.
 
     As ``txl.evaluate``: the memory rows' keys and values come from the previous segment's cache instead of
-    being projected again (the weights do not change in evaluation).
+    being projected again (the weights do not change in evaluation). The warm-up lasts at least until the
+    memory is full, and every timed segment is checked to read M = mem_len rows. ``graphs``: through
+    ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs).
     """
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape)).to(device).eval()
-    forward = compile_model(model, compile)
+    forward = static_steps(model, graphs_backend) if graphs else compile_model(model, compile)
     memory, cache, samples, bracket, extra = None, model.start_kv_cache(), [], Bracket(peak), {}
+    # Untimed until the memory is full and one more segment has run at its final shape: a timed segment reads
+    # M = mem_len rows, as a long evaluation does, at a shape its kernels (and compiled graphs) have met.
+    warmup = max(warmup, eval_fill_segments(shape) + 1)
 
     def segment(x, y):
         with torch.inference_mode(), autocast(device, PRECISION[dtype_name]):
@@ -207,10 +235,11 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup:
             bracket.start()
+        if i >= warmup and memory_length(memory) != shape.mem_len:
+            raise AssertionError(f"timed segment {i - warmup} read {memory_length(memory)} memory rows, not the "
+                                 f"evaluation's mem_len {shape.mem_len}")
         if i == warmup + steps:  # the extra, profiled segment
-            with Profile(device) as prof:
-                segment(x, y)
-            extra["profile"] = prof.table
+            extra.update(profiled(device, functools.partial(segment, x, y)))
             break
         t0 = peak.clock()
         out = segment(x, y)
@@ -218,17 +247,51 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
         memory, cache = out.memory, out.kv_cache
+    extra.update(warmup=warmup, timed_mem_len=shape.mem_len)
     return samples, extra
+
+
+GRAPHS_WARMUP = 3
+"""Training steps the graphs mode leaves untimed at least: torch.compile's, and cudagraph trees' warm-up run and
+recording (the replays come after)."""
+
+
+def static_steps(model: txl.TransformerXL, backend: str | None):
+    """``txl.graphs.StaticSteps(model)``, imported here: a run against an earlier txl (``gpu_session
+    --baseline-src``), which has no txl.graphs, still runs its eager and compiled phases."""
+    from txl.graphs import StaticSteps
+
+    return StaticSteps(model, backend=backend)
+
+
+def eval_fill_segments(shape: Shape) -> int:
+    """Segments an evaluation reads before its memory holds mem_len rows (the shape's evaluation one)."""
+    return -(-shape.mem_len // shape.tgt_len)
+
+
+ORIGINAL_EVAL_TGT_LEN = 128
+"""The original's evaluation geometry (Dai et al.'s scripts, e.g. enwik8 large: tgt_len 128, mem_len 3800):
+short segments against a long memory, beside T = M = L."""
+SPEEDUP_WARMUP = 2
+"""Untimed repetitions of every shape of one length before its timed ones (allocator, kernels, caches)."""
+
+
+def spread(times: list[float]) -> float:
+    """(max - min) / median of repeated timings: how far one repetition strays."""
+    return (max(times) - min(times)) / statistics.median(times)
 
 
 @torch.inference_mode()
 def worker_speedup(shape: Shape, lengths: list[int], reps: int,
                    device: torch.device = CPU) -> list[dict]:
-    """Per-token evaluation time: Transformer-XL (T = M = L) against a vanilla model slid over L-token windows.
+    """Per-token evaluation time: Transformer-XL against a vanilla model slid over L-token windows.
 
     The vanilla model is Al-Rfou et al.'s: learned absolute positions added at every layer, no memory;
-    each window of L tokens predicts only its last token. Both sides run batch 1, fp32, and are timed in
-    turn, rep by rep, so both see the same machine.
+    each window of L tokens predicts only its last token, so only that position goes through the softmax.
+    Transformer-XL reads segments against a full memory of M = L cached states (keys and values carried, as
+    ``txl.evaluate``), in two geometries: T = M = L, and the original's T = 128 (short segments, long memory).
+    Batch 1, fp32. Each length warms every shape up (``SPEEDUP_WARMUP`` repetitions) and then times ``reps``
+    repetitions of the three in turn, so all see the same machine; medians are reported with their spread.
     """
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -238,29 +301,55 @@ def worker_speedup(shape: Shape, lengths: list[int], reps: int,
         xl = txl.TransformerXL(model_config(shape, mem_len=length, dropout=0.0)).to(device).eval()
         vanilla = txl.TransformerXL(model_config(shape, mem_len=0, dropout=0.0, attn_type="al_rfou",
                                                  learned_positions=length)).to(device).eval()
-        tokens = torch.randint(0, shape.vocab_size, (1, (reps + 3) * length + 1), generator=gen).to(device)
+        short = min(ORIGINAL_EVAL_TGT_LEN, length)
+        n = SPEEDUP_WARMUP + reps
+        tokens = torch.randint(0, shape.vocab_size, (1, (n + 2) * length + n * short + 1), generator=gen).to(device)
         first = xl(tokens[:, :length], kv_cache=txl.KVCache())  # a full memory (and its keys) from here on
-        memory, cache = first.memory, first.kv_cache
-        window = tokens[:, :length]
-        vanilla(window)  # warm-up
-        t_xl, t_vanilla = [], []
-        for r in range(reps + 1):  # the first rep warms up the XL shape with memory
-            seg = tokens[:, (r + 1) * length:(r + 2) * length]
+        seg = {"xl": length, "xl_short": short}  # each geometry's segment length
+        state = {name: (first.memory, first.kv_cache) for name in seg}
+        at = {"xl": length, "xl_short": (n + 1) * length}  # where each geometry reads its next segment
+
+        def read(name: str, xl=xl, tokens=tokens, seg=seg, state=state, at=at, length=length) -> None:
+            """One XL segment of geometry ``name`` against its full memory, carried on."""
+            memory, cache = state[name]
+            assert memory[0].size(1) == length, "every XL segment runs against a full memory of M = L"
+            T = seg[name]
+            out = xl(tokens[:, at[name]:at[name] + T], memory=memory, kv_cache=cache, return_log_probs=True)
+            state[name], at[name] = (out.memory, out.kv_cache), at[name] + T
+
+        times: dict[str, list[float]] = {"xl": [], "xl_short": [], "vanilla": []}
+        for r in range(n):
             t0 = clock()
-            out = xl(seg, memory=memory, kv_cache=cache, return_log_probs=True)  # as txl.evaluate
-            memory, cache = out.memory, out.kv_cache
+            read("xl")
             t1 = clock()
-            window = tokens[:, r + 1:r + 1 + length]  # slid by one token
-            vanilla(window, return_log_probs=True).log_probs[:, -1]
+            read("xl_short")
             t2 = clock()
-            if r:
-                t_xl.append((t1 - t0) / length)
-                t_vanilla.append(t2 - t1)
-        xl_tok, van_tok = statistics.median(t_xl), statistics.median(t_vanilla)
-        rows.append(dict(length=length, xl_ms_per_token=1e3 * xl_tok, vanilla_ms_per_token=1e3 * van_tok,
-                         speedup=van_tok / xl_tok, flop_ratio=speedup_flop_ratio(shape, length),
-                         paper=PAPER_SPEEDUP.get(length)))
+            window = tokens[:, r + 1:r + 1 + length]  # slid by one token
+            last = vanilla(window, return_log_probs=False).hidden[:, -1]  # (1, d): the one position it predicts
+            vanilla.softmax.log_prob(last)
+            t3 = clock()
+            if r >= SPEEDUP_WARMUP:
+                times["xl"].append((t1 - t0) / length)
+                times["xl_short"].append((t2 - t1) / short)
+                times["vanilla"].append(t3 - t2)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append(dict(length=length, xl_ms_per_token=1e3 * med["xl"], vanilla_ms_per_token=1e3 * med["vanilla"],
+                         speedup=med["vanilla"] / med["xl"], flop_ratio=speedup_flop_ratio(shape, length),
+                         paper=PAPER_SPEEDUP.get(length), short_tgt_len=short,
+                         xl_short_ms_per_token=1e3 * med["xl_short"], speedup_short=med["vanilla"] / med["xl_short"],
+                         flop_ratio_short=speedup_flop_ratio(shape, length, short), reps=reps,
+                         spread={k: spread(v) for k, v in times.items()}))
     return rows
+
+
+def speedup_regime(shape: Shape, shape_name: str, reps: int, device: torch.device) -> str:
+    """What a speed-up table measured, in one line: the model, batch, geometry, precision, repetitions, spread."""
+    return (f"{shape_name} widths ({shape.n_layer} layers, d_model {shape.d_model}, {shape.n_head} heads of "
+            f"{shape.d_head}, vocabulary {shape.vocab_size}), batch 1, fp32, on {device_name(device)}; "
+            f"Transformer-XL: T = M = L, and T = {ORIGINAL_EVAL_TGT_LEN} (L if shorter), M = L (the original's "
+            "evaluation geometry), keys and values cached; vanilla: an L-token window per predicted token, its last "
+            f"position scored; every length warmed up ({SPEEDUP_WARMUP} repetitions), then {reps} timed in turn, "
+            "medians; spread = (max - min) / median of the repetitions")
 
 
 def worker_bf16_check(shape: Shape) -> dict:
@@ -300,40 +389,44 @@ def run_worker(args) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as the txl command does
-    model_fields = apply_overrides({}, overrides_from(args)).get("model", {})
+    model_fields = {**switches.model_fields(args.before), **apply_overrides({}, overrides_from(args)).get("model", {})}
     shape = SHAPES[args.shape].resized(batch=args.batch, tgt_len=args.tgt_len, mem_len=args.mem_len)
     shape = shape.with_model(model_fields)
     common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device),
-                  **({"model": model_fields} if model_fields else {}))
+                  txl_from=str(Path(txl.__file__).parent), **({"model": model_fields} if model_fields else {}))
     if args.worker == "bf16check":
         print(json.dumps(dict(kind="bf16check", **common, **worker_bf16_check(shape))))
         return
     if args.worker == "speedup":
         rows = worker_speedup(shape, args.lengths, args.reps, device)
-        print(json.dumps(dict(kind="speedup", **common, rows=rows, peak_rss_mb=peak_rss_mb())))
+        print(json.dumps(dict(kind="speedup", **common, rows=rows, peak_rss_mb=peak_rss_mb(),
+                              regime=speedup_regime(shape, args.shape, args.reps, device))))
         return
     clock = time.process_time if args.clock == "cpu" else make_clock(device)
     peaks = device_peaks(device, clock)
-    with phase_context(device, args.dtype):
+    with phase_context(device, args.dtype), switches.before(args.before):
         peak = MatmulPeak(DTYPES[args.dtype], clock, device=device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         if args.worker == "eval":
             samples, extra = worker_eval(shape.for_phase("eval"), args.dtype, args.warmup, args.steps, peak,
-                                         compile=args.compiled, profile=args.profile, device=device)
+                                         compile=args.compiled, graphs=args.graphed,
+                                         graphs_backend=args.graphs_backend, profile=args.profile, device=device)
         else:  # 'train': the model's default; 'train-keep' keeps the attention probabilities, 'train-recompute' not
             recompute = {"train": None, "train-keep": False, "train-recompute": True}[args.worker]
             samples, extra = worker_train(shape, args.dtype, args.warmup, args.steps, peak,
-                                          recompute=recompute, compile=args.compiled,
-                                          profile=args.profile, device=device)
+                                          recompute=recompute, compile=args.compiled, graphs=args.graphed,
+                                          graphs_backend=args.graphs_backend, profile=args.profile,
+                                          device=device)
         wall = time.perf_counter() - t0
     run_shape = shape.for_phase(args.worker)
     tokens = run_shape.batch * run_shape.tgt_len
     fpt = flops_per_token(shape, args.worker)
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     mfu = statistics.median(fpt * tokens / s["step"] / s["peak"] for s in samples)  # each step by the peaks around it
-    record = dict(kind=args.worker, **common, dtype=args.dtype, compile=args.compiled, clock=args.clock,
+    record = dict(kind=args.worker, **common, dtype=args.dtype, compile=args.compiled, graphs=args.graphed,
+                  before=args.before, clock=args.clock,
                   steps=len(samples), batch=run_shape.batch, tgt_len=run_shape.tgt_len, mem_len=run_shape.mem_len,
                   tokens_per_step=tokens, tokens_per_s=tokens / med["step"], flops_per_token=fpt,
                   achieved_flops=fpt * tokens / med["step"], peak_flops=med["peak"], mfu=mfu,
@@ -349,8 +442,9 @@ def spawn(args, *extra: str) -> list[dict]:
     resize = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("batch", "tgt_len", "mem_len")
               if getattr(args, name)]
     model = [f"--{key}={value}" for key, value in overrides_from(args).items()]
+    backend = ["--graphs-backend", args.graphs_backend] if args.graphs_backend else []
     cmd = [sys.executable, "-m", "benchmarks.run", "--threads", str(args.threads), "--device", args.device, *resize,
-           *model, *extra]
+           *model, *backend, *extra]
     # A session of its own: a timeout (or Ctrl-C here) ends the worker with whatever it started (torch.compile's
     # compile workers).
     proc, stdout, stderr, timed_out = sessions.run(cmd, args.worker_timeout, stdout=subprocess.PIPE,
@@ -369,7 +463,8 @@ def spawn(args, *extra: str) -> list[dict]:
 
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
     return [dict(kind="failed", phase=value("--worker"), shape=value("--shape"), dtype=value("--dtype"),
-                 compile="--compiled" in extra, model=overrides_from(args), failure=failure, error=last[-500:],
+                 compile="--compiled" in extra, graphs="--graphed" in extra, model=overrides_from(args),
+                 failure=failure, error=last[-500:],
                  command=" ".join(cmd[1:]))]
 
 
@@ -384,6 +479,11 @@ def spawn_repeated(args, *extra: str) -> list[dict]:
     return [dict(median, repeats=len(runs), **spread)]
 
 
+def mode_of(r: dict) -> str:
+    """How a row's phase ran: 'graphs' (txl.graphs), 'compiled' (torch.compile) or 'eager'."""
+    return "graphs" if r.get("graphs") else ("compiled" if r.get("compile") else "eager")
+
+
 def memory_mb(r: dict) -> float:
     """A phase's peak memory: allocated on the GPU, resident on the CPU."""
     return r.get("peak_mem_mb", r["peak_rss_mb"])
@@ -395,16 +495,16 @@ def print_tables(results: list[dict]) -> None:
         print(f"device: {name}")
     if runs:
         mem = "GPU MB" if any("peak_mem_mb" in r for r in runs) else "RSS MB"
-        head = (f"{'shape':<6} {'dtype':<5} {'comp':<4} {'phase':<10} {'B':>3} {'T':>4} {'M':>4} {'tok/s':>9} "
+        head = (f"{'shape':<8} {'dtype':<5} {'mode':<8} {'phase':<10} {'B':>3} {'T':>4} {'M':>4} {'tok/s':>9} "
                 f"{'step ms':>8} {'MFLOP/tok':>9} {'GFLOP/s':>8} {'peak':>6} {'MFU':>5} {mem:>7}")
         print(head)
         print("-" * len(head))
         for r in runs:
-            print(f"{r['shape']:<6} {r['dtype']:<5} {'yes' if r.get('compile') else 'no':<4} {r['kind']:<10} "
+            print(f"{r['shape']:<8} {r['dtype']:<5} {mode_of(r):<8} {r['kind']:<10} "
                   f"{r.get('batch', ''):>3} {r.get('tgt_len', ''):>4} {r.get('mem_len', ''):>4} "
                   f"{r['tokens_per_s']:>9.0f} {1e3 * r['step_s']:>8.1f} {r['flops_per_token'] / 1e6:>9.1f} "
                   f"{r['achieved_flops'] / 1e9:>8.1f} {r['peak_flops'] / 1e9:>6.0f} {r['mfu']:>5.2f} "
-                  f"{memory_mb(r):>7.0f}")
+                  f"{memory_mb(r):>7.0f}" + (f"  before: {', '.join(r['before'])}" if r.get("before") else ""))
         for r in runs:
             if "mfu_vs_bf16_peak" in r:
                 print(f"{r['shape']} {r['dtype']} {r['kind']}: MFU {r['mfu_vs_bf16_peak']:.3f} of the bf16 peak "
@@ -420,15 +520,18 @@ def print_tables(results: list[dict]) -> None:
             if "loss_diff" in r:
                 print(f"{r['shape']} bf16 autocast loss {r['loss_bf16']:.5f} vs fp32 {r['loss_fp32']:.5f} on the "
                       f"same batch: |diff| = {r['loss_diff']:.2e}")
-        by = {(r["shape"], r["dtype"], r["kind"], bool(r.get("compile"))): r for r in runs}
-        for (shape, dtype, kind, compiled), r in by.items():
-            if compiled and (shape, dtype, kind, False) in by:
-                eager = by[shape, dtype, kind, False]
-                print(f"{shape} {dtype} {kind}: compiled / eager tokens/s = "
+        by = {(r["shape"], r["dtype"], r["kind"], mode_of(r), tuple(r.get("before", ()))): r for r in runs}
+        for (shape, dtype, kind, mode, before), r in by.items():
+            eager = by.get((shape, dtype, kind, "eager", before))
+            if mode != "eager" and eager:
+                print(f"{shape} {dtype} {kind}: {mode} / eager tokens/s = "
                       f"{r['tokens_per_s'] / eager['tokens_per_s']:.2f}x (MFU {eager['mfu']:.2f} -> {r['mfu']:.2f})")
-            if not compiled and dtype == "bf16" and (shape, "fp32", kind, False) in by:
+            if mode == "eager" and dtype == "bf16" and (shape, "fp32", kind, mode, before) in by:
                 print(f"{shape} {kind}: bf16 autocast / fp32 tokens/s = "
-                      f"{r['tokens_per_s'] / by[shape, 'fp32', kind, False]['tokens_per_s']:.2f}x")
+                      f"{r['tokens_per_s'] / by[shape, 'fp32', kind, mode, before]['tokens_per_s']:.2f}x")
+            if before and (shape, dtype, kind, mode, ()) in by:
+                print(f"{shape} {dtype} {kind} {mode}: with / without {', '.join(before)} tokens/s = "
+                      f"{by[shape, dtype, kind, mode, ()]['tokens_per_s'] / r['tokens_per_s']:.2f}x")
         for r in runs:
             if r["shape"] == "nvidia":
                 paper = NVIDIA_A100["train"] if r["kind"].startswith("train") else NVIDIA_A100["eval"]
@@ -438,7 +541,7 @@ def print_tables(results: list[dict]) -> None:
                       f"{r['tokens_per_s']:,.0f} tok/s on {r['device_name']}; NVIDIA's A100 AMP figure at batch 32: "
                       f"{paper:,} tok/s{script}")
     for r in (r for r in runs if "profile" in r):
-        how = " (compiled)" if r.get("compile") else ""
+        how = "" if mode_of(r) == "eager" else f" ({mode_of(r)})"
         print(f"\nprofile of one {r['shape']} {r['dtype']} {r['kind']} step{how}:")
         print(r["profile"])
     for r in (r for r in results if r["kind"] == "bf16check"):
@@ -447,19 +550,22 @@ def print_tables(results: list[dict]) -> None:
               f"{r['mm_flops_fp32'] / 1e9:.0f} in fp32 (--force-bf16 times it anyway). Same batch: bf16 autocast "
               f"loss {r['loss_bf16']:.5f} vs fp32 {r['loss_fp32']:.5f}, |diff| = {r['loss_diff']:.2e}")
     for r in (r for r in results if r["kind"] == "speedup"):
-        print(f"\nevaluation speed-up over a vanilla Transformer slid one token at a time ({r['shape']} widths, "
-              f"batch 1, fp32, XL with T = M = L, {r.get('device', 'cpu')})")
+        print("\nevaluation speed-up over a vanilla Transformer slid one token at a time: "
+              + r.get("regime", f"{r['shape']} widths, batch 1, fp32, XL with T = M = L, {r.get('device', 'cpu')}"))
         head = (f"{'L':>5} {'XL ms/tok':>10} {'vanilla ms/tok':>15} {'speed-up':>9} {'FLOP ratio':>11} "
-                f"{'paper (GPU)':>12}")
+                f"{'T=128 ms/tok':>13} {'speed-up':>9} {'spread XL/short/van':>20} {'paper (GPU)':>12}")
         print(head)
         print("-" * len(head))
         for row in r["rows"]:
             paper = f"{row['paper']}x" if row["paper"] else ""
+            sp = row.get("spread", {})
+            spreads = "/".join(f"{100 * sp[k]:.0f}%" for k in ("xl", "xl_short", "vanilla") if k in sp)
             print(f"{row['length']:>5} {row['xl_ms_per_token']:>10.3f} {row['vanilla_ms_per_token']:>15.2f} "
-                  f"{row['speedup']:>8.0f}x {row['flop_ratio']:>10.0f}x {paper:>12}")
+                  f"{row['speedup']:>8.0f}x {row['flop_ratio']:>10.0f}x {row.get('xl_short_ms_per_token', 0):>13.3f} "
+                  f"{row.get('speedup_short', 0):>8.0f}x {spreads:>20} {paper:>12}")
         print("paper, Table 9: " + ", ".join(f"{v}x at {k}" for k, v in PAPER_SPEEDUP.items()))
     for r in (r for r in results if r["kind"] == "failed"):
-        how = " compiled" if r["compile"] else ""
+        how = "" if mode_of(r) == "eager" else f" {mode_of(r)}"
         what = " ".join(str(v) for v in (r["shape"], r["dtype"], r["phase"]) if v)
         print(f"FAILED {what}{how} ({r['failure']}): {r['error']}")
 
@@ -488,7 +594,8 @@ def plot(results: list[dict], path: Path) -> None:
     ax1.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
     ax1.legend()
     runs = [r for r in results if r["kind"] in PHASES]
-    labels = [f"{r['shape']}\n{r['dtype']} {r['kind']}{' comp' if r.get('compile') else ''}" for r in runs]
+    labels = [f"{r['shape']}\n{r['dtype']} {r['kind']}{'' if mode_of(r) == 'eager' else ' ' + mode_of(r)}"
+              for r in runs]
     ax2.bar(range(len(runs)), [r["mfu"] for r in runs])
     ax2.set_xticks(range(len(runs)), labels, fontsize=7)
     ax2.set(ylabel="MFU (of the same-dtype matmul peak)", title="Model FLOP utilisation", ylim=(0, 1))
@@ -519,6 +626,12 @@ def main(argv: list[str] | None = None) -> None:
                         "train-recompute / train-keep: recompute_attention=True / False; eval: evaluation")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run the phases through torch.compile (on), eagerly (off) or both, side by side")
+    p.add_argument("--modes", nargs="+", choices=list(MODES),
+                   help="how the phases run, side by side: eager, compiled (torch.compile), graphs (txl.graphs: "
+                        "static shapes, CUDA graphs on a GPU); default: as --compile says")
+    p.add_argument("--before", nargs="*", default=[], choices=list(switches.SWITCHES), metavar="CHANGE",
+                   help="run with these changes of issue 34 switched back to before them (benchmarks.switches; "
+                        f"{', '.join(switches.SWITCHES)}): one side of an A/B")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, one more under torch.profiler: its top operators are printed")
     p.add_argument("--batch", type=int, help="override every shape's batch (train and eval)")
@@ -535,7 +648,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="attention lengths of the speed-up sweep (none: skip it); default 128 .. 1600 on a CPU, "
                         "the paper's 800 1800 2800 3800 on a GPU")
     p.add_argument("--speedup-shape", default="small", choices=list(SHAPES))
-    p.add_argument("--reps", type=int, default=3, help="timed segments / windows per length")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per length of the speed-up sweep "
+                   "(after its warm-up; default 10)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
                    help="results.jsonl (rewritten after every measurement) and speedup.png go here")
     p.add_argument("--keep-going", action="store_true",
@@ -549,6 +663,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile setting
+    p.add_argument("--graphed", action="store_true", help=argparse.SUPPRESS)  # a worker's graphs setting
+    p.add_argument("--graphs-backend", help="torch.compile's backend in the graphs mode (default: inductor, CUDA "
+                                           "graphs on a GPU; aot_eager: a CPU smoke run without code generation)")
     args, extra = p.parse_known_args(argv)
     try:  # a misspelt --model.FIELD or a bad value: one line naming it, before any work
         if extra:
@@ -562,18 +679,19 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{flag} {value}: give at least {least}")
     if args.worker_timeout is not None and args.worker_timeout <= 0:
         p.error(f"--worker-timeout {args.worker_timeout:g}: give a positive number of seconds")
+    switches.model_fields(args.before)  # a switch this txl lacks: one line, before any work
     if args.worker:
         return run_worker(args)
     device = check_device(args.device)
     gpu = device.type == "cuda"
-    shapes = args.shapes or (["base", "nvidia"] if gpu else ["small", "base"])
+    shapes = args.shapes or (list(GPU_SHAPES) if gpu else ["small", "base"])
     dtypes = list(args.dtypes or (["bf16", "tf32"] if gpu else ["fp32", "bf16"]))
     lengths = args.lengths if args.lengths is not None else \
         (list(PAPER_SPEEDUP) if gpu else [128, 256, 512, 800, 1600])
     for name in ("tf32", "fp16"):
         if name in dtypes and not gpu:
             raise SystemExit(f"--dtypes {name}: {name} needs --device cuda; use fp32 or bf16 on a CPU")
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    modes = args.modes or {"off": ["eager"], "on": ["compiled"], "both": ["eager", "compiled"]}[args.compile]
     sessions.exit_on_sigterm()  # a running worker's session is stopped too
 
     t0 = time.perf_counter()
@@ -595,9 +713,9 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         for dtype in dtypes:
             for phase in args.phases:
-                for compiled in compiles:
+                for mode in modes:
                     record(spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common,
-                                          *(["--compiled"] if compiled else [])))
+                                          *MODES[mode], *(["--before", *args.before] if args.before else [])))
     if lengths:
         record(spawn(args, "--worker", "speedup", "--shape", args.speedup_shape, "--reps", str(args.reps),
                      "--lengths", *map(str, lengths)))

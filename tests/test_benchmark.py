@@ -124,7 +124,7 @@ def test_run_as_a_module_times_the_tiny_shape(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["shape"], r["compile"], r["batch"]) for r in records] == [("eval", "tiny", False, 2)]
     assert records[0]["model"] == {"attn_impl": "reference"}  # --model.FIELD reached the worker
-    assert records[0]["tokens_per_s"] > 0 and "tiny   fp32  no   eval" in out
+    assert records[0]["tokens_per_s"] > 0 and "tiny     fp32  eager    eval" in out
 
 
 def test_compare_pairs_phases_and_shows_the_spread():

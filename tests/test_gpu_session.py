@@ -12,6 +12,7 @@ import pytest
 from conftest import ORACLE_VERSION, oracle_absent
 
 from benchmarks import gpu_session as gs
+from benchmarks import switches
 
 PY = sys.executable
 
@@ -90,23 +91,71 @@ def test_a_benchmark_step_cut_off_keeps_the_rows_it_wrote(tmp_path):
 
 
 def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
-    """On a GPU: pytest -m gpu first, then base and NVIDIA's shape in bf16 and TF32, the paper's four speed-up
-    lengths, compiled and reference attention beside eager, a profile, serving, the whole suite."""
+    """On a GPU: every -m gpu test first, then NVIDIA's shape in bf16 eager and through CUDA graphs (each profiled
+    once), the same with issue 34's changes switched back, serving, base at GPU size; issue 26's remaining checks
+    after. Issue 34's first steps fit one 9-minute command."""
     steps = gs.plan("cuda", tmp_path)
     names = [s.name for s in steps]
-    assert names == ["env", "gpu-tests", "bench-eager", "speedup", "parallel-one", "bench-compiled",
-                     "bench-reference", "profile", "serve-engine", "serve-http", "suite"]
+    assert names[:6] == ["env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before", "serve-engine"]
+    assert names[-7:] == ["bench-big", "flex", "speedup", "parallel-one", "bench-reference", "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
-    assert "-m gpu tests/test_gpu.py" in by["gpu-tests"]
-    assert "--shapes base nvidia --dtypes bf16 tf32 --phases train eval" in by["bench-eager"]
-    assert "--device cuda" in by["bench-eager"] and "--keep-going" in by["bench-eager"]
-    assert "--lengths 800,1800,2800,3800" in by["speedup"]
-    assert "--compile on" in by["bench-compiled"] and "--model.attn_impl reference" in by["bench-reference"]
-    assert "--profile" in by["profile"] and "--device cuda" in by["serve-engine"]
+    assert "benchmarks.flex --device cuda" in by["flex"]
+    assert "-m gpu --continue-on-collection-errors tests" in by["gpu-tests"]
+    for name in ("bench-eager", "bench-graphs", "bench-before"):
+        assert "--shapes nvidia --dtypes bf16 --phases train eval" in by[name]
+        assert "--device cuda" in by[name] and "--keep-going" in by[name]
+    assert "--modes eager --profile" in by["bench-eager"] and "--modes graphs --profile" in by["bench-graphs"]
+    assert "--before " + " ".join(switches.available()) in by["bench-before"]
+    assert "--shapes base-gpu" in by["bench-big"] and "--modes eager graphs" in by["bench-big"]
+    assert "--lengths 800,1800,2800,3800" in by["speedup"] and "--reps 10" in by["speedup"]
+    assert "--model.attn_impl reference" in by["bench-reference"] and "--device cuda" in by["serve-engine"]
     assert "benchmarks.parallel_one --device cuda" in by["parallel-one"]
-    assert sum(s.min_s for s in steps[:4]) < 420, "the first call's budget must reach the speed-up table"
+    first = [s for s in steps if s.name in ("env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before",
+                                            "serve-engine")]
+    assert sum(s.cap_s for s in first) <= 540 + 420, "the caps of one call's steps stay near its budget"
+    assert sum(s.min_s for s in first) < 530, "one 9-minute call reaches serving"
     oracle = gs.plan("cuda", tmp_path, oracle_site="/tmp/site")
     assert [s.name for s in oracle][2] == "oracle-cuda" and oracle[2].env["PYTHONPATH"].startswith("/tmp/site")
+    base = gs.plan("cuda", tmp_path, baseline_src="/tmp/old/src")
+    step = next(s for s in base if s.name == "bench-baseline")
+    assert step.env["PYTHONPATH"].split(":")[0] == "/tmp/old/src" and "--modes eager" in " ".join(step.argv)
+    smoke = {s.name: " ".join(s.argv) for s in gs.plan("cpu", tmp_path, smoke=True)}
+    assert "--graphs-backend aot_eager" in smoke["bench-graphs"] and "--shapes tiny" in smoke["bench-graphs"]
+
+
+def test_the_targets_table_reads_issue_34s_targets_and_each_ab():
+    """targets.md: the faster of eager and graphs against the tokens/s floors, a profiled step's host against
+    device time, graphs against eager per shape, the -m gpu tests, and each before-row against the plain one."""
+    def row(step, kind, tokens, graphs=False, **more):
+        return dict(step=step, shape="nvidia", dtype="bf16", kind=kind, tokens_per_s=tokens, mfu=0.1,
+                    mfu_vs_bf16_peak=0.2, graphs=graphs, **more)
+    rows = [row("bench-eager", "train", 100_000, profile_host_ms=120.0, profile_device_ms=40.0),
+            row("bench-eager", "eval", 50_000),
+            row("bench-graphs", "train", 250_000, graphs=True, profile_host_ms=2.0, profile_device_ms=30.0),
+            row("bench-graphs", "eval", 40_000, graphs=True, profile_error="CUPTI said no"),
+            row("bench-before", "train", 80_000, before=["sdpa-pin"]),
+            row("bench-baseline", "eval", 25_000)]
+    done = [("gpu-tests", "failed (exit status 1); 1 failed, 22 passed", 40.0)]
+    text = gs.targets(rows, done)
+    assert "| nvidia train bf16 >= 200,000 tokens/s | 250,000 (graphs; MFU 0.200) | met |" in text
+    assert "| nvidia eval bf16 >= 400,000 tokens/s | 50,000 (eager; MFU 0.200) | missed |" in text
+    assert "| host < device time per step: nvidia train bf16 eager | host 120.0 ms, device 40.0 ms | missed |" in text
+    assert "| host < device time per step: nvidia train bf16 graphs | host 2.0 ms, device 30.0 ms | met |" in text
+    assert "| host < device time per step: nvidia eval bf16 graphs | the profile failed: CUPTI said no | - |" in text
+    assert "| graphs >= eager: nvidia bf16 train | 2.50x (250,000 against 100,000) | met |" in text
+    assert "| graphs >= eager: nvidia bf16 eval | 0.80x (40,000 against 50,000) | missed |" in text
+    assert "| every -m gpu test passing | failed (exit status 1); 1 failed, 22 passed | missed |" in text
+    assert "| nvidia train bf16 eager | sdpa-pin switched back | 80,000 | 100,000 | 1.25x |" in text
+    assert "| nvidia eval bf16 eager | the earlier tree | 25,000 | 50,000 | 2.00x |" in text
+    empty = gs.targets([], [("gpu-tests", "ok; 23 skipped", 9.0)])
+    assert "| nvidia train bf16 >= 200,000 tokens/s | not measured | - |" in empty
+    assert "| every -m gpu test passing | ok; 23 skipped | not measured (none ran here) |" in empty
+
+
+def test_pytest_counts_are_read_from_a_steps_output():
+    assert gs.pytest_counts("...F\n==== 1 failed, 18 passed, 3 skipped in 37.09s ====\n") == \
+        "1 failed, 18 passed, 3 skipped"
+    assert gs.pytest_counts("5 passed in 1.20s\n") == "5 passed" and gs.pytest_counts("no tests") == ""
 
 
 @pytest.mark.slow  # real subprocesses: the env step and one tiny measurement, on this CPU
@@ -121,10 +170,35 @@ def test_smoke_session_on_a_cpu(tmp_path, capsys):
     assert "| bench-eager | ok; 2 benchmark rows |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # real subprocesses: torch.compile (aot_eager) and an earlier tree's import, on this CPU
+def test_smoke_graphs_and_an_earlier_tree_on_a_cpu(tmp_path, capsys):
+    """The graphs step (aot_eager here), profiled, and --baseline-src: its rows come from the txl in that
+    directory (a copy of this one here); targets.md is written and printed."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(Path(gs.ROOT) / "src" / "txl", old / "txl", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    rc = gs.main(["--smoke", "--only", "bench-graphs,bench-baseline", "--out", str(out), "--budget", "400",
+                  "--baseline-src", str(old)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["kind"], r["graphs"]) for r in rows) == [
+        ("bench-baseline", "eval", False), ("bench-baseline", "train", False),
+        ("bench-graphs", "eval", True), ("bench-graphs", "train", True)]
+    assert {r["txl_from"] for r in rows if r["step"] == "bench-baseline"} == {str(old / "txl")}
+    assert {r["txl_from"] for r in rows if r["step"] == "bench-graphs"} == {str(Path(gs.ROOT) / "src" / "txl")}
+    assert all(r["profile_host_ms"] > 0 for r in rows if r["step"] == "bench-graphs")
+    targets = (out / "targets.md").read_text()
+    assert "## Issue 34's targets" in targets and targets in capsys.readouterr().out
+
+
 def test_bad_arguments_are_refused_in_one_line(tmp_path, capsys):
     for argv, message in ((["--list", "--skip", "bench"], "--skip bench: no step bench; the steps are env, "),
                           (["--smoke"], "--out DIR is needed"),
-                          (["--smoke", "--out", str(tmp_path), "--budget", "0"], "--budget 0: give a positive")):
+                          (["--smoke", "--out", str(tmp_path), "--budget", "0"], "--budget 0: give a positive"),
+                          (["--smoke", "--out", str(tmp_path), "--baseline-src", str(tmp_path)],
+                           f"--baseline-src {tmp_path}: no txl package there")):
         with pytest.raises(SystemExit):
             gs.main(argv)
         assert message in capsys.readouterr().err

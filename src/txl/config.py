@@ -452,6 +452,11 @@ class TrainConfig:
     compile: bool = False
     """Run the training forward and backward through torch.compile (the first steps pay the compilation;
     the model and its checkpoints are unchanged)."""
+    graphs: bool = False
+    """Run every training step at one static shape (the memory always mem_len rows, those not filled yet hidden)
+    through torch.compile(mode='reduce-overhead'): on CUDA the forward and backward are CUDA graphs, launched
+    once a step instead of kernel by kernel (``txl.graphs``). Needs a relative encoding and ext_len 0; the
+    first steps pay the compilation."""
     loss_positions: LossPositions = "all"
     """Segment positions the training loss is taken on: 'all' (the paper's 'Full' loss) or 'last_half'
     ('Half': the cross-entropy only on the last half of the positions of each training segment, as Al-Rfou
@@ -521,6 +526,8 @@ class EvalConfig:
     """Extended context re-fed from the previous segment."""
     compile: bool = False
     """Evaluate through torch.compile (validation during training and the final test)."""
+    graphs: bool = False
+    """Evaluate at one static shape through CUDA graphs (``txl.graphs``; as ``TrainConfig.graphs``)."""
 
     def __post_init__(self) -> None:
         _check("EvalConfig", "batch_size", self.batch_size >= 1, "must be a positive integer", self.batch_size)

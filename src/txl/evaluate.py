@@ -18,6 +18,7 @@ import torch
 
 from txl.config import Context
 from txl.distributed import DistInfo, all_reduce_sum
+from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
 from txl.model import TransformerXL
 from txl.model.transformer import check_token_ids
@@ -90,13 +91,14 @@ def check_split_fits(split: str, n_tokens: int, *, batch_size: int, tgt_len: int
 @torch.no_grad()
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
              context: Context | None = None, max_batches: int = 0, precision: str = "fp32",
-             info: DistInfo | None = None, compile: bool = False,
+             info: DistInfo | None = None, compile: bool = False, graphs: bool = False,
              on_segment: Callable[[int, int], None] | None = None) -> EvalResult:
     """Mean NLL of ``tokens`` read as ``batch_size`` streams of ``tgt_len``-token segments carrying memory.
 
     ``context``: the attention context (``EvalConfig.context(model.config)``); None is the model's own.
     In a process group each rank reads its share of the streams and the sums are all-reduced.
-    ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile.
+    ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile;
+    ``graphs`` at one static shape through CUDA graphs (``txl.graphs``).
     ``on_segment(done, total)`` is called after each segment (a progress bar: ``txl.metrics.segment_progress``).
     """
     from txl.data import eval_iterator
@@ -108,7 +110,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     context = model.config.context() if context is None else context
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
                        world_size=info.world_size, device=device)
-    forward = compile_model(model, compile)
+    forward = StaticSteps(model) if graphs else compile_model(model, compile)
     total = min(len(it), max_batches) if max_batches else len(it)
     start = time.perf_counter()
     # Sums kept on the device and read once at the end: reading them per segment would wait for each one.

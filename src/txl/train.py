@@ -44,6 +44,7 @@ from txl.distributed import (
 )
 from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, metric_value
 from txl.fileio import remove_partial
+from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
 from txl.metrics import PLOT_FILE, MetricsLog, ProgressBar, plot_learning_curve, segment_progress
 from txl.model import Memory, TransformerXL
@@ -214,6 +215,9 @@ def check_run(cfg: RunConfig, info: DistInfo) -> None:
     if t.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(f"train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only) and the run is on "
                          f"{info.device}; use --train.precision bf16 (or fp32) on CPU")
+    if t.graphs and t.parallel == "fsdp":
+        raise ValueError("train.graphs runs the model at static shapes through CUDA graphs, which FSDP's "
+                         "per-step collectives do not fit; use --train.parallel ddp, or --train.graphs false")
     precision = resolve_precision(t.precision, info.device)  # 'auto': bf16 on a GPU that has it, else fp32
     if precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
         log.warning("train.precision=bf16: this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX), so "
@@ -342,7 +346,8 @@ class Trainer:
                              device=info.device)
         self.state = TrainState(iterator=it, device=info.device, grad_accum=t.grad_accum)
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
-        self.step_model = compile_model(self.ddp, t.compile)  # DDP first, then compile: dynamo splits at buckets
+        # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
+        self.step_model = StaticSteps(self.ddp) if t.graphs else compile_model(self.ddp, t.compile)
         self.pending: list[StepStats] = []  # steps whose figures are still on the device (settle)
 
     # -- the stateful parts -------------------------------------------------------------------------
@@ -449,7 +454,7 @@ class Trainer:
         with segment_progress(self.show_progress, "valid") as on_segment, parallel.gathered(self.model):
             result = evaluate(self.model, self.corpus.valid, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
-                              compile=e.compile, on_segment=on_segment)
+                              compile=e.compile, graphs=e.graphs, on_segment=on_segment)
         return result, eval_settings(tgt_len=t.tgt_len, context=self.cfg.model.context(), batch_size=e.batch_size,
                                      batches=max_batches)
 
@@ -460,7 +465,7 @@ class Trainer:
         with segment_progress(self.show_progress, "test") as on_segment, parallel.gathered(self.model):
             result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=tgt, context=context, precision=self.precision, info=self.info,
-                              compile=e.compile, on_segment=on_segment)
+                              compile=e.compile, graphs=e.graphs, on_segment=on_segment)
         return result, eval_settings(tgt_len=tgt, context=context, batch_size=e.batch_size, batches=0)
 
     def decide_best(self, metrics: MetricsLog) -> tuple[bool, EvalResult]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from txl.model.positions import rel_shift
 
@@ -158,7 +159,31 @@ def shaw_bias(q: torch.Tensor, emb: torch.Tensor, bias: torch.Tensor, *, scale: 
     return realign(position, mask_bias, heads_first=False)  # (B, H, T, K)
 
 
-# -- attention: the fused kernel, and a backward that recomputes --------------------------------
+# -- attention: the fused kernel, pinned; and a backward that recomputes -------------------------
+
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The SDPA kernels txl's attention may run on: every one but cuDNN's.
+
+Our scores carry a dense additive bias (the positional terms and the mask, (B, H, T, K)) and the key length
+K = M + T changes from call to call while the memory fills (and its stride with it). On sm90 torch tries cuDNN
+first for a dense bias, and cuDNN builds an execution plan for every new (shape, stride): 47 ms of host time
+in 16 calls per evaluation segment on an H200 (issue 34's profile), more than the segment's whole device time.
+The memory-efficient kernel takes the same bias with no plan to build (and returns its gradient under
+torch.compile); flash takes no bias at all, so it runs only where there is none; the CPU's fused kernel
+is its 'flash' one; math is the fallback everywhere."""
+
+
+def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=1.0)`` on ``SDPA_BACKENDS``.
+
+    On a CPU there is no cuDNN kernel to keep out, and the backend context costs 20-40 us a call there, so the
+    call is made as is; on any other device (CUDA; meta, where the tests read the flags) inside the context.
+    """
+    if query.device.type == "cpu":
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+
 
 def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> torch.Tensor:
     """softmax(score + qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
@@ -226,7 +251,7 @@ class _RecomputedAttention(torch.autograd.Function):
         # query: (B, H, T, D) scaled; k, val: (B, H, K, D); any strides.
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = F.scaled_dot_product_attention(query, k, val, attn_mask=bias, scale=1.0)  # (B, H, T, D)
+        out = sdpa(query, k, val, bias)  # (B, H, T, D)
         ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
         ctx.bias_fn = bias_fn
         ctx.save_for_backward(query, k, val, out, *bias_inputs)
@@ -349,7 +374,7 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
         return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~mask, scale=1.0)  # (B, H, T, D)
+        return sdpa(qh, kh, vh, ~mask)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
         # The fused kernel cannot return the gradient of its additive mask (the positional term), so
         # training recomputes what it needs in backward, or keeps the probabilities.
@@ -360,4 +385,4 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=1.0)  # (B, H, T, D)
+    return sdpa(qh, kh, vh, bias)  # (B, H, T, D)

@@ -1,0 +1,87 @@
+"""The changes of issue 34, each switchable back to before it inside one benchmark worker: one GPU lease, an A/B.
+
+``python -m benchmarks.run --before sdpa-pin ...`` runs its workers with that change undone (``benchmarks.gpu_session``
+runs each phase with and without every switch). A switch undoes its change for the duration of a ``before``
+block in the worker process, by a ModelConfig field (``model``) or by putting the earlier function back
+(``patch``); nothing is changed in the library for it. The whole earlier tree is the other way to compare
+(``gpu_session --baseline-src``): it needs no switch, but it cannot isolate one change.
+
+Another change of the issue (the model-side ones) becomes one more entry of ``SWITCHES``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Switch:
+    what: str
+    """The change, in a few words."""
+    model: dict[str, object] = field(default_factory=dict)
+    """ModelConfig fields that give the behaviour before the change."""
+    patch: Callable[[], contextlib.AbstractContextManager] | None = None
+    """A context that puts the earlier code back while it is open."""
+
+
+@contextlib.contextmanager
+def _unpinned_sdpa() -> Iterator[None]:
+    """Before ``kernels.sdpa``'s pin: SDPA chooses among all its kernels (cuDNN first for a dense bias on sm90)."""
+    import torch.nn.functional as F
+
+    from txl.model import kernels
+
+    pinned = kernels.sdpa
+
+    def sdpa(query, k, val, attn_mask):
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+
+    kernels.sdpa = sdpa
+    try:
+        yield
+    finally:
+        kernels.sdpa = pinned
+
+
+SWITCHES: dict[str, Switch] = {
+    "sdpa-pin": Switch("SDPA pinned to flash / memory-efficient / math (no cuDNN plan per shape)",
+                       patch=_unpinned_sdpa),
+    # The model-side changes, each a ModelConfig field whose old value gives the behaviour at a4a52e2.
+    "cluster-rows": Switch("adaptive clusters on every row, masked (no nonzero sync per cluster)",
+                           model={"cluster_rows": "selected"}),
+    "softmax-pad": Switch("output matmul widths padded to multiples of 64", model={"softmax_pad": 1}),
+    "state-dtype": Switch("memory and u, v in the compute dtype under autocast", model={"state_dtype": "residual"}),
+}
+
+
+def available() -> list[str]:
+    """The switches this txl has: those whose ModelConfig fields exist (all of them once the changes are in)."""
+    from txl.config import ModelConfig
+
+    fields = set(ModelConfig.__dataclass_fields__)
+    return [name for name, switch in SWITCHES.items() if set(switch.model) <= fields]
+
+
+def model_fields(names: list[str]) -> dict[str, object]:
+    """The ModelConfig fields the named switches set back; a switch this txl lacks is refused in one line."""
+    missing = [name for name in names if name not in available()]
+    if missing:
+        raise SystemExit(f"--before {' '.join(missing)}: this txl's ModelConfig lacks "
+                         f"{', '.join(f for name in missing for f in SWITCHES[name].model)}; the switches here: "
+                         f"{', '.join(available())}")
+    out: dict[str, object] = {}
+    for name in names:
+        out.update(SWITCHES[name].model)
+    return out
+
+
+@contextlib.contextmanager
+def before(names: list[str]) -> Iterator[None]:
+    """The named changes undone (their patches) while the block runs; ``model_fields`` gives their config."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            if SWITCHES[name].patch is not None:
+                stack.enter_context(SWITCHES[name].patch())
+        yield
