@@ -53,6 +53,8 @@ SWITCHES: dict[str, Switch] = {
                            model={"cluster_rows": "selected"}),
     "softmax-pad": Switch("output matmul widths padded to multiples of 64", model={"softmax_pad": 1}),
     "state-dtype": Switch("memory and u, v in the compute dtype under autocast", model={"state_dtype": "residual"}),
+    "cast-weights": Switch("the layers' weights cast in one op per forward, their gradients back in one",
+                           model={"cast_weights": "per_use"}),
 }
 
 
