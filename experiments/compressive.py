@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import common, grid, longrange
+from experiments import common, longrange
 from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
 from txl.data.recall import RecallParams
@@ -292,28 +292,7 @@ def plot(payload: dict[str, Any], png: Path, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    i, n = grid.parse_worker(args.worker)
-    common.setup_logging()
-    if not args.report_only:
-        for v in variants_of(args)[i::n]:
-            one = copy.copy(args)
-            one.variants = v.name
-            with grid.claim(Path(args.out) / v.name) as mine:
-                if not mine:
-                    log.info("%s: another worker is on it, skipped", v.name)
-                    continue
-                collect(one)
-            runs, distances = collect(args, available_only=True)
-            report(runs, distances, args, grid.command(argv))
-    runs, distances = collect(args, available_only=True)
-    if not runs:
-        print("no run is finished and scored yet")
-        return 0
-    report(runs, distances, args, grid.command(argv))
-    print(Path(args.results, "compressive.md").read_text(encoding="utf-8"))
-    return 0
-
+    return longrange.drive(argv, parse_args(argv), variants_of, collect, report, "compressive.md")
 
 if __name__ == "__main__":
     raise SystemExit(main())

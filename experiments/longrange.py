@@ -541,9 +541,9 @@ def plot(main: dict[str, Any], payload: dict[str, Any], png: Path, args: argpars
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def drive(argv: list[str], args, variants_of, collect, report, results_md: str) -> int:
+    """The grid driver of a recall experiment (this one and experiments.compressive): train and score this worker's
+    share of the variants (a report after each), then report every finished run and print the table."""
     i, n = grid.parse_worker(args.worker)
     common.setup_logging()
     if not args.report_only:
@@ -562,9 +562,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no run is finished and scored yet")
         return 0
     report(runs, distances, args, grid.command(argv))
-    print(Path(args.results, "longrange.md").read_text(encoding="utf-8"))
+    print(Path(args.results, results_md).read_text(encoding="utf-8"))
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return drive(argv, parse_args(argv), variants_of, collect, report, "longrange.md")
 
 if __name__ == "__main__":
     raise SystemExit(main())
