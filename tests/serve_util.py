@@ -4,11 +4,13 @@ server on 127.0.0.1 (a free port) in a thread of the test process, stopped by th
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from conftest import tiny_config
 
@@ -86,3 +88,15 @@ def running(app, *, timeout: float = 120.0, ready: bool = True):
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+
+
+def txl_score_logprobs(model_dir: Path, directory: Path, segment_len: int) -> np.ndarray:
+    """`txl score`'s per-token log-probs of TEXT (the command's JSONL, 6 decimals), read in segments of segment_len."""
+    from txl.cli import main
+
+    doc, out = directory / "doc.txt", directory / "scores.jsonl"
+    doc.write_bytes(TEXT.encode("utf-8"))
+    assert main(["score", "--checkpoint", str(model_dir), str(doc), "-o", str(out), "--segment-len",
+                 str(segment_len)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return np.array([r["logprob"] for r in rows if "logprob" in r])

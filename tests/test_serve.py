@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import TEXT, loader, make_model_dir, running  # noqa: E402
+from serve_util import TEXT, loader, make_model_dir, running, txl_score_logprobs  # noqa: E402
 
 import txl  # noqa: E402
 from txl.cli import main  # noqa: E402
@@ -42,12 +42,7 @@ def server(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
     """`txl score`'s per-token log-probs of TEXT (the JSONL of the command, 6 decimals)."""
-    directory = tmp_path_factory.mktemp("score")
-    doc, out = directory / "doc.txt", directory / "scores.jsonl"
-    doc.write_bytes(TEXT.encode("utf-8"))
-    assert main(["score", "--checkpoint", str(model_dir), str(doc), "-o", str(out), "--segment-len", str(SEGMENT)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    return np.array([r["logprob"] for r in rows if "logprob" in r])
+    return txl_score_logprobs(model_dir, tmp_path_factory.mktemp("score"), SEGMENT)
 
 
 def new_session(client, **body):

@@ -2,7 +2,6 @@
 at a fixed size, reads as `txl score` reads, generates as the library generates from the same state, survives a
 spill and a restart, and GET /v1/sessions/{id} reports both shapes."""
 
-import json
 
 import numpy as np
 import pytest
@@ -10,12 +9,11 @@ import torch
 from conftest import tiny_config
 
 import txl
-from txl.cli import main
 from txl.model import TransformerXL
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import TEXT, loader, make_model_dir, running  # noqa: E402
+from serve_util import TEXT, loader, make_model_dir, running, txl_score_logprobs  # noqa: E402
 
 from txl.serve import ServeConfig, create_app  # noqa: E402
 from txl.serve.engine import Model, Unit  # noqa: E402
@@ -36,12 +34,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model_dir, tmp_path_factory):
     """`txl score`'s per-token log-probs of TEXT (the command's JSONL)."""
-    directory = tmp_path_factory.mktemp("score")
-    doc, out = directory / "doc.txt", directory / "scores.jsonl"
-    doc.write_bytes(TEXT.encode("utf-8"))
-    assert main(["score", "--checkpoint", str(model_dir), str(doc), "-o", str(out), "--segment-len", str(SEGMENT)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    return np.array([r["logprob"] for r in rows if "logprob" in r])
+    return txl_score_logprobs(model_dir, tmp_path_factory.mktemp("score"), SEGMENT)
 
 
 def app(state_dir, model_dir, **overrides):
