@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time (default); cpu: this process's CPU time (time.process_time), which on a "
                    "shared machine leaves out the time other processes held the core (on a GPU only 'wall' is fair)")
+    p.add_argument("--compile", action="store_true", help="also run this tree's engine with compiled generation "
+                   "steps (txl.static_step), interleaved with its eager engine; a first untimed round compiles")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
@@ -85,6 +87,11 @@ def main() -> None:
             engine = importlib.import_module(f"{package}.serve.engine")
             engines[name] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False,
                                           clamp_len=0), engine.Unit)
+            if args.compile and package == "txl":
+                engines[name + "compiled "] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len,
+                                                            same_length=False, clamp_len=0, compile=True),
+                                               engine.Unit)
+        trees = {name: None for name in engines}
     c = model.config
     L, d, V = c.n_layer, c.d_model, c.vocab_size
 
@@ -110,6 +117,10 @@ def main() -> None:
             rows = m.run("step", [Unit("step", [1], row=r.row) for r in rows])
         return B * args.steps, clock() - start
 
+    if args.compile:  # compiled graphs are made on first use, per batch size: not timed
+        for B in args.batch:
+            for tree in trees:
+                generate(tree, B)
     times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.repeats):
         for B in args.batch:

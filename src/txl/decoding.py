@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from txl.compiled_step import CompiledStep, compiled_step_error, room
 from txl.config import Context
 from txl.config import check_sampling as check_sampling_values
 from txl.model.kv_cache import KVCache, weights_version
@@ -168,11 +169,21 @@ class Decoder:
     segments), ``clamp_len`` as given (None: the model's). Holds no model state but the positional table
     its KV caches share; the memory and keys live in the ``Rows`` it returns. ``check_weights``: rebuild
     cached keys whose weights changed since (a model between training steps); a server never changes them.
+
+    ``compile``: the (B, 1) steps run as one torch.compile graph (``txl.compiled_step``: symbolic sizes, so the
+    growing memory never recompiles it; the rows are written in place into the same buffers as eagerly), the prefill
+    eagerly (compute-bound, and of a new length each time); for an encoding the compiled step cannot read (absolute,
+    Shaw's, rotary, a compressed memory) the whole forward goes through torch.compile instead. ``backend``:
+    torch.compile's (None: inductor).
     """
 
     def __init__(self, model, *, mem_len: int | None = None, clamp_len: int | None = None, compile: bool = False,
-                 check_weights: bool = True) -> None:
+                 check_weights: bool = True, backend=None) -> None:
         self.model = model
+        self.compiled = None
+        if compile and compiled_step_error(model) is None:
+            self.compiled = CompiledStep(model, backend=backend)
+            compile = False  # the prefill runs eagerly
         self.forward = compile_model(model, compile)  # the model itself unless compile
         self.context = model.config.context(mem_len=mem_len or BIG, same_length=False, clamp_len=clamp_len,
                                             ext_len=0)
@@ -199,13 +210,16 @@ class Decoder:
         if lead is not None and any(n and p != M for p, n in zip(rows.pads, lead)):
             raise ValueError("pads inside a row: a row's pads must come before everything it has read")
         pads = [p + (n if lead is not None else 0) for p, n in zip(rows.pads, lead or [0] * B)]
-        padding = rows.padding(T, pads, self.device)
         cache = None
         if self.cacheable:
             if self.check_weights:
                 self.version = weights_version(self.model)
             if rows.version != self.version:  # keys of other weights (or none): projected again from the memory
                 rows = Rows(rows.memory, (), (), rows.pads)
+        if self.compiled is not None and T == 1 and M:
+            return self._compiled_step(ids, rows, pads)
+        padding = rows.padding(T, pads, self.device)
+        if self.cacheable:
             cache = KVCache(keys=rows.keys, values=rows.values, positions=self.table, buffers=rows.buffers,
                             weights_version=self.version)
         out = self.forward(ids, memory=rows.memory or None, context=self.context, padding=padding, kv_cache=cache,
@@ -219,6 +233,32 @@ class Decoder:
         new = Rows(tuple(out.memory), tuple(kv.keys) if kv is not None else (),
                    tuple(kv.values) if kv is not None else (), [max(p - dropped, 0) for p in pads],
                    kv.buffers if kv is not None else (), self.version)  # (B, M', ...) per layer
+        return next_lp, new
+
+    def _compiled_step(self, ids: torch.Tensor, rows: Rows, pads: list[int]) -> tuple[torch.Tensor, Rows]:
+        """``run`` of a (B, 1) step through the compiled step: the new row is written in place into the rows'
+        buffers (new ones when they have none or are full)."""
+        M, L = rows.length, len(rows.memory)
+        keys, values, had = rows.keys, rows.values, [None] * (3 * L)
+        if not keys:  # keys of other weights, or none kept: projected once from the memory
+            keys, values = zip(*(layer.attn.keys_values(m) for layer, m in zip(self.model.layers, rows.memory)))
+        elif rows.buffers:
+            had = [b[i] for i in range(3) for b in rows.buffers]  # the memories, then the keys, then the values
+        buffers = room([*rows.memory, *keys, *values], had)
+        n = buffers[0].end
+        self.table = self.model.encoding.grow_table([layer.attn for layer in self.model.layers], self.table, M + 1,
+                                                    self.context.clamp_len, d_model=self.model.config.d_model,
+                                                    dtype=self.dtype, device=self.device)
+        next_lp = self.compiled(ids, buffers, n - M, self.table, pads)  # (B, V)
+        kept = min(M + 1, self.context.mem_len)  # a sliding window keeps the last mem_len rows
+        dropped = M + 1 - kept
+
+        def window(bufs):
+            return tuple(b.data[:, n + 1 - kept:n + 1] for b in bufs)  # (B, M', ...) views
+
+        new = Rows(window(buffers[:L]), window(buffers[L:2 * L]), window(buffers[2 * L:]),
+                   [max(p - dropped, 0) for p in pads], tuple(zip(buffers[:L], buffers[L:2 * L], buffers[2 * L:])),
+                   self.version)
         return next_lp, new
 
 

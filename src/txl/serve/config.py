@@ -53,6 +53,10 @@ class ServeConfig:
     """Most sessions read in one batched forward pass."""
     drain_seconds: float = 10.0
     """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
+    compile: bool = False
+    """Run generation steps as one torch.compile graph at static shapes (``txl.static_step``; relative attention):
+    fewer per-token costs, paid for by a compilation per batch size and 256 tokens of context (seconds to minutes
+    at start-up and as batches change); off: eager."""
     threads: int = 0
     """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
     model_name: str = ""

@@ -106,8 +106,9 @@ class Model:
     (as `txl generate` generates)."""
 
     def __init__(self, model, *, segment_len: int, context: Context | None = None, mem_len: int | None = None,
-                 same_length: bool | None = None, clamp_len: int | None = None) -> None:
-        """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's."""
+                 same_length: bool | None = None, clamp_len: int | None = None, compile: bool = False) -> None:
+        """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's.
+        ``compile``: generation steps through one compiled graph (``Decoder``'s ``compile``)."""
         c = model.config
         self.model = model.eval()
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
@@ -124,7 +125,7 @@ class Model:
                              f"(got {context.same_length})")
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
-        self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False)
+        self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False, compile=compile)
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances

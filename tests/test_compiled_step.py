@@ -1,0 +1,150 @@
+"""The compiled generation step (``txl.compiled_step``, ``Decoder(compile=True)``) equals the eager step, greedy token
+for token and in log-probabilities, and one graph serves every step while the memory grows, slides and moves to a new
+buffer, and while rows leave the batch.
+
+The graph counts come from a counting torch.compile backend wrapped around ``aot_eager`` (the graphs dynamo and
+AOTAutograd make, without inductor's code generation, which takes tens of seconds here); one slow test runs inductor.
+"""
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import txl
+from txl.compiled_step import HEADROOM, CompiledStep, compiled_step_error
+from txl.decoding import Decoder
+from txl.serve.engine import Model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = HEADROOM + 6  # the rows move to a new buffer on the way
+LEAD = [0, 2, 4]  # a left-padded prompt batch: rows of 7, 5 and 3 tokens
+
+
+class Counting:
+    """A torch.compile backend: ``inner``'s graphs, counted as they are made (``graphs``) and run (``runs``)."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner = torch._dynamo.lookup_backend(inner)
+        self.graphs = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def fresh_graphs():
+    """Graphs compiled by another test are not reused (dynamo's cache is per process)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def model_of(**overrides) -> txl.TransformerXL:
+    torch.manual_seed(0)
+    model = txl.TransformerXL(tiny_config(**overrides)).eval()
+    with torch.no_grad():  # every weight away from its initialisation, so every term counts
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def greedy(decoder: Decoder, steps: int = STEPS, leave_at: int | None = None) -> tuple[torch.Tensor, list]:
+    """Log-probabilities ((steps + 1) x (B, V)) and tokens of a greedy generation from a left-padded prompt;
+    ``leave_at``: after that step the middle row leaves the batch (``Rows.select``)."""
+    ids = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(1))  # (B, T)
+    lp, rows = decoder.run(ids, None, lead=LEAD)
+    log_probs, tokens = [lp], []
+    for s in range(steps):
+        if s == leave_at:
+            rows, lp = rows.select([0, 2]), lp[[0, 2]]
+        tok = lp.argmax(-1, keepdim=True)  # (B, 1)
+        tokens.append(tok.squeeze(1).tolist())
+        lp, rows = decoder.run(tok, rows)
+        log_probs.append(lp)
+    return log_probs, tokens
+
+
+@pytest.mark.parametrize("mem_len, clamp_len, overrides", [
+    (None, 0, {}),  # the memory keeps every row
+    (9, 5, {}),  # a sliding window of 9 rows (its start moves along the buffer); distances beyond 5 share a row
+    (None, 0, {"pre_ln": True, "untie_r": True}),  # keys of normalised rows; each layer its own u, v
+], ids=["all", "window_clamp", "pre_ln_untied"])
+def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides):
+    model = model_of(clamp_len=clamp_len, **overrides)
+    backend = Counting()
+    compiled = Decoder(model, mem_len=mem_len, compile=True, backend=backend)
+    assert compiled.compiled is not None
+    got, got_tokens = greedy(compiled)
+    want, want_tokens = greedy(Decoder(model, mem_len=mem_len))
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert backend.runs == STEPS  # every step ran the graph (the prefill runs eagerly)
+    assert backend.graphs == 1  # and one graph served all of them: no recompilation as the memory grows
+
+
+def test_rows_leaving_the_batch_keep_the_graph():
+    model = model_of()
+    backend = Counting()
+    got, got_tokens = greedy(Decoder(model, compile=True, backend=backend), leave_at=10)
+    want, want_tokens = greedy(Decoder(model), leave_at=10)
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert (backend.graphs, backend.runs) == (1, STEPS)  # batch 3, then 2: the batch size is a symbol too
+
+
+def test_the_compiled_step_writes_into_the_rows_buffers():
+    """The memory, keys and values the step returns are views of buffers it wrote in place: no per-token copy."""
+    model = model_of()
+    decoder = Decoder(model, compile=True, backend=Counting())
+    ids = torch.randint(0, 61, (2, 4), generator=torch.Generator().manual_seed(2))  # (B, T)
+    lp, rows = decoder.run(ids)
+    _, after = decoder.run(lp.argmax(-1, keepdim=True), rows)
+    _, later = decoder.run(lp.argmax(-1, keepdim=True), after)
+    for before, now in ((after.memory, later.memory), (after.keys, later.keys), (after.values, later.values)):
+        for b, n in zip(before, now):
+            assert n.data_ptr() == b.data_ptr() and n.size(1) == b.size(1) + 1  # the same rows, one more
+    uncached = model(torch.cat([ids, lp.argmax(-1, keepdim=True).expand(2, 2)], 1)).memory  # (B, 6, d) each
+    for m, u in zip(later.memory, uncached):
+        torch.testing.assert_close(m, u, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [dict(attn_type="absolute"), dict(attn_type="shaw"), dict(attn_type="rotary"),
+                                       dict(cmem_len=4)], ids=["absolute", "shaw", "rotary", "compressive"])
+def test_other_encodings_compile_the_whole_forward(overrides):
+    model = model_of(**overrides)
+    why = compiled_step_error(model)
+    assert why is not None and why.split("=")[0] in ("attn_type", "cmem_len")
+    with pytest.raises(ValueError, match="a compiled generation step is not available: .*generate without compile"):
+        CompiledStep(model)
+    decoder = Decoder(model, compile=True)
+    assert decoder.compiled is None and decoder.forward is not model  # torch.compile of the forward, as before
+
+
+def test_the_serving_engine_passes_compile_on():
+    model = model_of()
+    assert Model(model, segment_len=8, compile=True).decoder.compiled is not None
+    assert Model(model, segment_len=8).decoder.compiled is None
+
+
+@pytest.mark.slow
+def test_inductor_steps_equal_eager():
+    """Inductor's generated code (the path `txl serve --serve.compile true` runs): greedy tokens identical, log-probs
+    within 1e-4 (its fused loops sum in another order), one graph for the batch of 3 across the new buffer."""
+    model = model_of(clamp_len=5)
+    backend = Counting("inductor")
+    got, got_tokens = greedy(Decoder(model, mem_len=9, compile=True, backend=backend))
+    want, want_tokens = greedy(Decoder(model, mem_len=9))
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert (backend.graphs, backend.runs) == (1, STEPS)
