@@ -1,5 +1,5 @@
 """FastAPI dependencies: the server's state, the caller's key (auth), the engine once the model is ready,
-and a request's JSON body read as one of ``protocol``'s models.
+and a request's JSON body read as one of ``protocol``'s models; ``get_and_head`` registers a route for both.
 
 A route names what it needs in its signature (``owner: Owner``, ``engine: Ready``); FastAPI resolves the
 dependencies in that order, so a missing key is a 401 before a loading model's 503, as before.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from txl.serve.engine import Engine
@@ -67,3 +67,14 @@ def body(kind: type[BaseModel], *, optional: bool = False):
         return parse(kind, data, context=limits)
 
     return Depends(dependency)
+
+
+def get_and_head(router: APIRouter, path: str, **options):
+    """A decorator: the route at ``path`` answers GET and HEAD (the same handler; HEAD without the body). The HEAD
+    twin is left out of /openapi.json, whose operations are one per method, so its id would repeat GET's."""
+
+    def register(handler):
+        router.api_route(path, methods=["HEAD"], include_in_schema=False, **options)(handler)
+        return router.api_route(path, methods=["GET"], **options)(handler)
+
+    return register

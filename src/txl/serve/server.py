@@ -7,14 +7,16 @@ Nothing here knows HTTP routes or the OpenAI format; nothing here runs the model
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
+
 from txl.serve.config import ServeConfig
 from txl.serve.engine import Engine, Job, Model, QueueFull
 from txl.serve.metrics import Metrics
+from txl.serve.responses import StreamError
 from txl.serve.session import ID_PATTERN, ClientError, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -102,32 +104,37 @@ class Server:
                 raise data
 
 
-async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], first: list | None = None):
+async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], first: list | None = None, *,
+              model: type[BaseModel]):
     """A streamed answer: an error before the first event is a plain JSON error; then server-sent events,
-    ``data: {...}`` each, ending with ``data: [DONE]``. A client that goes away cancels the generation at
+    ``data: {...}`` each (what ``render`` makes of an event, validated as a ``model``: the route's chunk model in
+    ``txl.serve.responses``), ending with ``data: [DONE]``. A client that goes away cancels the generation at
     the next token; what was generated stays in the session."""
     from fastapi.responses import StreamingResponse
 
-    kind, data = await events.queue.get()
+    def data(chunk: dict, kind: type[BaseModel]) -> str:  # only the keys the chunk sets, as the JSON answers
+        return f"data: {kind.model_validate(chunk).model_dump_json(exclude_unset=True)}\n\n"
+
+    kind, value = await events.queue.get()
     if kind == "error":
-        raise data
+        raise value
 
     async def stream():
-        nonlocal kind, data
+        nonlocal kind, value
         try:
             for k, d in first or []:
-                yield f"data: {json.dumps(render(k, d))}\n\n"
+                yield data(render(k, d), model)
             while True:
                 if kind == "error":
-                    err = data if isinstance(data, ClientError) else ClientError(500, None, "internal error")
-                    yield f"data: {json.dumps({'error': {'field': err.field, 'reason': err.reason}})}\n\n"
+                    err = value if isinstance(value, ClientError) else ClientError(500, None, "internal error")
+                    yield data({"error": {"field": err.field, "reason": err.reason}}, StreamError)
                     break
-                chunk = render(kind, data)
+                chunk = render(kind, value)
                 if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield data(chunk, model)
                 if kind == "done":
                     break
-                kind, data = await events.queue.get()
+                kind, value = await events.queue.get()
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True  # no effect once it is done; stops the generation if the client left

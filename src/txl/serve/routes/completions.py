@@ -20,11 +20,12 @@ from fastapi import APIRouter
 from txl.serve import openai
 from txl.serve.deps import Owner, Ready, Srv, body
 from txl.serve.protocol import CompletionBody, Prompt
+from txl.serve.responses import ERRORS, Completion, CompletionChunk, stream_of
 from txl.serve.routes.sessions import generation
 from txl.serve.server import Events, sse
 from txl.serve.session import ClientError
 
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 
 
 def check_model(srv, model: str | None) -> None:
@@ -49,7 +50,8 @@ def check_prompt(prompt: Prompt, i: int | None, *, vocab_size: int, limit: int, 
         raise ClientError(400, field, f"token id {bad} is out of range: the vocabulary has ids 0..{vocab_size - 1}")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=Completion, response_model_exclude_unset=True,
+             responses=stream_of(CompletionChunk))
 async def completions(srv: Srv, owner: Owner, engine: Ready,
                       req: Annotated[CompletionBody, body(CompletionBody)]):
     check_model(srv, req.model)
@@ -96,4 +98,4 @@ async def completions(srv: Srv, owner: Owner, engine: Ready,
     events = Events()
     job = await srv.run(req.session, owner, work_of(prompts[0], events), events=events)
     return await sse(events, job, openai.Chunks(cid=cid, created=created, model=srv.name, logprobs=req.logprobs,
-                                                token_text=tok.token_text))
+                                                token_text=tok.token_text), model=CompletionChunk)

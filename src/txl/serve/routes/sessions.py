@@ -6,26 +6,28 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request
 
-from txl.serve.deps import Owner, Ready, Srv, body, read_json
+from txl.serve.deps import Owner, Ready, Srv, body, get_and_head, read_json
 from txl.serve.engine import Engine
 from txl.serve.protocol import TEXT_TYPES, CreateSession, GenerateBody, TextBody, TextQuery, parse
+from txl.serve.responses import ERRORS, Deleted, Generation, GenerationChunk, SessionInfo, TextRead, stream_of
 from txl.serve.server import Events, sse
 from txl.serve.session import ClientError
 
-router = APIRouter(prefix="/v1/sessions")
+router = APIRouter(prefix="/v1/sessions", responses=ERRORS)
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, response_model=SessionInfo, response_model_exclude_unset=True)
 async def create(srv: Srv, owner: Owner, req: Annotated[CreateSession, body(CreateSession, optional=True)]):
     return await srv.run(None, owner, lambda s, j: srv.info(s), create={"with_memory": req.memory})
 
 
-@router.api_route("/{sid}", methods=["GET", "HEAD"])
+@get_and_head(router, "/{sid}", response_model=SessionInfo,
+                  response_model_exclude_unset=True)
 async def get(sid: str, srv: Srv, owner: Owner):
     return await srv.run(sid, owner, lambda s, j: srv.info(s), changes=False)
 
 
-@router.delete("/{sid}")
+@router.delete("/{sid}", response_model=Deleted)
 async def delete(sid: str, srv: Srv, owner: Owner):
     return await srv.run(sid, owner, lambda s, j: {"id": s.id, "object": "session", "deleted": True},
                          changes=False, delete=True)
@@ -36,7 +38,7 @@ def content_type(request: Request) -> str:
     return request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
 
 
-@router.post("/{sid}/text")
+@router.post("/{sid}/text", response_model=TextRead, response_model_exclude_unset=True)
 async def text(sid: str, request: Request, srv: Srv, owner: Owner, engine: Ready):
     kind = content_type(request)
     if kind not in TEXT_TYPES:
@@ -78,7 +80,8 @@ def generation(engine: Engine, state, req, job, events: Events | None, top_logpr
                            on_token=(lambda *t: events.emit("token", t)) if events and tokens else None)
 
 
-@router.post("/{sid}/generate")
+@router.post("/{sid}/generate", response_model=Generation, response_model_exclude_unset=True,
+             responses=stream_of(GenerationChunk))
 async def generate(sid: str, srv: Srv, owner: Owner, engine: Ready,
                    req: Annotated[GenerateBody, body(GenerateBody, optional=True)]):
     events = Events() if req.stream else None
@@ -96,4 +99,5 @@ async def generate(sid: str, srv: Srv, owner: Owner, engine: Ready,
         return await srv.run(sid, owner, work)
     job = await srv.run(sid, owner, work, events=events)
     return await sse(events, job, lambda kind, data: {"text": data} if kind == "text" else
-                     {"text": "", "finish_reason": data["finish_reason"], "session": data["session"]})
+                     {"text": "", "finish_reason": data["finish_reason"], "session": data["session"]},
+                     model=GenerationChunk)

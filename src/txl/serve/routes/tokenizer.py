@@ -14,15 +14,16 @@ from typing import Annotated
 
 from fastapi import APIRouter
 
-from txl.serve.deps import Ready, Srv, body
+from txl.serve.deps import Ready, Srv, body, get_and_head
 from txl.serve.protocol import DetokenizeBody, TokenizeBody
+from txl.serve.responses import ERRORS, Detokenized, Tokenized, TokenizerInfo
 from txl.serve.routes.completions import check_model
 from txl.serve.session import ClientError
 
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=Tokenized, response_model_exclude_unset=True)
 async def tokenize(srv: Srv, engine: Ready, req: Annotated[TokenizeBody, body(TokenizeBody)]):
     check_model(srv, req.model)
     if len(req.prompt) > srv.config.max_text_chars:
@@ -37,7 +38,7 @@ async def tokenize(srv: Srv, engine: Ready, req: Annotated[TokenizeBody, body(To
     return out
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=Detokenized)
 async def detokenize(srv: Srv, engine: Ready, req: Annotated[DetokenizeBody, body(DetokenizeBody)]):
     check_model(srv, req.model)
     vocab = engine.m.model.config.vocab_size
@@ -48,7 +49,7 @@ async def detokenize(srv: Srv, engine: Ready, req: Annotated[DetokenizeBody, bod
     return {"prompt": engine.tokenizer.decode(req.tokens)}
 
 
-@router.api_route("/tokenizer_info", methods=["GET", "HEAD"])
+@get_and_head(router, "/tokenizer_info", response_model=TokenizerInfo)
 async def tokenizer_info(engine: Ready):
     tok = engine.tokenizer
     prefix = tok.prefix_id
