@@ -3,11 +3,12 @@ r"""`txl serve`'s engine without HTTP: a batched read step and a batched generat
 Runs the engine's ``Model`` directly (no server, no sampling): B sessions with memories of mem_len rows
 read one segment each as one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1)
 generation steps on the kept batch ('generate'); batch sizes are interleaved, repeated, and the median
-tokens/s of each printed with its ratio to B = 1. ``--profile`` prints torch.profiler's top operators
-for one read and one generation at the largest B.
+tokens/s of each printed with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation
+steps (``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--profile``
+prints torch.profiler's top operators for one read and one generation at the largest B.
 
     OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--clock cpu]
-                                              [--profile]
+                                              [--compile] [--profile]
     python -m benchmarks.serve_step --device cuda --batch 1 8 32     # on a GPU (the results come back to the host)
 
 ``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
@@ -125,13 +126,16 @@ def main() -> None:
     for _ in range(args.repeats):
         for B in args.batch:
             for tree in trees:
-                start = clock()
-                n = read(tree, B)
-                times.setdefault((tree, "read", B), []).append(n / (clock() - start))
+                if "compiled" not in tree:  # a compiled engine reads as its eager twin does
+                    start = clock()
+                    n = read(tree, B)
+                    times.setdefault((tree, "read", B), []).append(n / (clock() - start))
                 n, seconds = generate(tree, B)
                 times.setdefault((tree, "generate steps", B), []).append(n / seconds)
     for tree in trees:
         for what in ("read", "generate steps"):
+            if (tree, what, args.batch[0]) not in times:
+                continue
             one = statistics.median(times[(tree, what, args.batch[0])])
             for B in args.batch:
                 rate = statistics.median(times[(tree, what, B)])

@@ -72,34 +72,24 @@ def greedy(decoder: Decoder, steps: int = STEPS, leave_at: int | None = None) ->
     return log_probs, tokens
 
 
-@pytest.mark.parametrize("mem_len, clamp_len, overrides", [
-    (None, 0, {}),  # the memory keeps every row
-    (9, 5, {}),  # a sliding window of 9 rows (its start moves along the buffer); distances beyond 5 share a row
-    (None, 0, {"pre_ln": True, "untie_r": True}),  # keys of normalised rows; each layer its own u, v
-], ids=["all", "window_clamp", "pre_ln_untied"])
-def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides):
+@pytest.mark.parametrize("mem_len, clamp_len, overrides, leave_at", [
+    (None, 0, {}, None),  # the memory keeps every row
+    (9, 5, {}, None),  # a sliding window of 9 rows (its start moves along the buffer); distances beyond 5 share a row
+    (None, 0, {"pre_ln": True, "untie_r": True}, 10),  # keys of normalised rows, each layer its own u, v; a row
+    # leaves the batch after 10 steps (batch 3, then 2: the batch size is a symbol too)
+], ids=["all", "window_clamp", "pre_ln_untied_leave"])
+def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides, leave_at):
     model = model_of(clamp_len=clamp_len, **overrides)
     backend = Counting()
     compiled = Decoder(model, mem_len=mem_len, compile=True, backend=backend)
     assert compiled.compiled is not None
-    got, got_tokens = greedy(compiled)
-    want, want_tokens = greedy(Decoder(model, mem_len=mem_len))
+    got, got_tokens = greedy(compiled, leave_at=leave_at)
+    want, want_tokens = greedy(Decoder(model, mem_len=mem_len), leave_at=leave_at)
     assert got_tokens == want_tokens
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     assert backend.runs == STEPS  # every step ran the graph (the prefill runs eagerly)
     assert backend.graphs == 1  # and one graph served all of them: no recompilation as the memory grows
-
-
-def test_rows_leaving_the_batch_keep_the_graph():
-    model = model_of()
-    backend = Counting()
-    got, got_tokens = greedy(Decoder(model, compile=True, backend=backend), leave_at=10)
-    want, want_tokens = greedy(Decoder(model), leave_at=10)
-    assert got_tokens == want_tokens
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert (backend.graphs, backend.runs) == (1, STEPS)  # batch 3, then 2: the batch size is a symbol too
 
 
 def test_the_compiled_step_writes_into_the_rows_buffers():

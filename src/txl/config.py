@@ -591,7 +591,8 @@ class SampleConfig:
     segment_len: int = 256
     """Prompt tokens read per forward pass."""
     compile: bool = False
-    """Run the forward through torch.compile."""
+    """Run each generation step as one torch.compile graph (``txl.compiled_step``, relative attention; other
+    encodings: the whole forward through torch.compile)."""
 
     def __post_init__(self) -> None:
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
