@@ -170,6 +170,35 @@ def test_generation_steps_carry_both_memories():
 
 
 @pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
+def test_prompts_of_different_lengths_generate_each_row_as_alone(attn_type):
+    """Prompts of 11, 3 and 6 tokens (read in segments of 4, past the model's own memory of 4 and its rate-2
+    compression) as one left-padded batch: generation keeps every row, so nothing is compressed and no pad can be
+    (the model refuses pads in any call that compresses); each row's tokens, greedy and seeded, are its own alone.
+    A mem_len small enough to compress is refused before any work."""
+    from txl.generation import generate
+
+    model = compressive(attn_type=attn_type)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (11, 3, 6)]
+    for kwargs in (dict(temperature=0), dict(temperature=1.5, seed=7)):
+        new = generate(model, prompts, max_new_tokens=9, segment_len=T, **kwargs)
+        for b, p in enumerate(prompts):
+            alone = dict(kwargs, seed=kwargs["seed"] + b) if "seed" in kwargs else kwargs
+            assert new[b].tolist() == generate(model, p, max_new_tokens=9, segment_len=T, **alone)[0].tolist()
+    assert len({tuple(r) for r in new.tolist()}) == 3
+    # The last step reads 11 + 9 - 1 = 19 rows: mem_len 18 keeps them all (19 - 18 < rate 2), 17 compresses one group.
+    greedy = dict(max_new_tokens=9, segment_len=T, mem_len=18, temperature=0)
+    new = generate(model, prompts, **greedy)
+    for b, p in enumerate(prompts):
+        assert new[b].tolist() == generate(model, p, **greedy)[0].tolist()
+    with pytest.raises(ValueError, match=r"prompts of different lengths with a compressed memory \(cmem_len 3\) need a "
+                                         r"mem_len that compresses nothing \(mem_len 17 < 11 \+ 9 - 2\): pads would "
+                                         r"be compressed with real rows"):
+        generate(model, prompts, max_new_tokens=9, segment_len=T, mem_len=17, temperature=0)
+    assert generate(model, prompts[:1], max_new_tokens=9, segment_len=T, mem_len=17, temperature=0).shape == (1, 9)
+
+
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
 def test_the_kv_cache_equals_the_uncached_model(attn_type):
     """Reading with a KV cache (steps of 1 and 3 tokens) gives the uncached model's log-probs and both memories:
     with a finite mem_len (rows compressed every few steps: the cache is rebuilt from the state then) and with
@@ -207,8 +236,16 @@ def test_bad_state_and_unsupported_options_are_named():
                                                          r"0 rows"):  # the window's rows: compressed and memory
         from txl.model import KVCache
         model(x, kv_cache=KVCache(keys=(torch.zeros(2, 3, 4, 8),) * 2, values=(torch.zeros(2, 3, 4, 8),) * 2))
-    with pytest.raises(ValueError, match=r"padding is not supported with a compressed memory"):
-        model(x, padding=torch.zeros(2, T, dtype=torch.bool))
+    with torch.no_grad():
+        memory = model(x).memory  # 4 rows, no slot
+        full = model(x, memory=memory).memory  # 4 rows, 2 slots
+    pads = torch.zeros(2, 2 * T, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"padding with a compressed memory \(cmem_len > 0\) needs an empty compressed "
+                                         r"memory and nothing compressed by this call \(memory \+ segment 8 rows, "
+                                         r"mem_len 4, cmem_rate 2\): pads would be compressed with real rows"):
+        model(x, memory=memory, padding=pads)
+    with pytest.raises(ValueError, match=r"needs an empty compressed memory"):  # 8 rows kept: none leaves, but slots
+        model(x, memory=full, padding=pads, context=model.config.context(mem_len=8))
     with pytest.raises(ValueError, match=r"reads with same_length false and ext_len 0"):
         model(x, context=model.config.context(same_length=True))
 
@@ -336,13 +373,6 @@ def test_score_carries_both_memories():
     together = score_documents(model, docs, segment_len=T, batch_size=2)
     for a, b in zip(alone, together):
         assert (a.n_tokens, a.nll) == (b.n_tokens, pytest.approx(b.nll, rel=1e-6))
-
-
-def test_export_refuses_a_compressed_memory():
-    from txl.export import SegmentStep
-
-    with pytest.raises(ValueError, match=r"cmem_len=3: a compressed memory cannot be exported"):
-        SegmentStep(compressive())
 
 
 @pytest.mark.slow  # two torchrun launches of two processes

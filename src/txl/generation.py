@@ -213,6 +213,14 @@ def generate_steps(model: TransformerXL, prompt_ids: PromptIds, *,
                          "generate for each length separately")
     if mem_len is not None:
         positive_int("mem_len", mem_len)
+        c = model.config
+        # The last step reads T + N - 1 rows; rows leave a compressive memory from mem_len + cmem_rate on (whole
+        # groups): the model refuses pads then (they would be compressed with real rows), so refuse it here, first.
+        if padding is not None and c.cmem_len and prompt.size(1) + max_new_tokens - 1 >= mem_len + c.cmem_rate:
+            raise ValueError(f"prompts of different lengths with a compressed memory (cmem_len {c.cmem_len}) need "
+                             f"a mem_len that compresses nothing (mem_len {mem_len} < {prompt.size(1)} + "
+                             f"{max_new_tokens} - {c.cmem_rate}): pads would be compressed with real rows; leave "
+                             "mem_len none (every row kept) or generate for each length separately")
     positive_int("segment_len", segment_len)
     positive_int("top_logprobs", top_logprobs, minimum=0)
     B = prompt.size(0)
