@@ -458,3 +458,75 @@ def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tm
     plain, _ = recall_run(corpus, mem_len=8, cmem_len=0, seed=0)
     assert n > 300
     assert compressed > plain + 0.15 and compressed > 0.4, (compressed, plain)
+
+
+def trained_pair() -> tuple[TransformerXL, torch.Tensor]:
+    """A 'conv' compressive model with every weight perturbed (the conv is not the mean pooling it starts as) and
+    33 tokens per row: 8 segments of T."""
+    model = compressive(cmem_fn="conv")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model, tokens(8)
+
+
+def test_bf16_autocast_trains_close_to_float32(one_thread):
+    """Five training segments (nothing compressed, then slots filling, then full) under CPU bf16 autocast: both
+    memories are kept in bf16 (state_dtype 'compute'), and the LM loss, the reconstruction loss and every gradient
+    (LM + reconstruction, summed over the segments) stay close to float32's."""
+    model, x = trained_pair()
+    model.train()
+    runs = []
+    for bf16 in (False, True):
+        model.zero_grad()
+        state, losses = None, []
+        for s in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x[:, T * s:T * s + T], labels=x[:, T * s + 1:T * s + T + 1], memory=state)
+            (out.loss + out.compression_loss).backward()
+            state = out.memory
+            losses.append((out.loss.item(), out.compression_loss.item()))
+        assert {t.dtype for t in state} == {torch.bfloat16 if bf16 else torch.float32}
+        runs.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}, state))
+    (fp32, g32, s32), (bf16, g16, s16) = runs
+    assert [m.size(1) for m in s16] == [m.size(1) for m in s32] == [MEM, MEM, CMEM, CMEM]
+    assert fp32[0][1] == bf16[0][1] == 0.0 and all(a[1] > 0 for a in fp32[1:])  # nothing compressed in segment 1
+    for (lm32, rec32), (lm16, rec16) in zip(fp32, bf16):
+        assert lm16 == pytest.approx(lm32, rel=2e-3) and rec16 == pytest.approx(rec32, rel=2e-2, abs=1e-6)
+    for name, g in g32.items():
+        assert (g16[name] - g).norm() <= 0.06 * g.norm(), name
+    for a, b in zip(s16, s32):
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
+
+
+def test_compiled_training_step_equals_eager_in_one_graph(one_thread):
+    """torch.compile (fullgraph: no graph break at all; aot_eager: dynamo's and autograd's graphs, without inductor's
+    code generation) of five training segments from a full state (memory 4, 3 slots): the LM and reconstruction
+    losses, every gradient and both memories equal eager's, and the five steps compile once (no recompilation)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, x = trained_pair()
+    with torch.no_grad():
+        state = None
+        for s in range(3):
+            state = model.eval()(x[:, T * s:T * s + T], memory=state).memory
+    assert [m.size(1) for m in state] == [MEM, MEM, CMEM, CMEM]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.train(), backend=counter, fullgraph=True)
+    states = {"compiled": state, "eager": state}
+    for s in range(3, 8):
+        got = {}
+        for name, run in (("compiled", compiled), ("eager", model)):
+            model.zero_grad()
+            out = run(x[:, T * s:T * s + T], labels=x[:, T * s + 1:T * s + T + 1], memory=states[name])
+            (out.loss + out.compression_loss).backward()
+            states[name] = out.memory
+            got[name] = (out.loss, out.compression_loss, [p.grad.clone() for p in model.parameters()])
+        (loss, rec, grads), (loss_e, rec_e, grads_e) = got["compiled"], got["eager"]
+        torch.testing.assert_close(loss, loss_e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rec, rec_e, atol=1e-6, rtol=1e-5)
+        for a, b in zip(grads, grads_e, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for a, b in zip(states["compiled"], states["eager"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert counter.frame_count == 1
