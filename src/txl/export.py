@@ -34,8 +34,10 @@ The eager model's eviction has data-dependent sizes (how many rows leave depends
 the exported step has a static form of it that computes the same: every tensor has a fixed size, the counts of
 real rows are read from the paddings as tensors, the window [compressed; memory] is packed by a gather so that
 its pads come first (their distances then do not matter, as above), the rows that leave are gathered as the
-most groups a segment of T can evict ((T + cmem_rate - 1) // cmem_rate) and compressed, and the groups that did
-not leave are dropped by the gather that right-aligns the new compressed memory. Pads hold zeros.
+most groups a segment of T can evict ((T + cmem_rate - 1) // cmem_rate, plus one) and compressed, and the groups
+that did not leave are dropped by the gather that right-aligns the new compressed memory. Pads hold zeros. The
+counts are per row, so rows at different points of their streams step as one batch (the eager model needs equal
+lengths). The cost of the static form: every step compresses that many groups, used or not, and gathers the window.
 """
 
 from __future__ import annotations
