@@ -402,27 +402,30 @@ def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_pat
     assert max_difference(w["single"], w["ddp"]) < 1e-5 and "compressor.weight" in w["ddp"]
 
 
-RECALL_STEPS = 3000
-"""Steps the tiny recall run needs before the compressive model reads its slots (at 1500 it barely does)."""
+RECALL_STEPS = 700
+"""Steps of 64 streams the tiny recall run trains each model for. At 700, seeds 0-11 answered 78-91% (compressed)
+against 25-30% (plain) at distances 12-23; at 500, seeds 0-5 66-88% against 24-26%. The setting before (3000 steps
+of 16 streams, 8 keys, distances 3-40, 2 heads of 16, init 0.1) took 30-40 s for 48-70% against 28-30%."""
 
 
 def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float, int]:
-    """Train a 1-layer model on ``corpus`` (segments of 4, memory carried) and return its answer accuracy at
-    distances 12-23 (past a plain memory of 8's one hop, 4 + 8 = 12; inside memory 4 + 4 slots at rate 4's, 24)
+    """Train a 1-layer model on ``corpus`` (64 streams, segments of 4, memory carried) and return its answer accuracy
+    at distances 12-23 (past a plain memory of 8's one hop, 4 + 8 = 12; inside memory 4 + 4 slots at rate 4's, 24)
     and the number of such answers."""
     import numpy as np
 
     from experiments import longrange
 
     torch.manual_seed(seed)
-    cfg = tiny_config(vocab_size=corpus.vocab_size, n_layer=1, n_head=2, d_head=16, mem_len=mem_len, cmem_len=cmem_len,
-                      cmem_rate=4, cmem_fn="mean", init_std=0.1, proj_init_std=0.1)
+    # 4 heads of 8 and init 0.2 (not 2 of 16 and 0.1): the lookup forms within a few hundred steps for every seed.
+    cfg = tiny_config(vocab_size=corpus.vocab_size, n_layer=1, n_head=4, d_head=8, mem_len=mem_len, cmem_len=cmem_len,
+                      cmem_rate=4, cmem_fn="mean", init_std=0.2, proj_init_std=0.2)
     model = TransformerXL(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     data = torch.as_tensor(corpus.train.astype(np.int64))
-    B = 16
+    B = 64
     L = (len(data) - 1) // B
-    x, y = data[:B * L].view(B, L), data[1:B * L + 1].view(B, L)  # (B, L) each: 16 streams
+    x, y = data[:B * L].view(B, L), data[1:B * L + 1].view(B, L)  # (B, L) each: 64 streams
     state = None
     for step in range(RECALL_STEPS):
         i = (step * 4) % (L - 4)
@@ -440,9 +443,8 @@ def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float
     return float(hit[band].mean()), int(band.sum())
 
 
-@pytest.mark.slow  # two tiny models trained 3000 steps each (about a minute)
-def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch):
-    """Recall (txl.data.recall: 8 keys, 4 values, chance 25%, distances 3-40) with the same 8 slots per layer:
+def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch, one_thread):
+    """Recall (txl.data.recall: 4 keys, 4 values, chance 25%, distances 3-24) with the same 8 slots per layer:
     memory 4 + 4 mean-pooled slots at rate 4 reaches 4 + 4 + 16 = 24 tokens in its one layer, plain memory 8 only
     12. Past 12 the plain model cannot see the definition at all; the compressive one answers from its slots."""
     import functools
@@ -450,14 +452,14 @@ def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tm
     from txl.data import corpora, load_corpus
     from txl.data.recall import RecallParams, build_recall_corpus
 
-    params = RecallParams(n_keys=8, n_values=4, n_filler=8, max_distance=40, tokens=(60_000, 8_000, 1_000),
+    params = RecallParams(n_keys=4, n_values=4, n_filler=8, max_distance=24, tokens=(60_000, 8_000, 1_000),
                           train_short_share=0.0)
     monkeypatch.setattr(corpora, "build_recall_corpus", functools.partial(build_recall_corpus, params=params))
     corpus = load_corpus("recall", cache_dir=tmp_path / "tokens")
     compressed, n = recall_run(corpus, mem_len=4, cmem_len=4, seed=0)
     plain, _ = recall_run(corpus, mem_len=8, cmem_len=0, seed=0)
-    assert n > 300
-    assert compressed > plain + 0.15 and compressed > 0.4, (compressed, plain)
+    assert n > 500
+    assert compressed > plain + 0.3 and compressed > 0.6 and plain < 0.4, (compressed, plain)
 
 
 def trained_pair() -> tuple[TransformerXL, torch.Tensor]:
