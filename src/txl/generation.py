@@ -32,7 +32,9 @@ Prompts of different lengths are read as one batch, left-padded: the pad positio
 (``padding=`` of the model's forward) for as long as they stay in the memory, and relative attention does
 not see the shift, so each row is generated exactly as it would be alone (with the default ``mem_len``,
 which drops nothing): greedily, and when sampling with ``seed``, which gives row b its own generator seeded
-``seed + b`` (row b equals its prompt alone with ``seed=seed + b``). Generation of a row ends at one of
+``seed + b`` (row b equals its prompt alone with ``seed=seed + b``). A compressive model (cmem_len > 0) batches
+them the same way: with the default ``mem_len`` nothing is compressed while generating, so no pad can be; a
+``mem_len`` small enough to compress is refused with prompts of different lengths. Generation of a row ends at one of
 ``stop_tokens`` (which is returned) or once
 its text contains one of ``stop_strings``; its later places hold ``FINISHED`` (-1), and generation ends
 when every row has stopped. ``repetition_penalty`` (CTRL) lowers the scores of tokens already read or
