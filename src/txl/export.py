@@ -107,9 +107,9 @@ class CompressiveSegmentStep(SegmentStep):
         packed = both.gather(2, src[None, :, :, None].expand(L, B, W, d))  # (L, B, W, d)
         padding = torch.cat([w < (W - km - kc)[:, None], torch.zeros(B, T, dtype=torch.bool, device=device)], 1)
         # The model reads the packed window as its memory with an empty compressed one and a context that keeps
-        # every row: nothing is compressed inside (padding is allowed then), the state out is [window; segment]'s
-        # layer inputs, which the eviction below reads.
-        # (2^30 rows: more than the window and the longest segment the program takes.)
+        # every row (2^30: more than the window and the longest segment the program takes): nothing is compressed
+        # inside (padding is allowed then), the state out is [window; segment]'s layer inputs, which the eviction
+        # below reads.
         state = (*packed.unbind(0), *(packed[l][:, :0] for l in range(L)))  # 2L: memory (B, W, d), empty (B, 0, d)
         out = self.model(input_ids, memory=state, padding=padding, return_log_probs=True,
                          context=cfg.context(mem_len=1 << 30))
