@@ -5,10 +5,11 @@ read one segment each as one forward ('read'), or prefill their last segment and
 generation steps on the kept batch ('generate'); batch sizes are interleaved, repeated, and the median
 tokens/s of each printed with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation
 steps (``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--profile``
-prints torch.profiler's top operators for one read and one generation at the largest B.
+prints torch.profiler's top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate
+of a read per batch size against a large matmul's (whether batching can still pay).
 
     OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--clock cpu]
-                                              [--compile] [--profile]
+                                              [--compile] [--flops] [--profile]
     python -m benchmarks.serve_step --device cuda --batch 1 8 32     # on a GPU (the results come back to the host)
 
 ``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
@@ -65,6 +66,8 @@ def main() -> None:
                    "shared machine leaves out the time other processes held the core (on a GPU only 'wall' is fair)")
     p.add_argument("--compile", action="store_true", help="also run this tree's engine with compiled generation "
                    "steps (txl.static_step), interleaved with its eager engine; a first untimed round compiles")
+    p.add_argument("--flops", action="store_true", help="also the FLOP of one read per batch size "
+                   "(torch.utils.flop_counter) and the rate its median time makes, against one 1024^3 matmul's")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
@@ -140,6 +143,26 @@ def main() -> None:
             for B in args.batch:
                 rate = statistics.median(times[(tree, what, B)])
                 print(f"{tree}{what:>15} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
+    if args.flops:  # is a read compute-bound? its FLOP rate against the core's matmul rate
+        from torch.utils.flop_counter import FlopCounterMode
+
+        a = torch.randn(1024, 1024, device=args.device)
+        a @ a
+        start = clock()
+        for _ in range(10):
+            a @ a
+        peak = 10 * 2 * 1024**3 / (clock() - start)
+        print(f"a 1024^3 fp32 matmul: {peak / 1e9:.0f} GFLOP/s")
+        for tree in trees:
+            if "compiled" in tree:
+                continue
+            for B in args.batch:
+                with FlopCounterMode(display=False) as counter:
+                    read(tree, B)
+                flop = counter.get_total_flops()
+                rate = flop * statistics.median(times[(tree, "read", B)]) / (B * S)  # FLOP/s at the median time
+                print(f"{tree}read B={B:>2}: {flop / 1e9:.2f} GFLOP, {rate / 1e9:.0f} GFLOP/s "
+                      f"({rate / peak:.0%} of the matmul's)")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
