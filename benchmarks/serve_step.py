@@ -65,7 +65,7 @@ def main() -> None:
                    help="wall: elapsed time (default); cpu: this process's CPU time (time.process_time), which on a "
                    "shared machine leaves out the time other processes held the core (on a GPU only 'wall' is fair)")
     p.add_argument("--compile", action="store_true", help="also run this tree's engine with compiled generation "
-                   "steps (txl.static_step), interleaved with its eager engine; a first untimed round compiles")
+                   "steps (txl.compiled_step), interleaved with its eager engine; a first untimed round compiles")
     p.add_argument("--flops", action="store_true", help="also the FLOP of one read per batch size "
                    "(torch.utils.flop_counter) and the rate its median time makes, against one 1024^3 matmul's")
     p.add_argument("--profile", action="store_true")
