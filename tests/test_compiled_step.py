@@ -138,3 +138,31 @@ def test_inductor_steps_equal_eager():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert (backend.graphs, backend.runs) == (1, STEPS)
+
+
+@pytest.mark.slow
+def test_a_compiled_server_generates_what_txl_generate_does(tmp_path):
+    """`txl serve --serve.compile true`: three prompts of one completion request, read and stepped as one batch
+    through the compiled step (inductor), each continue as txl.generate (eager) continues it alone."""
+    pytest.importorskip("fastapi")
+    import httpx
+    from serve_util import loader, make_model_dir, running
+
+    from txl.generation import generate_steps
+    from txl.serve import ServeConfig, create_app
+
+    load = loader(make_model_dir(tmp_path / "char"))
+    prompts = ["The cat sat on the mat. A dog", "it was big", "Café, naïve and (x + y)"]
+    app = create_app(ServeConfig(state_dir=str(tmp_path / "state"), durability="shutdown", compile=True), load)
+    with running(app) as url, httpx.Client(base_url=url, timeout=600) as client:
+        r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 20, "temperature": 0,
+                                                 "logprobs": 0})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        model, tok, _ = load()
+    for prompt, choice in zip(prompts, choices):
+        context = [] if tok.context_id is None else [int(tok.context_id)]
+        steps = list(generate_steps(model, context + [int(i) for i in tok.encode_prompt(prompt)], max_new_tokens=20,
+                                    temperature=0))
+        assert choice["logprobs"]["tokens"] == [tok.token_text(int(s.tokens[0])) for s in steps]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx([float(s.logprobs[0]) for s in steps], abs=1e-4)
