@@ -124,6 +124,8 @@ def test_the_serving_engine_passes_compile_on():
     model = model_of()
     assert Model(model, segment_len=8, compile=True).decoder.compiled is not None
     assert Model(model, segment_len=8).decoder.compiled is None
+    with pytest.raises(ValueError, match=r"serve.compile: attn_type='absolute': .* without --serve.compile"):
+        Model(model_of(attn_type="absolute"), segment_len=8, compile=True)  # refused at start, not compiled whole
 
 
 @pytest.mark.slow

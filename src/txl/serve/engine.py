@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from txl.compiled_step import compiled_step_error
 from txl.config import Context
 from txl.data.tokenizer.stream import TextStream
 from txl.decoding import Decoder, Picker, Rows, StopText, read
@@ -125,6 +126,8 @@ class Model:
                              f"(got {context.same_length})")
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
+        if compile and (why := compiled_step_error(model)) is not None:
+            raise ValueError(f"serve.compile: {why}; serve this model without --serve.compile")
         self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False, compile=compile)
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
