@@ -8,7 +8,8 @@ Why: a (B, 1) step of a small model on a CPU is mostly fixed cost: ~280 aten ops
 of a B = 1 step (benchmarks/README.md). Compiled, the step is one graph of extern matmuls, the attention kernel and
 a few fused loops. The eager step grows its tensors every token (K = M + 1 keys); a graph of static shapes would
 recompile every token, so the graph is made with symbolic sizes (``dynamic=True``): K and the batch are symbols,
-and one graph serves every step of every length (torch specialises a batch of 1, so two graphs in all).
+and one graph serves every step of every length: at most four in all, as torch specialises a batch of 1 and the
+positional table is read as a view until a distance is clamped (``clamp_len``), gathered after.
 
 Static shapes were measured too (buffers of a fixed capacity C, the rows not written yet masked, key j's position
 read by its distance to the write index): at B = 8 the attention then streams all C keys and values, and with
@@ -50,19 +51,22 @@ def compiled_step_error(model) -> str | None:
 
 
 def step(model, ids: torch.Tensor, memory: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-         values: Sequence[torch.Tensor], table: Sequence[torch.Tensor], pads: torch.Tensor) -> torch.Tensor:
+         values: Sequence[torch.Tensor], table: Sequence[torch.Tensor], pads: torch.Tensor, clamped: bool = True
+         ) -> torch.Tensor:
     """Read one token per row, (B, 1) ``ids``, after the first K - 1 rows of each buffer view, writing the last row
     of every view (memory: each layer's input; keys, values: its projections). Returns the next token's (B, V)
     float32 log-probabilities.
 
     memory: L x (B, K, d); keys, values: L x (B, K, H, D), views whose last row is written here; table: L x (N, H, D),
     W_kR R farthest first (row N-1-n: distance n; N >= K, or N = clamp_len + 1 when distances are clamped: a farther
-    key reads row 0); pads: (B,) int64, each row's leading pad rows (hidden keys). Eval mode, no autograd: the
-    caller's.
+    key reads row 0); pads: (B,) int64, each row's leading pad rows (hidden keys); clamped: whether some key is
+    farther than the table reaches (False: the table's last K rows are the keys' rows as they lie, a view, where the
+    clamped reading gathers them). Eval mode, no autograd: the caller's.
     """
     K, N = keys[0].size(1), table[0].size(0)
     j = torch.arange(K, device=ids.device)  # (K,) key index
-    rows = N - 1 - (K - 1 - j).clamp(max=N - 1)  # (K,): key j's row of the table, its distance K-1-j clamped
+    if clamped:
+        rows = N - 1 - (K - 1 - j).clamp(max=N - 1)  # (K,): key j's row of the table, its distance K-1-j clamped
     mask = (j[None, :] < pads[:, None])[:, None, None, :]  # (B, 1, T=1, K): a real query never sees a pad
     h = model.embed(ids)  # (B, 1, d); eval: no dropout
     u, v = getattr(model, "u", None), getattr(model, "v", None)  # None: each layer's own (untie_r)
@@ -71,7 +75,8 @@ def step(model, ids: torch.Tensor, memory: Sequence[torch.Tensor], keys: Sequenc
         k, val = layer.attn.keys_values(h)  # (B, 1, H, D) each
         keys[l][:, -1:].copy_(k.to(keys[l].dtype))
         values[l][:, -1:].copy_(val.to(values[l].dtype))
-        pos = Positions(projected=table[l].index_select(0, rows))  # (K, H, D): row j = W_kR R(K-1-j)
+        t = table[l]
+        pos = Positions(projected=t.index_select(0, rows) if clamped else t[N - K:])  # (K, H, D): W_kR R(K-1-j)
         h = layer(h, None, mask, pos, u, v, kv=(keys[l], values[l]))  # (B, 1, d)
     return model.softmax.log_prob(h[:, -1]).float()  # (B, V)
 
@@ -106,12 +111,12 @@ class CompiledStep:
         if why is not None:
             raise ValueError(f"a compiled generation step is not available: {why}; generate without compile")
         self.model, self.compiled = model, compile
-        self.made: set[bool] = set()  # the kinds of batch a graph was made for: one row (torch specialises 1), more
+        self.made: set[tuple[bool, bool]] = set()  # the graphs made: (one row, clamped); torch specialises a batch of 1
         fn = self._step
         self.fn = torch.compile(fn, backend=backend or "inductor", dynamic=True, fullgraph=True) if compile else fn
 
-    def _step(self, ids, memory, keys, values, table, pads):
-        return step(self.model, ids, memory, keys, values, table, pads)
+    def _step(self, ids, memory, keys, values, table, pads, clamped):
+        return step(self.model, ids, memory, keys, values, table, pads, clamped)
 
     def __call__(self, ids: torch.Tensor, buffers: Sequence[RowBuffer], start: int, table: Sequence[torch.Tensor],
                  pads: Sequence[int]) -> torch.Tensor:
@@ -122,8 +127,10 @@ class CompiledStep:
         L = len(self.model.layers)
         n = buffers[0].end
         views = [b.data.narrow(1, start, n + 1 - start) for b in buffers]  # (B, K, ...) each
-        args = (ids, views[:L], views[L:2 * L], views[2 * L:], tuple(table), torch.tensor(pads, device=ids.device))
-        kind = ids.size(0) == 1
+        clamped = table[0].size(0) < n + 1 - start  # a graph for each (distances clamp from some step on)
+        args = (ids, views[:L], views[L:2 * L], views[2 * L:], tuple(table), torch.tensor(pads, device=ids.device),
+                clamped)
+        kind = (ids.size(0) == 1, clamped)
         if not self.compiled or kind in self.made:  # the graph exists: no marks, nothing to configure
             out = self.fn(*args)
         else:  # the call that makes the graph (both settings cost ~0.1 ms a step, a few % of a small model's step)
