@@ -88,8 +88,8 @@ class RowBuffer:
         """Whether ``t`` is a window of this buffer ending at ``end``: [t; new] may then be written in place."""
         d, n = self.data, t.size(1)
         return (0 < n <= self.end and t.dtype == d.dtype and t.device == d.device and t.shape[0] == d.shape[0]
-                and t.shape[2:] == d.shape[2:] and t.stride() == d.stride()
-                and t.data_ptr() == d[:, self.end - n].data_ptr())
+                and t.shape[2:] == d.shape[2:] and t.stride() == d.stride()  # row end - n's address, without a view:
+                and t.data_ptr() == d.data_ptr() + (self.end - n) * d.stride(1) * d.element_size())
 
 
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
