@@ -150,10 +150,9 @@ class Attention(nn.Module):
             q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             if memory is not None:
                 k_memory, val_memory = self.keys_values(memory, weight=w[H * D:])  # (B, M, H, D) each
-                # Concatenated heads-first, the layout the attention kernels read (B*H, K, D) as: the cat that
-                # joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
-                k, val = (torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
-                          for a, b in ((k_memory, k), (val_memory, val)))
+                # Joined heads-first in one buffer, the layout the attention kernels read (B*H, K, D) as: the cat
+                # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
+                k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
         else:
             q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each

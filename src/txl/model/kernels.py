@@ -137,6 +137,41 @@ def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
     return mask.hidden if isinstance(mask, Mask) else mask
 
 
+# -- keys and values of [memory; segment] in one buffer -------------------------------------------
+
+class _JoinedKeysValues(torch.autograd.Function):
+    """Forward: the keys and values of [memory; segment] laid out heads-first in one (B, H, 2K, D) buffer by one
+    ``cat``, returned as two (B, K, H, D) views of it. Backward: views of the incoming gradients, no kernel.
+
+    Keys are the buffer's first K rows of each head and values its last K: each is a (B*H, K, D) view for the
+    kernels' batched matmuls (batch stride 2*K*D, as bmm and cuBLAS take it), so one copy lays out both where a
+    ``cat`` each did (autograd's own cat would then add the two views' gradients into a zero-filled buffer).
+    """
+
+    @staticmethod
+    def forward(ctx, k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor):
+        M, K = k_memory.size(1), k_memory.size(1) + k.size(1)
+        ctx.M = M
+        both = torch.cat([t.transpose(1, 2) for t in (k_memory, k, val_memory, val)], dim=2)  # (B, H, 2K, D)
+        return both[:, :, :K].transpose(1, 2), both[:, :, K:].transpose(1, 2)  # (B, K, H, D) views
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_val: torch.Tensor):
+        M = ctx.M
+        return grad_k[:, :M], grad_k[:, M:], grad_val[:, :M], grad_val[:, M:]  # (B, M or T, H, D) views
+
+
+def join_keys_values(k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of [memory; segment]: (B, M, H, D) and (B, T, H, D) of each -> (B, K, H, D) each, with the
+    heads-first layout the kernels read (B*H, K, D) as, so no kernel copies them again. One ``cat`` for both
+    (``_JoinedKeysValues``); under torch.compile a ``cat`` each (the compiler plans its own copies)."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
+                     for a, b in ((k_memory, k), (val_memory, val)))  # (B, K, H, D) views
+    return _JoinedKeysValues.apply(k_memory, k, val_memory, val)
+
+
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
 
 def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor) -> torch.Tensor:
