@@ -160,8 +160,8 @@ class Attention(nn.Module):
         if self.impl == "reference":
             attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=kernels.hidden(mask))  # (B, H, T, D)
         else:
-            query = (q + self.query_bias(self.content_bias(u), q)) * self.scale  # (B, T, H, D): scale the query
-            made = self.positional_inputs(q, k.size(1), positions, v)
+            query, shifted = self.scaled_queries(q, u, v)  # (B, T, H, D) each (shifted may be None)
+            made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
             inputs, bias_fn = made if made is not None else ((), None)
             attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
                                            dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
@@ -198,16 +198,24 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
+    def scaled_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused path's queries, scaled by 1/sqrt(D), (B, T, H, D) each: against the keys (shifted by the
+        content bias, terms (a) + (c)), and against the positions where the encoding shifts them by a bias of its
+        own (term (d); ``positional_inputs`` reads it as ``shifted``), else None."""
+        return (q + self.query_bias(self.content_bias(u), q)) * self.scale, None
+
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
         """The reference's positional scores (B, H, T, K), column p against distance K-1-p (before
         ``rel_shift``), unscaled; None: no positional term in the scores."""
         return None
 
-    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None
-                          ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
+    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None,
+                          shifted: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
         """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
-        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
+        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
+        ``shifted``: the query shifted by the positional bias and scaled, when ``scaled_queries`` made it."""
         return None
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,11 +297,22 @@ class RelativeAttention(Attention):
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
-    def positional_inputs(self, q, klen, positions, v):
+    def scaled_queries(self, q, u, v):
+        u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
+        if torch.is_grad_enabled() and (q.requires_grad or u.requires_grad or v.requires_grad):
+            # Apart: a joined form's backward would sum the biases' gradients in another order (float32 rounding).
+            return (q + u) * self.scale, (q + v) * self.scale  # (B, T, H, D) each
+        # Without autograd (evaluation, decoding), (q + u) and (q + v) scaled as one add and one multiply over
+        # (2, B, T, H, D): the same numbers, one kernel fewer per layer.
+        both = (q + torch.stack([u, v])[:, None, None]) * self.scale  # (2, B, T, H, D)
+        return both[0], both[1]  # (B, T, H, D) each
+
+    def positional_inputs(self, q, klen, positions, v, shifted=None):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        qv = ((q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale).permute(2, 0, 1, 3).reshape(
-            H, B * T, D)  # (H, B*T, D)
+        if shifted is None:
+            shifted = (q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale  # (B, T, H, D)
+        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
         return (qv, r), kernels.relative_bias
 
 
@@ -332,7 +351,7 @@ class ShawAttention(Attention):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
-    def positional_inputs(self, q, klen, positions, v):
+    def positional_inputs(self, q, klen, positions, v, shifted=None):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
 
