@@ -146,8 +146,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         with sync:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
-            n = (y != IGNORE_INDEX).sum()  # () int64
-            loss = out.loss * (n / n_total)
+            # One chunk (no accumulation) is the whole batch: its weight n / n_total is 1, not computed (4 kernels).
+            n = n_total if len(chunks) == 1 else (y != IGNORE_INDEX).sum()  # () int64
+            loss = out.loss if len(chunks) == 1 else out.loss * (n / n_total)
             if out.compression_loss is not None:  # its gradient reaches the compression parameters alone
                 loss = loss + out.compression_loss / len(chunks)
                 aux = out.compression_loss.detach().double() / len(chunks)  # () float64
