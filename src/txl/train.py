@@ -158,7 +158,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
         nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
     sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
-    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind()
+    # Stacked for one all-reduce between processes; alone, nothing to reduce (one kernel fewer).
+    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind() if info.enabled else sums
     aux_sum = aux[0] / info.world_size if aux else None  # every process's mean over equal shares
     loss = nll_sum / count
     # A non-finite loss is found when the trainer reads the step (``read_stats``), which stops the run before
