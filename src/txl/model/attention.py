@@ -147,9 +147,14 @@ class Attention(nn.Module):
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
-            if memory is not None:
-                k_memory, val_memory = self.keys_values(memory, weight=w[H * D:])  # (B, M, H, D) each
+            if memory is None:
+                q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            else:
+                # Both in the weight's dtype, cast here as autocast would cast them in the matmuls.
+                rows = self.key_value_inputs(memory, w.dtype).to(w.dtype)  # (B, M, d)
+                seg, mem = kernels.project_segment_memory(h.to(w.dtype), rows, w, H * D)  # (B, ., 3 or 2 *H*D)
+                q, k, val = seg.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+                k_memory, val_memory = mem.view(B, -1, 2, H, D).unbind(2)  # (B, M, H, D) each
                 # Joined heads-first in one buffer, the layout the attention kernels read (B*H, K, D) as: the cat
                 # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
                 k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
@@ -228,10 +233,14 @@ class Attention(nn.Module):
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
-        # Memory rows may be kept in another float dtype than the weights' (ModelConfig.state_dtype).
-        h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)
+        h = self.key_value_inputs(rows, weight.dtype)  # (B, N, d)
         k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
         return k, val
+
+    def key_value_inputs(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the keys' and values' projection reads of (B, N, d) memory rows: LN(rows) with pre-LN, else the
+        rows in ``dtype``, the weights' (memory rows may be kept in another float dtype: ModelConfig.state_dtype)."""
+        return self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(dtype)
 
 
 class RelativeAttention(Attention):

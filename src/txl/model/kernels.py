@@ -137,6 +137,50 @@ def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
     return mask.hidden if isinstance(mask, Mask) else mask
 
 
+# -- the projections of the segment and the memory rows --------------------------------------------
+
+class _SegmentAndMemory(torch.autograd.Function):
+    """``F.linear(h, weight)`` and ``F.linear(rows, weight[split:])``: the segment's projection and the memory
+    rows' (which need the last rows of the weight alone: keys and values, no queries).
+
+    Backward computes what autograd computes for the two, with the same matmuls, except that the memory rows'
+    weight gradient is added in place into the rows of the segment's it belongs to: autograd gives the slice a
+    zero-filled gradient of the whole weight and adds that (two kernels and a pass over the weight more).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int):
+        ctx.split = split
+        ctx.save_for_backward(h, rows, weight)
+        return F.linear(h, weight), F.linear(rows, weight[split:])  # (B, T, W), (B, M, W - split)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor):
+        h, rows, weight = ctx.saved_tensors
+        split = ctx.split
+        g = grad.reshape(-1, grad.size(-1))  # (B*T, W)
+        gr = grad_rows.reshape(-1, grad_rows.size(-1))  # (B*M, W - split)
+        grad_h = grad_r = grad_w = None
+        # The operand orders of autograd's mm backward (a row-major input, a transposed weight): the same sums.
+        if ctx.needs_input_grad[0]:
+            grad_h = g.mm(weight).view(h.shape)  # (B, T, d)
+        if ctx.needs_input_grad[1]:  # pre-LN: the memory rows are normalised by the layer's norm first
+            grad_r = gr.mm(weight[split:]).view(rows.shape)  # (B, M, d)
+        if ctx.needs_input_grad[2]:
+            grad_w = g.t().mm(h.reshape(-1, h.size(-1)))  # (W, d)
+            grad_w[split:].add_(gr.t().mm(rows.reshape(-1, rows.size(-1))))  # (W - split, d)
+        return grad_h, grad_r, grad_w, None
+
+
+def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, d) segment and (B, M, d) memory rows, (W, d) weight -> (B, T, W) = h W^T and (B, M, W - split) =
+    rows W[split:]^T, in the dtype all three share (``_SegmentAndMemory`` under autograd)."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _SegmentAndMemory.apply(h, rows, weight, split)
+    return F.linear(h, weight), F.linear(rows, weight[split:])
+
+
 # -- keys and values of [memory; segment] in one buffer -------------------------------------------
 
 class _JoinedKeysValues(torch.autograd.Function):
