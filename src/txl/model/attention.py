@@ -208,7 +208,7 @@ class Attention(nn.Module):
         """The fused path's queries, scaled by 1/sqrt(D), (B, T, H, D) each: against the keys (shifted by the
         content bias, terms (a) + (c)), and against the positions where the encoding shifts them by a bias of its
         own (term (d); ``positional_inputs`` reads it as ``shifted``), else None."""
-        return (q + self.query_bias(self.content_bias(u), q)) * self.scale, None
+        return kernels.shifted_scaled(q, self.query_bias(self.content_bias(u), q), self.scale), None
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
@@ -310,7 +310,8 @@ class RelativeAttention(Attention):
         u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
         if torch.is_grad_enabled() and (q.requires_grad or u.requires_grad or v.requires_grad):
             # Apart: a joined form's backward would sum the biases' gradients in another order (float32 rounding).
-            return (q + u) * self.scale, (q + v) * self.scale  # (B, T, H, D) each
+            # The query heads-first, as the kernels read it; (q + v) by token, as relative_bias reads it.
+            return kernels.shifted_scaled(q, u, self.scale), (q + v) * self.scale  # (B, T, H, D) each
         # Without autograd (evaluation, decoding), (q + u) and (q + v) scaled as one add and one multiply over
         # (2, B, T, H, D): the same numbers, one kernel fewer per layer.
         both = (q + torch.stack([u, v])[:, None, None]) * self.scale  # (2, B, T, H, D)

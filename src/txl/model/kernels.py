@@ -181,6 +181,39 @@ def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Te
     return F.linear(h, weight), F.linear(rows, weight[split:])
 
 
+# -- the query, shifted and scaled, heads-first ---------------------------------------------------
+
+class _ShiftedScaled(torch.autograd.Function):
+    """(q + bias) * scale, written heads-first: (B, T, H, D) in, a (B, T, H, D) view of a (B, H, T, D) tensor out,
+    so that the kernels read it as (B*H, T, D) without a copy (they copied it; the projection lays it out by
+    token). The same add and multiply; backward is autograd's for them (MulBackward, then AddBackward's sum over
+    the bias's broadcast dims and casts to the inputs' dtypes)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        B, T, H, D = q.shape
+        ctx.scale, ctx.dtypes, ctx.bias_shape = scale, (q.dtype, bias.dtype), bias.shape
+        out = q.new_empty((B, H, T, D), dtype=torch.result_type(q, bias))  # (B, H, T, D)
+        torch.add(q.transpose(1, 2), bias.unsqueeze(-2), out=out)  # bias (H, D) -> (H, 1, D)
+        return out.mul_(scale).transpose(1, 2)  # (B, T, H, D) view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad * ctx.scale  # (B, T, H, D)
+        q_dtype, bias_dtype = ctx.dtypes
+        grad_bias = g.sum([0, 1], keepdim=True).view(ctx.bias_shape)  # (H, D): autograd's sum_to
+        return g.to(q_dtype), grad_bias.to(bias_dtype), None
+
+
+def shifted_scaled(q: torch.Tensor, bias: torch.Tensor | float, scale: float) -> torch.Tensor:
+    """(q + bias) * scale for a (B, T, H, D) query and an (H, D) bias (or a number): heads-first in memory under
+    autograd (``_ShiftedScaled``), where the kernels would copy it to that layout; as computed elsewhere."""
+    if (isinstance(bias, torch.Tensor) and bias.shape == q.shape[2:] and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        return _ShiftedScaled.apply(q, bias, scale)
+    return (q + bias) * scale  # (B, T, H, D)
+
+
 # -- keys and values of [memory; segment] in one buffer -------------------------------------------
 
 class _JoinedKeysValues(torch.autograd.Function):
