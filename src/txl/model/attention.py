@@ -217,7 +217,8 @@ class Attention(nn.Module):
         return None
 
     def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None,
-                          shifted: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
+                          shifted: torch.Tensor | None = None
+                          ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
         """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
         and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
         ``shifted``: the query shifted by the positional bias and scaled, when ``scaled_queries`` made it."""
