@@ -95,12 +95,13 @@ def test_cuda_mode_counts_dropout_as_the_one_fused_kernel_cuda_runs():
 def plain_layouts(monkeypatch) -> None:
     """The attention's layout kernels replaced by the ops they stand for (s34): keys and values of [memory;
     segment] by a cat each, by token (the kernels copy them heads-first), both projections by F.linear, the query
-    shift by an add and a multiply."""
+    shift by an add and a multiply, a post-LN layer input read by a cast by a plain cast."""
     monkeypatch.setattr(kernels, "join_keys_values",
                         lambda km, k, vm, v: (torch.cat([km, k], 1), torch.cat([vm, v], 1)))
     monkeypatch.setattr(kernels, "project_segment_memory",
                         lambda h, rows, w, split: (F.linear(h, w), F.linear(rows, w[split:])))
     monkeypatch.setattr(kernels, "shifted_scaled", lambda q, bias, scale: (q + bias) * scale)
+    monkeypatch.setattr(kernels, "fork_cast", lambda x, dtype: (x, x.to(dtype)))
 
 
 def two_segments(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor, precision: str):
@@ -133,9 +134,9 @@ def two_segments(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor, pre
                          ids=["relative", "preln-untie", "shaw", "recompute", "dropatt", "residual-state", "rotary"])
 def test_the_layout_kernels_give_the_numbers_of_the_ops_they_replace_bit_for_bit(monkeypatch, precision, change):
     """One cat laying out keys and values heads-first, the two projections' Function (the memory rows' weight
-    gradient added in place), the query written heads-first: losses, memories, every gradient and cached
-    log-probabilities equal (torch.equal) those of plain cats, F.linear and (q + u) * scale, in float32 and under
-    bf16 autocast."""
+    gradient added in place), the query written heads-first, the cast fork (two gradients met in one add): losses,
+    memories, every gradient and cached log-probabilities equal (torch.equal) those of plain cats, F.linear,
+    (q + u) * scale and casts, in float32 and under bf16 autocast."""
     x, y = zipf((3, 15), seed=4), zipf((3, 15), seed=5)
     fast = two_segments(word_model(**change).train(), x, y, precision)
     plain_layouts(monkeypatch)
@@ -170,6 +171,19 @@ def test_segment_and_memory_projections_and_the_shifted_query_give_autograds_gra
     query = kernels.shifted_scaled(q, u, 0.5)
     assert query.transpose(1, 2).is_contiguous()  # heads-first in memory: (B*H, T, D) is a view
     assert torch.autograd.gradcheck(lambda q, u: kernels.shifted_scaled(q, u, 0.5), (q, u))
+
+
+def test_a_cast_fork_adds_the_two_gradients_in_one_kernel_with_autograds_numbers():
+    x = torch.randn(3, 5, requires_grad=True)
+    g, g_cast = torch.randn(3, 5), torch.randn(3, 5).bfloat16()
+    a, b = kernels.fork_cast(x, torch.bfloat16)
+    assert b.dtype == torch.bfloat16 and torch.equal(b, x.bfloat16()) and torch.equal(a, x)
+    with launches._Dispatched() as mode:
+        (grad,) = torch.autograd.grad([a, b], x, [g, g_cast])
+    plain = torch.autograd.grad([x * 1, x.to(torch.bfloat16)], x, [g, g_cast])[0]  # autograd: cast back, then add
+    assert torch.equal(grad, plain) and mode.ops["aten::add"] == 1 and mode.ops["aten::_to_copy"] == 0, mode.ops
+    (alone,) = torch.autograd.grad(kernels.fork_cast(x, torch.bfloat16)[1], x, g_cast)  # one reader: a cast back
+    assert torch.equal(alone, g_cast.float())
 
 
 def test_the_sinusoid_halves_written_in_place_equal_their_cat():

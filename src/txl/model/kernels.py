@@ -137,6 +137,37 @@ def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
     return mask.hidden if isinstance(mask, Mask) else mask
 
 
+# -- a residual stream read by a cast --------------------------------------------------------------
+
+class _CastFork(torch.autograd.Function):
+    """x, and x cast to ``dtype``, for two readers: the residual add (x) and a matmul (the cast). Backward adds the
+    two gradients in one kernel, the cast's converted as it is read (exactly: a wider float holds every value of
+    a narrower one). Autograd casts it back in one kernel and adds in another: the same numbers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype):
+        ctx.set_materialize_grads(False)
+        ctx.dtype = x.dtype
+        return x.view_as(x), x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None, grad_cast: torch.Tensor | None):
+        if grad_cast is None:
+            return grad, None
+        if grad is None:  # the cast's reader alone: cast back, as autograd does
+            return grad_cast.to(ctx.dtype), None
+        return torch.add(grad, grad_cast), None  # in x's dtype, the wider
+
+
+def fork_cast(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, x.to(dtype)) for a residual add and a matmul that reads x in ``dtype`` (autocast's, narrower): under
+    autograd their gradients meet in one kernel (``_CastFork``)."""
+    if (dtype != x.dtype and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+            and torch.finfo(dtype).bits < torch.finfo(x.dtype).bits):
+        return _CastFork.apply(x, dtype)
+    return x, x.to(dtype)
+
+
 # -- the projections of the segment and the memory rows --------------------------------------------
 
 class _SegmentAndMemory(torch.autograd.Function):
