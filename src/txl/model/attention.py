@@ -117,6 +117,12 @@ class Attention(nn.Module):
         return [None] * config.n_layer
 
     @classmethod
+    def project_layers(cls, attns: list[Attention], positions: list[Positions | None]) -> list[Positions | None]:
+        """The layers' positions with what each layer would project of them projected for all layers at once (where
+        the encoding projects a shared input), inside the forward's cast of the weights; else ``positions``."""
+        return positions
+
+    @classmethod
     def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
                    d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
@@ -279,6 +285,19 @@ class RelativeAttention(Attention):
         r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
         # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
         return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
+
+    @classmethod
+    def project_layers(cls, attns, positions):
+        # W_kR R of every layer in one matmul of the shared R against the layers' W_kR stacked: (K, L*H*D), each
+        # layer's (K, H, D) a view (one matmul each way and a cat, where each layer made its own: 2 per layer).
+        first = positions[0] if positions else None
+        if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
+                or any(p is not first for p in positions)):
+            return positions
+        weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
+        H, D = attns[0].n_head, attns[0].d_head
+        projected = F.linear(first.encodings, weight).view(-1, len(attns), H, D).unbind(1)  # (K, H, D) each
+        return [Positions(projected=p) for p in projected]
 
     @classmethod
     def grow_table(cls, attns, table, klen, clamp_len, *, d_model, dtype, device):

@@ -242,6 +242,7 @@ class TransformerXL(nn.Module):
         hiddens, keys, values, buffers = [], [], [], []
         # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
         with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None):
+            positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
             # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
