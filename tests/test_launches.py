@@ -32,16 +32,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 #                         launched        copies   cat   syncs (_local_scalar_dense + nonzero)
 #   a4a52e2 (before)      2064 (2166)      756    51      12  (8 + 4)
 #   i34core               1780 (1882)      509    37       0
-#   i34more (now)         1412 (1514)      185    37       0
+#   i34more               1412 (1514)      185    37       0
+#   s34 (now)             1281 (1383)      135    21       0
 #   issue 34's target    <=1032 (<=1083)  <=252  <=25      0
 #
-# Copies are under the target; launches and cats are not (benchmarks/README.md: what remains is the fp32 residual
-# stream's casts, the (B*H) attention batches' copies to heads-first and back, the k/v cat per layer). The
-# ceilings hold what was reached, with ~3% of room for a torch release's decompositions.
-CEILINGS = {"launched": 1455, "copies": 191, "cat": 38}
-EVAL_CEILINGS = {"launched": 468, "copies": 127, "cat": 2}
+# s34's count no longer takes the optimizer's record_function markers (4) nor the harness's batch copies (2) for
+# launches: 1287 as i34more counted. Copies and cats are under the targets; launches are not (benchmarks/README.md:
+# what remains is the fp32 residual stream's casts, the (B*H) attention's output copied back to (B, T, H*D) and
+# its gradient to heads-first, bias sums, and autograd's sums of gradients that meet, each kept as its own kernel
+# to keep the numbers). The ceilings hold what was reached, with ~3% of room for a torch release's decompositions.
+CEILINGS = {"launched": 1319, "copies": 139, "cat": 22}
+EVAL_CEILINGS = {"launched": 445, "copies": 127, "cat": 2}
 """One evaluation segment with the key/value cache as on CUDA (T 8, M 80): a4a52e2 640 / 257 / 2, i34core 614 /
-237 / 2, i34more 454 / 123 / 2 (launched / copies / cat; 471 before main's merge of i35perf's cache work)."""
+237 / 2, i34more 454 / 123 / 2, s34 432 / 123 / 2 (launched / copies / cat; 471 before main's merge of i35perf's
+cache work)."""
 
 
 def cuda_mode() -> txl.ModelConfig:
