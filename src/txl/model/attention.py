@@ -290,9 +290,11 @@ class RelativeAttention(Attention):
     def project_layers(cls, attns, positions):
         # W_kR R of every layer in one matmul of the shared R against the layers' W_kR stacked: (K, L*H*D), each
         # layer's (K, H, D) a view (one matmul each way and a cat, where each layer made its own: 2 per layer).
+        # Only plain tensors: FSDP's layers hold sharded weights (DTensors) until each layer's own forward gathers them.
         first = positions[0] if positions else None
         if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
-                or any(p is not first for p in positions)):
+                or any(p is not first for p in positions)
+                or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)):
             return positions
         weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
         H, D = attns[0].n_head, attns[0].d_head
