@@ -290,11 +290,14 @@ class RelativeAttention(Attention):
     def project_layers(cls, attns, positions):
         # W_kR R of every layer in one matmul of the shared R against the layers' W_kR stacked: (K, L*H*D), each
         # layer's (K, H, D) a view (one matmul each way and a cat, where each layer made its own: 2 per layer).
-        # Only plain tensors: FSDP's layers hold sharded weights (DTensors) until each layer's own forward gathers them.
+        # Only plain tensors (FSDP's layers hold sharded weights, DTensors, until each layer's own forward gathers
+        # them), and in one process: the W_kR gradients all arrive at the end of backward, where DDP would wait for
+        # them instead of reducing them while backward runs (txl.model.casting makes the same choice).
         first = positions[0] if positions else None
         if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
                 or any(p is not first for p in positions)
-                or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)):
+                or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)
+                or _multi_process()):
             return positions
         weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
         H, D = attns[0].n_head, attns[0].d_head
@@ -440,6 +443,13 @@ class RotaryAttention(Attention):
 
     def place(self, q, k):
         return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
+
+
+def _multi_process() -> bool:
+    """Whether a process group of more than one process is running (DDP, FSDP)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def encoding(attn_type: str) -> type[Attention]:
