@@ -72,11 +72,22 @@ class Variant:
     """'Full' (every segment position) or 'Half' (the last half only), the paper's Loss column."""
     seed: int = 0
     """Added to --seed: a second seed of the same row measures run-to-run noise."""
+    cmem_len: int = 0
+    """Compressed memory slots per layer (Rae et al. 2020; ``experiments.compressive``), taken out of --mem-len so
+    the row holds the same number of memory slots as the plain row: memory mem_len - cmem_len + cmem_len slots."""
+    cmem_rate: int = 4
+    cmem_fn: str = "conv"
 
     @property
     def name(self) -> str:
         return (f"{self.attn_type}-{'rec' if self.recurrence else 'norec'}" + ("-half" if self.loss == "Half" else "")
+                + (f"-c{self.cmem_len}x{self.cmem_rate}" + ("" if self.cmem_fn == "conv" else f"-{self.cmem_fn}")
+                   if self.cmem_len else "")
                 + (f"-seed{self.seed}" if self.seed else ""))
+
+    def mem_len(self, args: argparse.Namespace) -> int:
+        """The plain memory of this row at training: --mem-len less the compressed slots, 0 without recurrence."""
+        return args.mem_len - self.cmem_len if self.recurrence else 0
 
 
 VARIANTS = tuple(Variant(a, r) for r in (True, False) for a in ENCODINGS)
@@ -93,9 +104,10 @@ WT2_VARIANTS = (
 """The WikiText-2 grid, in priority order: the paper's nine first-block rows, two Full rows, a second seed."""
 
 GRIDS = {"ptb": VARIANTS, "wt2": WT2_VARIANTS}
-EXTRA_VARIANTS = {"wt2": (Variant("rotary", True),)}
-"""Rows beside the paper's, trained only when named in --variants (``experiments.rotary``): not part of the
-grid's ``all``, its table or its RECL group."""
+EXTRA_VARIANTS = {"wt2": (Variant("rotary", True), Variant("relative", True, cmem_len=32),
+                          Variant("relative", True, cmem_len=32, seed=1))}
+"""Rows beside the paper's, trained only when named in --variants (``experiments.rotary``,
+``experiments.compressive --corpus wt2``): not part of the grid's ``all``, its table or its RECL group."""
 
 CORPUS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ptb": {"data_dir": str(common.SHARED_DATA / "ptb"), "out": str(common.RUNS_DIR / "ablation"),
@@ -222,7 +234,8 @@ def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConf
     model = ModelConfig(vocab_size=vocab_size, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
                         d_inner=args.d_inner, dropout=args.dropout, dropatt=0.0, attn_type=v.attn_type,
                         cutoffs=[int(c) for c in args.cutoffs.split(",") if c.strip()],
-                        mem_len=args.mem_len if v.recurrence else 0,
+                        mem_len=v.mem_len(args), cmem_len=v.cmem_len, cmem_rate=v.cmem_rate,
+                        cmem_fn=v.cmem_fn,  # type: ignore[arg-type]
                         learned_positions=max(512, max_len))  # longer-than-trained rows stay untrained
     checkpoints = CORPUS_DEFAULTS[args.corpus]["checkpoints"]
     return common.with_overrides(RunConfig(
@@ -258,8 +271,10 @@ def collect(args: argparse.Namespace, *, exact: bool = False, available_only: bo
         if available_only and not (run_dir / common.DONE_FILE).is_file():
             continue
         record = common.train_or_skip(run_config(v, args, corpus.vocab_size), corpus)
+        # A compressive row's compressed slots are keys too: it is scored where they leave room for a memory.
+        contexts = [c for c in grid if c > seg_len + v.cmem_len] if v.cmem_len else grid
         losses = common.cached_position_losses(None if available_only else common.load_trained(run_dir),
-                                               corpus.valid, grid, run_dir / name, n_streams=args.streams,
+                                               corpus.valid, contexts, run_dir / name, n_streams=args.streams,
                                                seg_len=seg_len, skip=grid[-1] - 1, exact=exact)
         if losses is None:
             continue

@@ -239,6 +239,8 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     last query of a segment sees ``context`` keys and the first ``context - seg_len + 1``; with
     ``seg_len`` the training segment length, absolute encodings meet the query positions they were
     trained on (they number positions within the key sequence, so any other segment length moves them).
+    A compressive model (Rae et al. 2020) keeps its ``cmem_len`` compressed slots, and its memory is
+    ``context - seg_len - cmem_len``: the last query again sees ``context`` keys.
     The memory rows hold hidden states that were themselves computed the same way, so information can
     still reach further back through the layers (up to n_layer * context tokens): that is what
     segment-level recurrence adds, and what the paper measures.
@@ -258,12 +260,14 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     device = next(model.parameters()).device
     x = data[:-1].view(n_streams, L).to(device)  # (S, L)
     y = data[1:].view(n_streams, L).to(device)  # (S, L): y[:, t] follows x[:, t]
-    if not exact and context < seg_len:
-        raise ValueError(f"attention length {context} is shorter than the segment ({seg_len} tokens)")
+    slots = model.config.cmem_len  # a compressive model's compressed slots count among the keys of ``context``
+    if not exact and context < seg_len + slots + (1 if slots else 0):
+        raise ValueError(f"attention length {context} leaves no memory beside the segment ({seg_len} tokens)"
+                         + (f" and the {slots} compressed slots" if slots else ""))
     if exact:
         changes = dict(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
     else:
-        changes = dict(mem_len=context - seg_len, same_length=False, ext_len=0)
+        changes = dict(mem_len=context - seg_len - slots, same_length=False, ext_len=0)
     if clamp_len is not None:
         changes["clamp_len"] = clamp_len
     with inference_context(model, **changes) as attention_context:

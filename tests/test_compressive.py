@@ -170,6 +170,35 @@ def test_generation_steps_carry_both_memories():
 
 
 @pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
+def test_prompts_of_different_lengths_generate_each_row_as_alone(attn_type):
+    """Prompts of 11, 3 and 6 tokens (read in segments of 4, past the model's own memory of 4 and its rate-2
+    compression) as one left-padded batch: generation keeps every row, so nothing is compressed and no pad can be
+    (the model refuses pads in any call that compresses); each row's tokens, greedy and seeded, are its own alone.
+    A mem_len small enough to compress is refused before any work."""
+    from txl.generation import generate
+
+    model = compressive(attn_type=attn_type)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (11, 3, 6)]
+    for kwargs in (dict(temperature=0), dict(temperature=1.5, seed=7)):
+        new = generate(model, prompts, max_new_tokens=9, segment_len=T, **kwargs)
+        for b, p in enumerate(prompts):
+            alone = dict(kwargs, seed=kwargs["seed"] + b) if "seed" in kwargs else kwargs
+            assert new[b].tolist() == generate(model, p, max_new_tokens=9, segment_len=T, **alone)[0].tolist()
+    assert len({tuple(r) for r in new.tolist()}) == 3
+    # The last step reads 11 + 9 - 1 = 19 rows: mem_len 18 keeps them all (19 - 18 < rate 2), 17 compresses one group.
+    greedy = dict(max_new_tokens=9, segment_len=T, mem_len=18, temperature=0)
+    new = generate(model, prompts, **greedy)
+    for b, p in enumerate(prompts):
+        assert new[b].tolist() == generate(model, p, **greedy)[0].tolist()
+    with pytest.raises(ValueError, match=r"prompts of different lengths with a compressed memory \(cmem_len 3\) need a "
+                                         r"mem_len that compresses nothing \(mem_len 17 < 11 \+ 9 - 2\): pads would "
+                                         r"be compressed with real rows"):
+        generate(model, prompts, max_new_tokens=9, segment_len=T, mem_len=17, temperature=0)
+    assert generate(model, prompts[:1], max_new_tokens=9, segment_len=T, mem_len=17, temperature=0).shape == (1, 9)
+
+
+@pytest.mark.parametrize("attn_type", ["relative", "shaw", "rotary"])
 def test_the_kv_cache_equals_the_uncached_model(attn_type):
     """Reading with a KV cache (steps of 1 and 3 tokens) gives the uncached model's log-probs and both memories:
     with a finite mem_len (rows compressed every few steps: the cache is rebuilt from the state then) and with
@@ -207,8 +236,16 @@ def test_bad_state_and_unsupported_options_are_named():
                                                          r"0 rows"):  # the window's rows: compressed and memory
         from txl.model import KVCache
         model(x, kv_cache=KVCache(keys=(torch.zeros(2, 3, 4, 8),) * 2, values=(torch.zeros(2, 3, 4, 8),) * 2))
-    with pytest.raises(ValueError, match=r"padding is not supported with a compressed memory"):
-        model(x, padding=torch.zeros(2, T, dtype=torch.bool))
+    with torch.no_grad():
+        memory = model(x).memory  # 4 rows, no slot
+        full = model(x, memory=memory).memory  # 4 rows, 2 slots
+    pads = torch.zeros(2, 2 * T, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"padding with a compressed memory \(cmem_len > 0\) needs an empty compressed "
+                                         r"memory and nothing compressed by this call \(memory \+ segment 8 rows, "
+                                         r"mem_len 4, cmem_rate 2\): pads would be compressed with real rows"):
+        model(x, memory=memory, padding=pads)
+    with pytest.raises(ValueError, match=r"needs an empty compressed memory"):  # 8 rows kept: none leaves, but slots
+        model(x, memory=full, padding=pads, context=model.config.context(mem_len=8))
     with pytest.raises(ValueError, match=r"reads with same_length false and ext_len 0"):
         model(x, context=model.config.context(same_length=True))
 
@@ -338,13 +375,6 @@ def test_score_carries_both_memories():
         assert (a.n_tokens, a.nll) == (b.n_tokens, pytest.approx(b.nll, rel=1e-6))
 
 
-def test_export_refuses_a_compressed_memory():
-    from txl.export import SegmentStep
-
-    with pytest.raises(ValueError, match=r"cmem_len=3: a compressed memory cannot be exported"):
-        SegmentStep(compressive())
-
-
 @pytest.mark.slow  # two torchrun launches of two processes
 def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_path):
     """One global batch of 8 streams: one process; DDP over 2 (2 accumulation chunks each); FSDP2 over 2. The LM
@@ -372,27 +402,30 @@ def test_ddp_and_fsdp_train_the_compressive_model_as_one_process(corpus, tmp_pat
     assert max_difference(w["single"], w["ddp"]) < 1e-5 and "compressor.weight" in w["ddp"]
 
 
-RECALL_STEPS = 3000
-"""Steps the tiny recall run needs before the compressive model reads its slots (at 1500 it barely does)."""
+RECALL_STEPS = 700
+"""Steps of 64 streams the tiny recall run trains each model for. At 700, seeds 0-11 answered 78-91% (compressed)
+against 25-30% (plain) at distances 12-23; at 500, seeds 0-5 66-88% against 24-26%. The setting before (3000 steps
+of 16 streams, 8 keys, distances 3-40, 2 heads of 16, init 0.1) took 30-40 s for 48-70% against 28-30%."""
 
 
 def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float, int]:
-    """Train a 1-layer model on ``corpus`` (segments of 4, memory carried) and return its answer accuracy at
-    distances 12-23 (past a plain memory of 8's one hop, 4 + 8 = 12; inside memory 4 + 4 slots at rate 4's, 24)
+    """Train a 1-layer model on ``corpus`` (64 streams, segments of 4, memory carried) and return its answer accuracy
+    at distances 12-23 (past a plain memory of 8's one hop, 4 + 8 = 12; inside memory 4 + 4 slots at rate 4's, 24)
     and the number of such answers."""
     import numpy as np
 
     from experiments import longrange
 
     torch.manual_seed(seed)
-    cfg = tiny_config(vocab_size=corpus.vocab_size, n_layer=1, n_head=2, d_head=16, mem_len=mem_len, cmem_len=cmem_len,
-                      cmem_rate=4, cmem_fn="mean", init_std=0.1, proj_init_std=0.1)
+    # 4 heads of 8 and init 0.2 (not 2 of 16 and 0.1): the lookup forms within a few hundred steps for every seed.
+    cfg = tiny_config(vocab_size=corpus.vocab_size, n_layer=1, n_head=4, d_head=8, mem_len=mem_len, cmem_len=cmem_len,
+                      cmem_rate=4, cmem_fn="mean", init_std=0.2, proj_init_std=0.2)
     model = TransformerXL(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     data = torch.as_tensor(corpus.train.astype(np.int64))
-    B = 16
+    B = 64
     L = (len(data) - 1) // B
-    x, y = data[:B * L].view(B, L), data[1:B * L + 1].view(B, L)  # (B, L) each: 16 streams
+    x, y = data[:B * L].view(B, L), data[1:B * L + 1].view(B, L)  # (B, L) each: 64 streams
     state = None
     for step in range(RECALL_STEPS):
         i = (step * 4) % (L - 4)
@@ -410,9 +443,8 @@ def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float
     return float(hit[band].mean()), int(band.sum())
 
 
-@pytest.mark.slow  # two tiny models trained 3000 steps each (about a minute)
-def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch):
-    """Recall (txl.data.recall: 8 keys, 4 values, chance 25%, distances 3-40) with the same 8 slots per layer:
+def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch, one_thread):
+    """Recall (txl.data.recall: 4 keys, 4 values, chance 25%, distances 3-24) with the same 8 slots per layer:
     memory 4 + 4 mean-pooled slots at rate 4 reaches 4 + 4 + 16 = 24 tokens in its one layer, plain memory 8 only
     12. Past 12 the plain model cannot see the definition at all; the compressive one answers from its slots."""
     import functools
@@ -420,11 +452,83 @@ def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tm
     from txl.data import corpora, load_corpus
     from txl.data.recall import RecallParams, build_recall_corpus
 
-    params = RecallParams(n_keys=8, n_values=4, n_filler=8, max_distance=40, tokens=(60_000, 8_000, 1_000),
+    params = RecallParams(n_keys=4, n_values=4, n_filler=8, max_distance=24, tokens=(60_000, 8_000, 1_000),
                           train_short_share=0.0)
     monkeypatch.setattr(corpora, "build_recall_corpus", functools.partial(build_recall_corpus, params=params))
     corpus = load_corpus("recall", cache_dir=tmp_path / "tokens")
     compressed, n = recall_run(corpus, mem_len=4, cmem_len=4, seed=0)
     plain, _ = recall_run(corpus, mem_len=8, cmem_len=0, seed=0)
-    assert n > 300
-    assert compressed > plain + 0.15 and compressed > 0.4, (compressed, plain)
+    assert n > 500
+    assert compressed > plain + 0.3 and compressed > 0.6 and plain < 0.4, (compressed, plain)
+
+
+def trained_pair() -> tuple[TransformerXL, torch.Tensor]:
+    """A 'conv' compressive model with every weight perturbed (the conv is not the mean pooling it starts as) and
+    33 tokens per row: 8 segments of T."""
+    model = compressive(cmem_fn="conv")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model, tokens(8)
+
+
+def test_bf16_autocast_trains_close_to_float32(one_thread):
+    """Five training segments (nothing compressed, then slots filling, then full) under CPU bf16 autocast: both
+    memories are kept in bf16 (state_dtype 'compute'), and the LM loss, the reconstruction loss and every gradient
+    (LM + reconstruction, summed over the segments) stay close to float32's."""
+    model, x = trained_pair()
+    model.train()
+    runs = []
+    for bf16 in (False, True):
+        model.zero_grad()
+        state, losses = None, []
+        for s in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x[:, T * s:T * s + T], labels=x[:, T * s + 1:T * s + T + 1], memory=state)
+            (out.loss + out.compression_loss).backward()
+            state = out.memory
+            losses.append((out.loss.item(), out.compression_loss.item()))
+        assert {t.dtype for t in state} == {torch.bfloat16 if bf16 else torch.float32}
+        runs.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}, state))
+    (fp32, g32, s32), (bf16, g16, s16) = runs
+    assert [m.size(1) for m in s16] == [m.size(1) for m in s32] == [MEM, MEM, CMEM, CMEM]
+    assert fp32[0][1] == bf16[0][1] == 0.0 and all(a[1] > 0 for a in fp32[1:])  # nothing compressed in segment 1
+    for (lm32, rec32), (lm16, rec16) in zip(fp32, bf16):
+        assert lm16 == pytest.approx(lm32, rel=2e-3) and rec16 == pytest.approx(rec32, rel=2e-2, abs=1e-6)
+    for name, g in g32.items():
+        assert (g16[name] - g).norm() <= 0.06 * g.norm(), name
+    for a, b in zip(s16, s32):
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
+
+
+def test_compiled_training_step_equals_eager_in_one_graph(one_thread):
+    """torch.compile (fullgraph: no graph break at all; aot_eager: dynamo's and autograd's graphs, without inductor's
+    code generation) of five training segments from a full state (memory 4, 3 slots): the LM and reconstruction
+    losses, every gradient and both memories equal eager's, and the five steps compile once (no recompilation)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, x = trained_pair()
+    with torch.no_grad():
+        state = None
+        for s in range(3):
+            state = model.eval()(x[:, T * s:T * s + T], memory=state).memory
+    assert [m.size(1) for m in state] == [MEM, MEM, CMEM, CMEM]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.train(), backend=counter, fullgraph=True)
+    states = {"compiled": state, "eager": state}
+    for s in range(3, 8):
+        got = {}
+        for name, run in (("compiled", compiled), ("eager", model)):
+            model.zero_grad()
+            out = run(x[:, T * s:T * s + T], labels=x[:, T * s + 1:T * s + T + 1], memory=states[name])
+            (out.loss + out.compression_loss).backward()
+            states[name] = out.memory
+            got[name] = (out.loss, out.compression_loss, [p.grad.clone() for p in model.parameters()])
+        (loss, rec, grads), (loss_e, rec_e, grads_e) = got["compiled"], got["eager"]
+        torch.testing.assert_close(loss, loss_e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rec, rec_e, atol=1e-6, rtol=1e-5)
+        for a, b in zip(grads, grads_e, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for a, b in zip(states["compiled"], states["eager"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert counter.frame_count == 1

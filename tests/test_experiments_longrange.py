@@ -4,12 +4,13 @@ tested here; experiments.recurrence runs in full in tests/test_recurrence.py."""
 
 import functools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
-from experiments import compressive, longrange, report, rotary
+from experiments import compressive, compressive_wt2, longrange, report, rotary
 from txl.data import corpora
 from txl.data.recall import RecallParams, build_recall_corpus
 
@@ -100,7 +101,7 @@ def test_answer_scores_are_those_of_the_answer_positions(small_recall, tmp_path)
             assert hit[k] == float(lp.argmax() == tokens[p])
 
 
-def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
+def tiny_wikitext2(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and dog ran to big red house with small green tree by river".split()
@@ -109,6 +110,11 @@ def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
     for split, n in (("train", 300), ("valid", 60), ("test", 30)):
         (d / f"wiki.{split}.tokens").write_text(
             "".join(" ".join(rng.choice(words, size=rng.integers(3, 9))) + "\n" for _ in range(n)))
+    return d
+
+
+def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
+    d = tiny_wikitext2(tmp_path, monkeypatch)
     argv = ["--corpus", "wt2", "--data-dir", str(d), "--steps", "2", "--tgt-len", "4", "--mem-len", "4",
             "--contexts", "4,8,12", "--cutoffs", "", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
             "--d-inner", "32", "--batch-size", "4", "--streams", "2", "--eval-seg-len", "4", "--threads", "1",
@@ -119,3 +125,31 @@ def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
     assert [p["attn_len"] for p in out["long_memory"]] == [8, 12]
     with pytest.raises(SystemExit, match="rotary row is defined for wt2"):
         rotary.main(["--corpus", "ptb"])
+
+
+def test_compressed_rows_beside_relative_rec_on_wikitext2(tmp_path, monkeypatch):
+    """The compressed rows hold the plain row's 64 slots (memory 32 + 32 compressed) and are scored where their
+    slots leave room for a memory, on the plain row's positions, each compared with it position by position."""
+    d = tiny_wikitext2(tmp_path, monkeypatch)
+    argv = ["--corpus", "wt2", "--data-dir", str(d), "--steps", "2", "--tgt-len", "4", "--mem-len", "64",
+            "--contexts", "4,68,100", "--cutoffs", "", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
+            "--d-inner", "32", "--batch-size", "4", "--streams", "2", "--threads", "1",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+    assert compressive_wt2.main(argv) == 0
+    out = json.loads((tmp_path / "results" / "compressive_wt2.json").read_text())
+    runs = out["runs"]
+    assert list(runs) == ["relative-rec", "relative-rec-c32x4", "relative-rec-c32x4-seed1"]
+    assert (runs["relative-rec"]["mem_len"], runs["relative-rec"]["cmem_len"]) == (64, 0)
+    assert (runs["relative-rec-c32x4"]["mem_len"], runs["relative-rec-c32x4"]["cmem_len"]) == (32, 32)
+    assert runs["relative-rec-c32x4"]["horizon"]["one_hop"] == 4 + 32 + 4 * 32
+    assert set(runs["relative-rec"]["ppl"]) == {"4", "68", "100"}
+    assert set(runs["relative-rec-c32x4"]["ppl"]) == {"68", "100"}  # 4 keys leave no room beside 32 slots
+    assert runs["relative-rec"]["positions"] == runs["relative-rec-c32x4"]["positions"]
+    gap = out["comparisons"]["relative-rec-c32x4"]["by_length"]
+    assert set(gap) == {"68", "100"}
+    assert gap["68"]["gap_pct"] == pytest.approx(
+        100 * (runs["relative-rec-c32x4"]["ppl"]["68"] / runs["relative-rec"]["ppl"]["68"] - 1))
+    assert out["noise"]["pair"] == ["relative-rec-c32x4", "relative-rec-c32x4-seed1"]
+    assert [p["attn_len"] for p in out["long_memory"]["relative-rec-c32x4"]] == [68, 100]
+    with pytest.raises(SystemExit, match="compressed rows are defined for wt2"):
+        compressive_wt2.main(["--corpus", "ptb"])

@@ -196,6 +196,38 @@ def test_a_training_run_with_graphs_equals_one_without(corpus, tmp_path, monkeyp
         torch.testing.assert_close(w_graphed[name], value, **TOL, msg=name)
 
 
+def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, capsys):
+    """``txl eval --graphs`` (through aot_eager here) prints the figures of ``txl eval``: the same loss on the same
+    tokens, memory filling past mem_len."""
+    import txl.train
+    from txl import graphs
+    from txl.cli import main
+    from txl.config import DataConfig, RunConfig, TrainConfig
+    from txl.data.corpora import load_run_corpus
+
+    calls = []
+
+    def aot_eager(model, backend=None):
+        calls.append(model)
+        return torch.compile(model, backend="aot_eager", dynamic=False)
+
+    monkeypatch.setattr(graphs, "compile_static", aot_eager)
+    cfg = RunConfig(data=DataConfig(corpus=corpus, level="byte"), model=tiny_config(vocab_size=256),
+                    train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=2, batch_size=2, tgt_len=4,
+                                      progress=False, tensorboard=False, plot=False, eval_batches=1, eval_interval=0,
+                                      device="cpu", precision="fp32", sample_tokens=0))
+    txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
+    figures = []
+    for flags in ([], ["--graphs"]):
+        torch._dynamo.reset()
+        capsys.readouterr()
+        assert main(["eval", str(tmp_path / "run"), "--max-batches", "5", "--no-progress", *flags]) == 0
+        line = next(r for r in capsys.readouterr().out.splitlines() if ": loss " in r)
+        figures.append(line.split(" tokens, ")[0])  # "mem_len 6, tgt_len 4, keys/query 7-10: loss ..., 200"
+    assert len(calls) == 1  # the flag reached txl.graphs
+    assert figures[0] == figures[1] and "loss" in figures[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_equal_eager_on_cuda():

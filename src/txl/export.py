@@ -18,6 +18,26 @@ model computes with ``memory=None``, and later ones what it computes with the me
 memory has a fixed length so that the program has static memory shapes; the padding marks the rows that
 are not filled yet. Token ids are not range-checked inside the program (that check reads data): check
 them before calling it. Relative and Shaw attention only (absolute encodings shift with the padding).
+
+A compressive model (``cmem_len`` > 0, Rae et al. 2020, ``txl.model.compressive``) carries its compressed memory
+too, as two more inputs and outputs::
+
+    log_probs, new_memory, new_padding, new_compressed, new_compressed_padding = step(
+        input_ids, memory, memory_padding, compressed, compressed_padding)
+
+    memory              (L, B, S, d), S = mem_len + cmem_rate - 1: the most rows its memory holds (rows leave
+                        in whole groups of cmem_rate), real rows last, the rest padding
+    compressed          (L, B, C, d), C = cmem_len slots, real slots last, oldest first
+    compressed_padding  (B, C) bool: True for slots that hold nothing yet
+
+The eager model's eviction has data-dependent sizes (how many rows leave depends on how many the memory holds);
+the exported step has a static form of it that computes the same: every tensor has a fixed size, the counts of
+real rows are read from the paddings as tensors, the window [compressed; memory] is packed by a gather so that
+its pads come first (their distances then do not matter, as above), the rows that leave are gathered as the
+most groups a segment of T can evict ((T + cmem_rate - 1) // cmem_rate, plus one) and compressed, and the groups
+that did not leave are dropped by the gather that right-aligns the new compressed memory. Pads hold zeros. The
+counts are per row, so rows at different points of their streams step as one batch (the eager model needs equal
+lengths). The cost of the static form: every step compresses that many groups, used or not, and gathers the window.
 """
 
 from __future__ import annotations
@@ -50,10 +70,6 @@ class SegmentStep(nn.Module):
                              f"positions shift with the empty memory rows; use {either(attn_types(relative=True))}")
         if model.config.mem_len < 1:
             raise ValueError("mem_len=0: the model has no memory to carry; export needs mem_len >= 1")
-        if model.config.cmem_len:
-            raise ValueError(f"cmem_len={model.config.cmem_len}: a compressed memory cannot be exported as a segment "
-                             "step yet (its padded rows would be compressed with real ones); export a model with "
-                             "cmem_len 0")
         self.model = model
         self.eval()  # the step is for inference: no dropout
 
@@ -68,44 +84,121 @@ class SegmentStep(nn.Module):
         return out.log_probs, torch.stack(out.memory), padding[:, -M:]  # (B, T, V), (L, B, M, d), (B, M)
 
 
-def initial_state(model: TransformerXL, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The memory (L, B, M, d) zeros and padding (B, M) all True of a stream that has read nothing."""
+class CompressiveSegmentStep(SegmentStep):
+    """One segment of a compressive TransformerXL with both memories (stacked, right-aligned) and their paddings
+    as tensors in and out: the static form of the eager model's eviction (see the module docstring)."""
+
+    def forward(self, input_ids: torch.Tensor, memory: torch.Tensor,  # type: ignore[override]
+                memory_padding: torch.Tensor, compressed: torch.Tensor, compressed_padding: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.model.config
+        B, T = input_ids.shape
+        L, _, S, d = memory.shape
+        C, c = compressed.size(2), cfg.cmem_rate
+        W = C + S  # the window's rows: [compressed; memory]
+        device = input_ids.device
+        km = S - memory_padding.sum(1)  # (B,) real memory rows (the last km)
+        kc = C - compressed_padding.sum(1)  # (B,) real compressed slots (the last kc)
+        # The window packed to the right: its real memory rows stay where they are, its real slots move right by
+        # the memory's pads, so the eager window [slots; rows] ends the buffer and only pads come before it.
+        w = torch.arange(W, device=device)[None, :]  # (1, W)
+        src = torch.where(w >= W - km[:, None], w, w - (S - km)[:, None]).clamp(min=0)  # (B, W)
+        both = torch.cat([compressed, memory.to(compressed.dtype)], dim=2)  # (L, B, W, d)
+        packed = both.gather(2, src[None, :, :, None].expand(L, B, W, d))  # (L, B, W, d)
+        padding = torch.cat([w < (W - km - kc)[:, None], torch.zeros(B, T, dtype=torch.bool, device=device)], 1)
+        # The model reads the packed window as its memory with an empty compressed one and a context that keeps
+        # every row (2^30: more than the window and the longest segment the program takes): nothing is compressed
+        # inside (padding is allowed then), the state out is [window; segment]'s layer inputs, which the eviction
+        # below reads.
+        state = (*packed.unbind(0), *(packed[l][:, :0] for l in range(L)))  # 2L: memory (B, W, d), empty (B, 0, d)
+        out = self.model(input_ids, memory=state, padding=padding, return_log_probs=True,
+                         context=cfg.context(mem_len=1 << 30))
+        rows = torch.stack(out.memory[:L])  # (L, B, W + T, d)
+        # Rae et al. 2020 as txl.model.compressive.evict: of the km + T rows of [memory; segment] the oldest
+        # floor((km + T - mem_len) / c) x c leave, compressed c to one slot.
+        n = (km + T - cfg.mem_len).clamp(min=0) // c * c  # (B,) rows leaving
+        g = n // c  # (B,) new slots
+        # The most slots one segment of T makes (km <= S), plus one never kept: G >= 2 for every T, so that the
+        # program is not specialised to G == 1 (a size-1 dimension broadcasts: torch.export would have to guard it).
+        G = (S + T - cfg.mem_len) // c + 1
+        j = torch.arange(G * c, device=device)[None, :]  # (1, G c)
+        take = ((W - km)[:, None] + j).clamp(max=W + T - 1)  # (B, G c): from the first real memory row on
+        leaving = rows.gather(2, take[None, :, :, None].expand(L, B, G * c, d))  # (L, B, G c, d)
+        slots = self.model.compressor(leaving.reshape(L * B, G * c, d)).view(L, B, G, d)  # (L, B, G, d)
+        # [old slots; new slots]: the real ones are contiguous, at C - kc .. C + g; the last C of them are kept.
+        grown = torch.cat([compressed, slots.to(compressed.dtype)], dim=2)  # (L, B, C + G, d)
+        s = torch.arange(C, device=device)[None, :]  # (1, C)
+        new_compressed = grown.gather(2, (g[:, None] + s)[None, :, :, None].expand(L, B, C, d))  # (L, B, C, d)
+        new_compressed_padding = s < (C - (kc + g).clamp(max=C))[:, None]  # (B, C)
+        # The memory keeps the last km + T - n rows: within the last S rows of [window; segment].
+        new_memory = rows[:, :, W + T - S:]  # (L, B, S, d)
+        new_padding = torch.arange(S, device=device)[None, :] < (S - (km + T - n))[:, None]  # (B, S)
+        return (out.log_probs, new_memory.masked_fill(new_padding[None, :, :, None], 0), new_padding,
+                new_compressed.masked_fill(new_compressed_padding[None, :, :, None], 0), new_compressed_padding)
+
+
+def segment_step(model: TransformerXL) -> SegmentStep:
+    """The exported module of ``model``: :class:`CompressiveSegmentStep` for a compressive one (cmem_len > 0)."""
+    return CompressiveSegmentStep(model) if model.config.cmem_len else SegmentStep(model)
+
+
+def state_names(model: TransformerXL) -> tuple[list[str], list[str]]:
+    """The exported step's input and output names."""
+    if model.config.cmem_len:
+        return (["input_ids", "memory", "memory_padding", "compressed", "compressed_padding"],
+                ["log_probs", "new_memory", "new_padding", "new_compressed", "new_compressed_padding"])
+    return ["input_ids", "memory", "memory_padding"], ["log_probs", "new_memory", "new_padding"]
+
+
+def initial_state(model: TransformerXL, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """The state of a stream that has read nothing: memory (L, B, M, d) zeros and padding (B, M) all True; for a
+    compressive model M = mem_len + cmem_rate - 1, then compressed (L, B, C, d) zeros and its padding (B, C)."""
     c = model.config
     device = next(model.parameters()).device
-    memory = torch.zeros(c.n_layer, batch_size, c.mem_len, c.d_model, device=device)  # (L, B, M, d)
-    return memory, torch.ones(batch_size, c.mem_len, dtype=torch.bool, device=device)  # (B, M)
+    M = c.mem_len + c.cmem_rate - 1 if c.cmem_len else c.mem_len
+    memory = torch.zeros(c.n_layer, batch_size, M, c.d_model, device=device)  # (L, B, M, d)
+    padding = torch.ones(batch_size, M, dtype=torch.bool, device=device)  # (B, M)
+    if not c.cmem_len:
+        return memory, padding
+    compressed = torch.zeros(c.n_layer, batch_size, c.cmem_len, c.d_model, device=device)  # (L, B, C, d)
+    return memory, padding, compressed, torch.ones(batch_size, c.cmem_len, dtype=torch.bool, device=device)
 
 
-def _example(model: TransformerXL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    memory, padding = initial_state(model, 2)
-    ids = torch.zeros(2, 3, dtype=torch.long, device=memory.device)  # (B, T); B, T >= 2: not specialised
-    return ids, memory, padding
+def _example(model: TransformerXL) -> tuple[torch.Tensor, ...]:
+    state = initial_state(model, 2)
+    ids = torch.zeros(2, 3, dtype=torch.long, device=state[0].device)  # (B, T); B, T >= 2: not specialised
+    return ids, *state
+
+
+def _dynamic_shapes(model: TransformerXL) -> dict[str, dict]:
+    batch, seg = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("segment", min=1, max=65536)
+    shapes = {"input_ids": {0: batch, 1: seg}, "memory": {1: batch}, "memory_padding": {0: batch}}
+    if model.config.cmem_len:
+        shapes.update(compressed={1: batch}, compressed_padding={0: batch})
+    return shapes
 
 
 def export_program(model: TransformerXL) -> torch.export.ExportedProgram:
-    """``torch.export`` of :class:`SegmentStep`, batch and segment length dynamic."""
-    batch, seg = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("segment", min=1, max=65536)
-    shapes = {"input_ids": {0: batch, 1: seg}, "memory": {1: batch}, "memory_padding": {0: batch}}
+    """``torch.export`` of :func:`segment_step`, batch and segment length dynamic."""
     with torch.no_grad():
-        return torch.export.export(SegmentStep(model), _example(model), dynamic_shapes=shapes)
+        return torch.export.export(segment_step(model), _example(model), dynamic_shapes=_dynamic_shapes(model))
 
 
 def export_onnx(model: TransformerXL, path: str | os.PathLike) -> Path:
-    """ONNX of :class:`SegmentStep` (torch.onnx's dynamo exporter), batch and segment length dynamic."""
+    """ONNX of :func:`segment_step` (torch.onnx's dynamo exporter), batch and segment length dynamic."""
     try:
         import onnx  # noqa: F401  (the exporter needs it)
     except ImportError as err:
         raise ImportError("ONNX export needs onnx and onnxscript: pip install 'txl[onnx]'") from err
-    batch, seg = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("segment", min=1, max=65536)
-    shapes = {"input_ids": {0: batch, 1: seg}, "memory": {1: batch}, "memory_padding": {0: batch}}
     path = Path(path)
     # One self-contained file: weights inside the protobuf, which holds up to 2 GiB; a larger model's weights
     # go to the sidecar PATH.data, which onnx_sidecar names and must travel with the .onnx.
     inline = sum(p.numel() * p.element_size() for p in model.parameters()) < ONNX_INLINE_LIMIT
     with torch.no_grad(), _quiet_exporter():
-        torch.onnx.export(SegmentStep(model), _example(model), str(path), dynamo=True, dynamic_shapes=shapes,
-                          verbose=False, input_names=["input_ids", "memory", "memory_padding"],
-                          output_names=["log_probs", "new_memory", "new_padding"], external_data=not inline)
+        inputs, outputs = state_names(model)
+        torch.onnx.export(segment_step(model), _example(model), str(path), dynamo=True,
+                          dynamic_shapes=_dynamic_shapes(model), verbose=False, input_names=inputs,
+                          output_names=outputs, external_data=not inline)
     return path
 
 

@@ -32,7 +32,9 @@ Prompts of different lengths are read as one batch, left-padded: the pad positio
 (``padding=`` of the model's forward) for as long as they stay in the memory, and relative attention does
 not see the shift, so each row is generated exactly as it would be alone (with the default ``mem_len``,
 which drops nothing): greedily, and when sampling with ``seed``, which gives row b its own generator seeded
-``seed + b`` (row b equals its prompt alone with ``seed=seed + b``). Generation of a row ends at one of
+``seed + b`` (row b equals its prompt alone with ``seed=seed + b``). A compressive model (cmem_len > 0) batches
+them the same way: with the default ``mem_len`` nothing is compressed while generating, so no pad can be; a
+``mem_len`` small enough to compress is refused with prompts of different lengths. Generation of a row ends at one of
 ``stop_tokens`` (which is returned) or once
 its text contains one of ``stop_strings``; its later places hold ``FINISHED`` (-1), and generation ends
 when every row has stopped. ``repetition_penalty`` (CTRL) lowers the scores of tokens already read or
@@ -213,6 +215,14 @@ def generate_steps(model: TransformerXL, prompt_ids: PromptIds, *,
                          "generate for each length separately")
     if mem_len is not None:
         positive_int("mem_len", mem_len)
+        c = model.config
+        # The last step reads T + N - 1 rows; rows leave a compressive memory from mem_len + cmem_rate on (whole
+        # groups): the model refuses pads then (they would be compressed with real rows), so refuse it here, first.
+        if padding is not None and c.cmem_len and prompt.size(1) + max_new_tokens - 1 >= mem_len + c.cmem_rate:
+            raise ValueError(f"prompts of different lengths with a compressed memory (cmem_len {c.cmem_len}) need "
+                             f"a mem_len that compresses nothing (mem_len {mem_len} < {prompt.size(1)} + "
+                             f"{max_new_tokens} - {c.cmem_rate}): pads would be compressed with real rows; leave "
+                             "mem_len none (every row kept) or generate for each length separately")
     positive_int("segment_len", segment_len)
     positive_int("top_logprobs", top_logprobs, minimum=0)
     B = prompt.size(0)

@@ -43,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="fp32 (default, exact); auto: bf16 on a GPU that supports it, else fp32")
     p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
+    p.add_argument("--graphs", action="store_true",
+                   help="every segment at one static shape through CUDA graphs (txl.graphs; as --eval.graphs)")
     p.add_argument("--device", default="auto")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
                    help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "
@@ -129,7 +131,8 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     with segment_progress(args.progress, args.split) as on_segment:
         r = evaluate(model, tokens, metric=spec.metric, batch_size=e.batch_size, tgt_len=tgt_len, context=context,
                      max_batches=args.max_batches,
-                     precision=resolve_precision(args.precision, device), compile=args.compile,
+                     precision=resolve_precision(args.precision, device), compile=args.compile or e.compile,
+                     graphs=args.graphs or e.graphs,
                      on_segment=on_segment)
     print(f"{args.split}: {r.describe()}")
     return 0
@@ -188,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
                          "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
     kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, max_batches=args.max_batches,
-                  precision=resolve_precision(args.precision, device), compile=args.compile or e.compile)
+                  precision=resolve_precision(args.precision, device), compile=args.compile or e.compile,
+                  graphs=args.graphs or e.graphs)
     tokens = corpus.split(args.split)
     check_split_fits("validation" if args.split == "valid" else "test", len(tokens), batch_size=e.batch_size,
                      tgt_len=tgt, flag="--eval.tgt_len" if e.tgt_len else "--train.tgt_len")

@@ -41,10 +41,19 @@ def run(args: argparse.Namespace) -> int:
         path = _write_onnx(model, Path(output))
     else:
         path = write_output(output, lambda tmp: export(model, tmp, format=args.format))
-    print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
-          f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
-          f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "
-          f"log_probs (B, T, {c.vocab_size}), new_memory, new_padding; B and T dynamic")
+    if c.cmem_len:  # rows leave the memory in whole groups of cmem_rate: it holds up to mem_len + cmem_rate - 1
+        S = c.mem_len + c.cmem_rate - 1
+        print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
+              f"{c.vocab_size:,}, memory {S} rows and {c.cmem_len} compressed slots at rate {c.cmem_rate}; inputs "
+              f"input_ids (B, T) int64, memory ({c.n_layer}, B, {S}, {c.d_model}) float32, memory_padding (B, {S}) "
+              f"bool, compressed ({c.n_layer}, B, {c.cmem_len}, {c.d_model}) float32, compressed_padding "
+              f"(B, {c.cmem_len}) bool; outputs log_probs (B, T, {c.vocab_size}), new_memory, new_padding, "
+              "new_compressed, new_compressed_padding; B and T dynamic")
+    else:
+        print(f"{path}: one segment step ({args.format}) of {c.n_layer} layers, d_model {c.d_model}, vocab "
+              f"{c.vocab_size:,}, memory {c.mem_len} rows; inputs input_ids (B, T) int64, memory "
+              f"({c.n_layer}, B, {c.mem_len}, {c.d_model}) float32, memory_padding (B, {c.mem_len}) bool; outputs "
+              f"log_probs (B, T, {c.vocab_size}), new_memory, new_padding; B and T dynamic")
     from txl.export import onnx_sidecar
 
     if args.format == "onnx" and (sidecar := onnx_sidecar(path)) is not None:

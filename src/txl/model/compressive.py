@@ -12,8 +12,9 @@ back instead of mem_len + cmem_len.
 **The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both
 memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
 first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
-next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Not
-yet: left padding and export (each refused in one line where it is asked for). ``txl serve`` carries both in a
+next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Left
+padding (``forward(padding=)``) is taken while nothing is or gets compressed (a generation keeps every row), refused
+otherwise; ``txl.export`` has a static, padded form of the eviction. ``txl serve`` carries both in a
 session (its rows batched only with rows of the same lengths). A KV cache holds the keys and values of the
 window [compressed; memory] (``Compressor.next_cache``): kept while the window only grows (a generation), rebuilt
 from the state after a compression.

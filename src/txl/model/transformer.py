@@ -193,6 +193,8 @@ class TransformerXL(nn.Module):
         prompts of different lengths read as one batch). No other position attends to a pad, so each row
         computes what it would alone; relative attention makes the shift of its positions irrelevant.
         Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
+        A compressive model takes padding while its compressed memory is empty and the call compresses nothing
+        (a generation's context keeps every row): then it is the plain model over its memory.
         """
         c = self.config
         ctx = c.context() if context is None else context
@@ -212,9 +214,13 @@ class TransformerXL(nn.Module):
         mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
                               style=ctx.same_length_style, device=input_ids.device)  # (T, K)
         if padding is not None:
-            if self.compressor is not None:
-                raise ValueError("padding is not supported with a compressed memory (cmem_len > 0): pads would be "
-                                 "compressed with real rows; read rows of different lengths one at a time")
+            if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
+                # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
+                # distances shifted), and rows leaving would compress pads with real states.
+                raise ValueError(f"padding with a compressed memory (cmem_len > 0) needs an empty compressed memory "
+                                 f"and nothing compressed by this call (memory + segment {M + T} rows, mem_len "
+                                 f"{ctx.mem_len}, cmem_rate {c.cmem_rate}): pads would be compressed with real rows; "
+                                 "read rows of different lengths one at a time, or with a mem_len that keeps them all")
             if padding.shape != (B, M + T) or padding.dtype != torch.bool:
                 raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
                                  f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
