@@ -146,8 +146,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         with sync:
             with autocast(info.device, precision):
                 out = model(x, labels=y, memory=memory)
-            n = (y != IGNORE_INDEX).sum()  # () int64
-            loss = out.loss * (n / n_total)
+            # One chunk (no accumulation) is the whole batch: its weight n / n_total is 1, not computed (4 kernels).
+            n = n_total if len(chunks) == 1 else (y != IGNORE_INDEX).sum()  # () int64
+            loss = out.loss if len(chunks) == 1 else out.loss * (n / n_total)
             if out.compression_loss is not None:  # its gradient reaches the compression parameters alone
                 loss = loss + out.compression_loss / len(chunks)
                 aux = out.compression_loss.detach().double() / len(chunks)  # () float64
@@ -157,7 +158,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
         nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
     sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
-    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind()
+    # Stacked for one all-reduce between processes; alone, nothing to reduce (one kernel fewer).
+    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind() if info.enabled else sums
     aux_sum = aux[0] / info.world_size if aux else None  # every process's mean over equal shares
     loss = nll_sum / count
     # A non-finite loss is found when the trainer reads the step (``read_stats``), which stops the run before

@@ -228,25 +228,25 @@ class AdaptiveLogSoftmax(nn.Module):
 
         Each tail cluster scores the tokens whose target falls in it (``cluster_rows``).
         """
-        valid = target != IGNORE_INDEX
-        target = target.masked_fill(~valid, 0)
+        ignored = target == IGNORE_INDEX  # (N,): one kernel, read twice
+        target = target.masked_fill(ignored, 0)
         hidden, clusters = self._prepare(hidden)
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: one gather
-            return -head.gather(1, target[:, None]).squeeze(1).masked_fill(~valid, 0.0)
+            return -head.gather(1, target[:, None]).squeeze(1).masked_fill(ignored, 0.0)
         # Which head column scores each token: itself in the shortlist, else its cluster's logit.
         cluster = cluster_of(target, self.bounds[1:-1])  # (N,)
-        head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)  # (N,)
+        head_col = torch.where(cluster == 0, target, cluster + (self.shortlist - 1))  # (N,)
         logp = head.gather(1, head_col[:, None]).squeeze(1)  # (N,)
         if rows_mode(self.rows, hidden.device) == "all":
-            return -self._tails_static(hidden, clusters, target, cluster, logp).masked_fill(~valid, 0.0)
+            return -self._tails_static(hidden, clusters, target, cluster, logp).masked_fill(ignored, 0.0)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
             if idx.numel() or self.every_cluster:
                 tail = self._log_softmax(hidden[idx], clusters[i])  # (N_i, W_i)
                 tail_logp = tail.gather(1, (target[idx] - self.bounds[i])[:, None]).squeeze(1)
                 logp = logp.index_add(0, idx, tail_logp)
-        return -logp.masked_fill(~valid, 0.0)
+        return -logp.masked_fill(ignored, 0.0)
 
     def _tails_static(self, hidden: torch.Tensor, clusters: list[Cluster], target: torch.Tensor,
                       cluster: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -261,5 +261,6 @@ class AdaptiveLogSoftmax(nn.Module):
             lo, hi = self.bounds[i], self.bounds[i + 1]
             tail = self._log_softmax(hidden, clusters[i])  # (N, W_i): every token
             tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
-            logp = logp + torch.where(cluster == i, tail_logp, torch.zeros_like(tail_logp))  # (N,)
+            # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros took two).
+            logp = logp + tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
         return logp

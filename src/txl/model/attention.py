@@ -117,6 +117,12 @@ class Attention(nn.Module):
         return [None] * config.n_layer
 
     @classmethod
+    def project_layers(cls, attns: list[Attention], positions: list[Positions | None]) -> list[Positions | None]:
+        """The layers' positions with what each layer would project of them projected for all layers at once (where
+        the encoding projects a shared input), inside the forward's cast of the weights; else ``positions``."""
+        return positions
+
+    @classmethod
     def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
                    d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
@@ -147,13 +153,17 @@ class Attention(nn.Module):
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
-            if memory is not None:
-                k_memory, val_memory = self.keys_values(memory, weight=w[H * D:])  # (B, M, H, D) each
-                # Concatenated heads-first, the layout the attention kernels read (B*H, K, D) as: the cat that
-                # joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
-                k, val = (torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
-                          for a, b in ((k_memory, k), (val_memory, val)))
+            if memory is None:
+                q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            else:
+                # Both in the weight's dtype, cast here as autocast would cast them in the matmuls.
+                rows = self.key_value_inputs(memory, w.dtype).to(w.dtype)  # (B, M, d)
+                seg, mem = kernels.project_segment_memory(h.to(w.dtype), rows, w, H * D)  # (B, ., 3 or 2 *H*D)
+                q, k, val = seg.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+                k_memory, val_memory = mem.view(B, -1, 2, H, D).unbind(2)  # (B, M, H, D) each
+                # Joined heads-first in one buffer, the layout the attention kernels read (B*H, K, D) as: the cat
+                # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
+                k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
         else:
             q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
@@ -161,8 +171,8 @@ class Attention(nn.Module):
         if self.impl == "reference":
             attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=kernels.hidden(mask))  # (B, H, T, D)
         else:
-            query = (q + self.query_bias(self.content_bias(u), q)) * self.scale  # (B, T, H, D): scale the query
-            made = self.positional_inputs(q, k.size(1), positions, v)
+            query, shifted = self.scaled_queries(q, u, v)  # (B, T, H, D) each (shifted may be None)
+            made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
             inputs, bias_fn = made if made is not None else ((), None)
             attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
                                            dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
@@ -199,16 +209,25 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
+    def scaled_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused path's queries, scaled by 1/sqrt(D), (B, T, H, D) each: against the keys (shifted by the
+        content bias, terms (a) + (c)), and against the positions where the encoding shifts them by a bias of its
+        own (term (d); ``positional_inputs`` reads it as ``shifted``), else None."""
+        return kernels.shifted_scaled(q, self.query_bias(self.content_bias(u), q), self.scale), None
+
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
         """The reference's positional scores (B, H, T, K), column p against distance K-1-p (before
         ``rel_shift``), unscaled; None: no positional term in the scores."""
         return None
 
-    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None
+    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None,
+                          shifted: torch.Tensor | None = None
                           ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
         """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
-        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
+        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
+        ``shifted``: the query shifted by the positional bias and scaled, when ``scaled_queries`` made it."""
         return None
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,10 +240,14 @@ class Attention(nn.Module):
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
-        # Memory rows may be kept in another float dtype than the weights' (ModelConfig.state_dtype).
-        h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)
+        h = self.key_value_inputs(rows, weight.dtype)  # (B, N, d)
         k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
         return k, val
+
+    def key_value_inputs(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the keys' and values' projection reads of (B, N, d) memory rows: LN(rows) with pre-LN, else the
+        rows in ``dtype``, the weights' (memory rows may be kept in another float dtype: ModelConfig.state_dtype)."""
+        return self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(dtype)
 
 
 class RelativeAttention(Attention):
@@ -264,6 +287,24 @@ class RelativeAttention(Attention):
         return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
 
     @classmethod
+    def project_layers(cls, attns, positions):
+        # W_kR R of every layer in one matmul of the shared R against the layers' W_kR stacked: (K, L*H*D), each
+        # layer's (K, H, D) a view (one matmul each way and a cat, where each layer made its own: 2 per layer).
+        # Only plain tensors (FSDP's layers hold sharded weights, DTensors, until each layer's own forward gathers
+        # them), and in one process: the W_kR gradients all arrive at the end of backward, where DDP would wait for
+        # them instead of reducing them while backward runs (txl.model.casting makes the same choice).
+        first = positions[0] if positions else None
+        if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
+                or any(p is not first for p in positions)
+                or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)
+                or _multi_process()):
+            return positions
+        weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
+        H, D = attns[0].n_head, attns[0].d_head
+        projected = F.linear(first.encodings, weight).view(-1, len(attns), H, D).unbind(1)  # (K, H, D) each
+        return [Positions(projected=p) for p in projected]
+
+    @classmethod
     def grow_table(cls, attns, table, klen, clamp_len, *, d_model, dtype, device):
         farthest = min(klen - 1, clamp_len) if clamp_len > 0 else klen - 1  # dist[0], without a sync
         return position_table([a.project_positions for a in attns], table, farthest + 1, clamp_len=clamp_len,
@@ -290,11 +331,23 @@ class RelativeAttention(Attention):
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
-    def positional_inputs(self, q, klen, positions, v):
+    def scaled_queries(self, q, u, v):
+        u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
+        if torch.is_grad_enabled() and (q.requires_grad or u.requires_grad or v.requires_grad):
+            # Apart: a joined form's backward would sum the biases' gradients in another order (float32 rounding).
+            # The query heads-first, as the kernels read it; (q + v) by token, as relative_bias reads it.
+            return kernels.shifted_scaled(q, u, self.scale), (q + v) * self.scale  # (B, T, H, D) each
+        # Without autograd (evaluation, decoding), (q + u) and (q + v) scaled as one add and one multiply over
+        # (2, B, T, H, D): the same numbers, one kernel fewer per layer.
+        both = (q + torch.stack([u, v])[:, None, None]) * self.scale  # (2, B, T, H, D)
+        return both[0], both[1]  # (B, T, H, D) each
+
+    def positional_inputs(self, q, klen, positions, v, shifted=None):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        qv = ((q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale).permute(2, 0, 1, 3).reshape(
-            H, B * T, D)  # (H, B*T, D)
+        if shifted is None:
+            shifted = (q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale  # (B, T, H, D)
+        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
         return (qv, r), kernels.relative_bias
 
 
@@ -333,7 +386,7 @@ class ShawAttention(Attention):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
-    def positional_inputs(self, q, klen, positions, v):
+    def positional_inputs(self, q, klen, positions, v, shifted=None):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
 
@@ -390,6 +443,13 @@ class RotaryAttention(Attention):
 
     def place(self, q, k):
         return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
+
+
+def _multi_process() -> bool:
+    """Whether a process group of more than one process is running (DDP, FSDP)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def encoding(attn_type: str) -> type[Attention]:

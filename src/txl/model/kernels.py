@@ -137,6 +137,149 @@ def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
     return mask.hidden if isinstance(mask, Mask) else mask
 
 
+# -- a residual stream read by a cast --------------------------------------------------------------
+
+class _CastFork(torch.autograd.Function):
+    """x, and x cast to ``dtype``, for two readers: the residual add (x) and a matmul (the cast). Backward adds the
+    two gradients in one kernel, the cast's converted as it is read (exactly: a wider float holds every value of
+    a narrower one). Autograd casts it back in one kernel and adds in another: the same numbers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype):
+        ctx.set_materialize_grads(False)
+        ctx.dtype = x.dtype
+        return x.view_as(x), x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None, grad_cast: torch.Tensor | None):
+        if grad_cast is None:
+            return grad, None
+        if grad is None:  # the cast's reader alone: cast back, as autograd does
+            return grad_cast.to(ctx.dtype), None
+        return torch.add(grad, grad_cast), None  # in x's dtype, the wider
+
+
+def fork_cast(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, x.to(dtype)) for a residual add and a matmul that reads x in ``dtype`` (autocast's, narrower): under
+    autograd their gradients meet in one kernel (``_CastFork``)."""
+    if (dtype != x.dtype and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
+            and torch.finfo(dtype).bits < torch.finfo(x.dtype).bits):
+        return _CastFork.apply(x, dtype)
+    return x, x.to(dtype)
+
+
+# -- the projections of the segment and the memory rows --------------------------------------------
+
+class _SegmentAndMemory(torch.autograd.Function):
+    """``F.linear(h, weight)`` and ``F.linear(rows, weight[split:])``: the segment's projection and the memory
+    rows' (which need the last rows of the weight alone: keys and values, no queries).
+
+    Backward computes what autograd computes for the two, with the same matmuls, except that the memory rows'
+    weight gradient is added in place into the rows of the segment's it belongs to: autograd gives the slice a
+    zero-filled gradient of the whole weight and adds that (two kernels and a pass over the weight more).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int):
+        ctx.split = split
+        ctx.save_for_backward(h, rows, weight)
+        return F.linear(h, weight), F.linear(rows, weight[split:])  # (B, T, W), (B, M, W - split)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor):
+        h, rows, weight = ctx.saved_tensors
+        split = ctx.split
+        g = grad.reshape(-1, grad.size(-1))  # (B*T, W)
+        gr = grad_rows.reshape(-1, grad_rows.size(-1))  # (B*M, W - split)
+        grad_h = grad_r = grad_w = None
+        # The operand orders of autograd's mm backward (a row-major input, a transposed weight): the same sums.
+        if ctx.needs_input_grad[0]:
+            grad_h = g.mm(weight).view(h.shape)  # (B, T, d)
+        if ctx.needs_input_grad[1]:  # pre-LN: the memory rows are normalised by the layer's norm first
+            grad_r = gr.mm(weight[split:]).view(rows.shape)  # (B, M, d)
+        if ctx.needs_input_grad[2]:
+            grad_w = g.t().mm(h.reshape(-1, h.size(-1)))  # (W, d)
+            grad_w[split:].add_(gr.t().mm(rows.reshape(-1, rows.size(-1))))  # (W - split, d)
+        return grad_h, grad_r, grad_w, None
+
+
+def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, d) segment and (B, M, d) memory rows, (W, d) weight -> (B, T, W) = h W^T and (B, M, W - split) =
+    rows W[split:]^T, in the dtype all three share (``_SegmentAndMemory`` under autograd)."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _SegmentAndMemory.apply(h, rows, weight, split)
+    return F.linear(h, weight), F.linear(rows, weight[split:])
+
+
+# -- the query, shifted and scaled, heads-first ---------------------------------------------------
+
+class _ShiftedScaled(torch.autograd.Function):
+    """(q + bias) * scale, written heads-first: (B, T, H, D) in, a (B, T, H, D) view of a (B, H, T, D) tensor out,
+    so that the kernels read it as (B*H, T, D) without a copy (they copied it; the projection lays it out by
+    token). The same add and multiply; backward is autograd's for them (MulBackward, then AddBackward's sum over
+    the bias's broadcast dims and casts to the inputs' dtypes)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        B, T, H, D = q.shape
+        ctx.scale, ctx.dtypes, ctx.bias_shape = scale, (q.dtype, bias.dtype), bias.shape
+        out = q.new_empty((B, H, T, D), dtype=torch.result_type(q, bias))  # (B, H, T, D)
+        torch.add(q.transpose(1, 2), bias.unsqueeze(-2), out=out)  # bias (H, D) -> (H, 1, D)
+        return out.mul_(scale).transpose(1, 2)  # (B, T, H, D) view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = grad * ctx.scale  # (B, T, H, D)
+        q_dtype, bias_dtype = ctx.dtypes
+        grad_bias = g.sum([0, 1], keepdim=True).view(ctx.bias_shape)  # (H, D): autograd's sum_to
+        return g.to(q_dtype), grad_bias.to(bias_dtype), None
+
+
+def shifted_scaled(q: torch.Tensor, bias: torch.Tensor | float, scale: float) -> torch.Tensor:
+    """(q + bias) * scale for a (B, T, H, D) query and an (H, D) bias (or a number): heads-first in memory under
+    autograd (``_ShiftedScaled``), where the kernels would copy it to that layout; as computed elsewhere."""
+    if (isinstance(bias, torch.Tensor) and bias.shape == q.shape[2:] and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        return _ShiftedScaled.apply(q, bias, scale)
+    return (q + bias) * scale  # (B, T, H, D)
+
+
+# -- keys and values of [memory; segment] in one buffer -------------------------------------------
+
+class _JoinedKeysValues(torch.autograd.Function):
+    """Forward: the keys and values of [memory; segment] laid out heads-first in one (B, H, 2K, D) buffer by one
+    ``cat``, returned as two (B, K, H, D) views of it. Backward: views of the incoming gradients, no kernel.
+
+    Keys are the buffer's first K rows of each head and values its last K: each is a (B*H, K, D) view for the
+    kernels' batched matmuls (batch stride 2*K*D, as bmm and cuBLAS take it), so one copy lays out both where a
+    ``cat`` each did (autograd's own cat would then add the two views' gradients into a zero-filled buffer).
+    """
+
+    @staticmethod
+    def forward(ctx, k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor):
+        M, K = k_memory.size(1), k_memory.size(1) + k.size(1)
+        ctx.M = M
+        both = torch.cat([t.transpose(1, 2) for t in (k_memory, k, val_memory, val)], dim=2)  # (B, H, 2K, D)
+        return both[:, :, :K].transpose(1, 2), both[:, :, K:].transpose(1, 2)  # (B, K, H, D) views
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_val: torch.Tensor):
+        M = ctx.M
+        return grad_k[:, :M], grad_k[:, M:], grad_val[:, :M], grad_val[:, M:]  # (B, M or T, H, D) views
+
+
+def join_keys_values(k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of [memory; segment]: (B, M, H, D) and (B, T, H, D) of each -> (B, K, H, D) each, with the
+    heads-first layout the kernels read (B*H, K, D) as, so no kernel copies them again. One ``cat`` for both
+    (``_JoinedKeysValues``); under torch.compile a ``cat`` each (the compiler plans its own copies)."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
+                     for a, b in ((k_memory, k), (val_memory, val)))  # (B, K, H, D) views
+    return _JoinedKeysValues.apply(k_memory, k, val_memory, val)
+
+
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
 
 def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,18 @@ import torch.nn.functional as F
 
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
     """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
-                               / d_model))  # (d/2,)
+    # reciprocal(): what 1.0 / x runs, without its multiply by 1.0 (the same numbers, one kernel fewer).
+    inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
+                          / d_model)).reciprocal()  # (d/2,)
     angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
-    return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
+    if torch.compiler.is_compiling():
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
+    # Each half written where it belongs (no cat after): constants, no autograd.
+    K, half = angles.shape
+    out = angles.new_empty(K, 2 * half)  # (K, d)
+    torch.sin(angles, out=out[:, :half])
+    torch.cos(angles, out=out[:, half:])
+    return out  # (K, d)
 
 
 def relative_distances(klen: int, clamp_len: int, device: torch.device | None = None) -> torch.Tensor:

@@ -45,7 +45,10 @@ class FeedForward(nn.Module):
         self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x) if self.pre_ln else x
+        if self.pre_ln:
+            h = self.norm(x)
+        else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
+            x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
         out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else self.norm(x + out)
 
@@ -245,6 +248,7 @@ class TransformerXL(nn.Module):
         hiddens, keys, values, buffers = [], [], [], []
         # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
         with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None):
+            positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
             # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
@@ -253,7 +257,9 @@ class TransformerXL(nn.Module):
                      and not torch.compiler.is_compiling())
             for l, layer in enumerate(self.layers):
                 x, mem, pos = h, mems[l], positions[l]
-                x_cast = h.to(state) if share and (pos is None or pos.absolute is None) else None
+                x_cast = None
+                if share and (pos is None or pos.absolute is None):  # the residual adds h, the projections x_cast
+                    x, x_cast = kernels.fork_cast(h, state)
                 hiddens.append(h if x_cast is None else x_cast)  # each layer's input, before absolute positions
                 if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
                     x = x + pos.absolute[M:]
