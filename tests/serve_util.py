@@ -90,6 +90,20 @@ def running(app, *, timeout: float = 120.0, ready: bool = True):
         sock.close()
 
 
+@contextlib.contextmanager
+def served_client(model_dir: Path, state_dir: Path, **config):
+    """An httpx client of ``model_dir`` served at a free port (``ServeConfig(**config)``; durability 'shutdown'
+    and batches of 4 unless given), the server stopped on exit."""
+    import httpx
+
+    from txl.serve import ServeConfig, create_app
+
+    app = create_app(ServeConfig(state_dir=str(state_dir), **{"durability": "shutdown", "max_batch": 4, **config}),
+                     loader(model_dir))
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
 def txl_score_logprobs(model_dir: Path, directory: Path, segment_len: int) -> np.ndarray:
     """`txl score`'s per-token log-probs of TEXT (the command's JSONL, 6 decimals), read in segments of segment_len."""
     from txl.cli import main

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import loader, make_model_dir, running  # noqa: E402
+from serve_util import loader, make_model_dir, running, served_client  # noqa: E402
 
 from txl.serve import ServeConfig, create_app  # noqa: E402
 
@@ -28,9 +28,7 @@ def word_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(word_dir, tmp_path_factory):
-    state = tmp_path_factory.mktemp("openai-state")
-    app = create_app(ServeConfig(state_dir=str(state), durability="shutdown", max_batch=4), loader(word_dir))
-    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with served_client(word_dir, tmp_path_factory.mktemp("openai-state")) as client:
         yield client
 
 

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import TEXT, loader, make_model_dir, running  # noqa: E402
+from serve_util import TEXT, make_model_dir, served_client  # noqa: E402
 
-from txl.serve import ServeConfig, create_app, openai, responses  # noqa: E402
+from txl.serve import openai, responses  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -41,9 +41,7 @@ def word_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(word_dir, tmp_path_factory):
-    state = tmp_path_factory.mktemp("responses-state")
-    app = create_app(ServeConfig(state_dir=str(state), durability="shutdown", max_batch=4), loader(word_dir))
-    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with served_client(word_dir, tmp_path_factory.mktemp("responses-state")) as client:
         yield client
 
 
