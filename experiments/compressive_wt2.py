@@ -4,12 +4,15 @@ Section 7's recall corpus asks whether a compressed memory answers past the plai
 the same of running text with long articles, with the WikiText-2 grid's model, budget and evaluation
 (``experiments.ablation --corpus wt2``: 3 layers, d_model 128, segment 64, 4,000 steps, memory 64):
 
-* ``relative-rec``: the grid's main row, memory 64 (trained again here, so both rows share this code, this
-  machine and the per-position losses the paired comparisons need);
-* ``relative-rec-c32x4``: memory 32 and 32 compressed slots at rate 4 ('conv', trained by the
+* ``relative-rec``, ``relative-rec-seed1``: the grid's main row and its second seed, memory 64 (trained again
+  here, so every row shares this code, this machine and the per-position losses the paired comparisons need);
+* ``relative-rec-c32x4``, ``-seed1``: memory 32 and 32 compressed slots at rate 4 ('conv', trained by the
   attention-reconstruction loss): the same 64 slots, so the same keys per query, but one attention hop reaches
-  64 + 32 + 4 x 32 = 224 tokens instead of 128;
-* ``relative-rec-c32x4-seed1``: the compressed row with another seed, the run-to-run noise a gap must exceed.
+  64 + 32 + 4 x 32 = 224 tokens instead of 128.
+
+Compressed and plain are compared seed for seed, position by position; at each length the verdict is 'better'
+(or 'worse') only when both seeds' gaps have that sign beyond 2 standard errors and their mean exceeds the gap
+between two seeds of the same model; otherwise 'within noise'.
 
 Every row is scored on the same validation positions at every attention length of the grid, the paper's way
 (segments of the training length, ``experiments.common.position_losses``). The long-memory sweep grows the
@@ -40,9 +43,13 @@ from experiments import ablation, common
 from txl.model.compressive import horizon
 from txl.runtime import machine_record
 
-PLAIN = "relative-rec"
-ROWS = (PLAIN, "relative-rec-c32x4", "relative-rec-c32x4-seed1")
-"""The rows, plain first: every compressed row is compared with it position by position."""
+ROWS = ("relative-rec", "relative-rec-seed1", "relative-rec-c32x4", "relative-rec-c32x4-seed1")
+"""Two seeds of each model, the plain ones first."""
+PAIRS = (("relative-rec-c32x4", "relative-rec"), ("relative-rec-c32x4-seed1", "relative-rec-seed1"))
+"""Compressed against plain, seed for seed, position by position."""
+SEEDS = (("relative-rec", "relative-rec-seed1"), ("relative-rec-c32x4", "relative-rec-c32x4-seed1"))
+"""The same model with two seeds: the run-to-run noise a gap between the models must exceed."""
+SIGNIFICANCE = ablation.SIGNIFICANCE
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -71,25 +78,31 @@ def report(runs: dict[str, Any], args: argparse.Namespace, argv: list[str], wall
             "steps": r["record"]["steps"], "train_s": r["record"]["train_s"], "eval_wall_s": r["eval_wall_s"],
             "n_params": r["record"].get("n_params")}
     comparisons = {}
-    if PLAIN in runs:
-        base = runs[PLAIN]["losses"]
-        for name in runs:
-            if name == PLAIN:
-                continue
-            own = runs[name]["losses"]
-            comparisons[name] = {
+    for comp, plain in PAIRS:
+        if comp in runs and plain in runs:
+            own, base = runs[comp]["losses"], runs[plain]["losses"]
+            comparisons[comp] = {
+                "against": plain,
                 "by_length": {str(c): paired(own[c], base[c]) for c in grid if c in own and c in base},
-                "best_vs_best": paired(own[rows[name]["best_len"]], base[rows[PLAIN]["best_len"]])}
-    noise = None
-    if {"relative-rec-c32x4", "relative-rec-c32x4-seed1"} <= set(runs):
-        a, b = runs["relative-rec-c32x4"]["losses"], runs["relative-rec-c32x4-seed1"]["losses"]
-        init = rows["relative-rec-c32x4"]["init_len"]
-        noise = {"pair": ["relative-rec-c32x4", "relative-rec-c32x4-seed1"], "attn_len": init,
-                 **paired(a[init], b[init])}
+                "best_vs_best": paired(own[rows[comp]["best_len"]], base[rows[plain]["best_len"]])}
+    noise = [{"pair": [a, b], "by_length": {str(c): paired(runs[a]["losses"][c], runs[b]["losses"][c])
+                                            for c in grid if c in runs[a]["losses"] and c in runs[b]["losses"]}}
+             for a, b in SEEDS if a in runs and b in runs]
+    verdicts = {}
+    for c in map(str, grid):
+        gaps = [g["by_length"][c] for g in comparisons.values() if c in g["by_length"]]
+        spread = [abs(n["by_length"][c]["gap_pct"]) for n in noise if c in n["by_length"]]
+        if len(gaps) < len(PAIRS) or len(spread) < len(SEEDS):
+            continue  # a verdict needs both seeds of both models
+        mean = sum(g["gap_pct"] for g in gaps) / len(gaps)
+        agree = all(abs(g["gap_over_se"]) > SIGNIFICANCE and (g["gap_pct"] < 0) == (mean < 0) for g in gaps)
+        real = agree and abs(mean) > max(spread)
+        verdicts[c] = {"mean_gap_pct": mean, "seed_spread_pct": max(spread),
+                       "verdict": ("better" if mean < 0 else "worse") if real else "within noise"}
     payload = {"experiment": "compressive_wt2", "command": common.command_line("experiments.compressive_wt2", argv),
                "corpus": args.corpus, "contexts": grid, "wall_s": wall_s, "args": dict(vars(args)),
                "machine": {**machine_record(), "cpu_model": cpu_model()},
-               "runs": out_runs, "comparisons": comparisons, "noise": noise,
+               "runs": out_runs, "comparisons": comparisons, "noise": noise, "verdicts": verdicts,
                "long_memory": ablation.long_memory(runs, rows)}
     md = common.markdown_table(
         ["run", "memory", "compressed (rate)", "one hop", f"{args.n_layer} hops", *[str(c) for c in grid],

@@ -129,7 +129,8 @@ def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
 
 def test_compressed_rows_beside_relative_rec_on_wikitext2(tmp_path, monkeypatch):
     """The compressed rows hold the plain row's 64 slots (memory 32 + 32 compressed) and are scored where their
-    slots leave room for a memory, on the plain row's positions, each compared with it position by position."""
+    slots leave room for a memory, on the plain rows' positions, each compared with the plain row of its seed
+    position by position; a verdict needs both seeds of both models; the report reads the file."""
     d = tiny_wikitext2(tmp_path, monkeypatch)
     argv = ["--corpus", "wt2", "--data-dir", str(d), "--steps", "2", "--tgt-len", "4", "--mem-len", "64",
             "--contexts", "4,68,100", "--cutoffs", "", "--n-layer", "1", "--d-model", "16", "--n-head", "2",
@@ -138,18 +139,30 @@ def test_compressed_rows_beside_relative_rec_on_wikitext2(tmp_path, monkeypatch)
     assert compressive_wt2.main(argv) == 0
     out = json.loads((tmp_path / "results" / "compressive_wt2.json").read_text())
     runs = out["runs"]
-    assert list(runs) == ["relative-rec", "relative-rec-c32x4", "relative-rec-c32x4-seed1"]
+    assert list(runs) == ["relative-rec", "relative-rec-seed1", "relative-rec-c32x4", "relative-rec-c32x4-seed1"]
     assert (runs["relative-rec"]["mem_len"], runs["relative-rec"]["cmem_len"]) == (64, 0)
     assert (runs["relative-rec-c32x4"]["mem_len"], runs["relative-rec-c32x4"]["cmem_len"]) == (32, 32)
+    assert runs["relative-rec-c32x4"]["seed"] == 0 and runs["relative-rec-c32x4-seed1"]["seed"] == 1
     assert runs["relative-rec-c32x4"]["horizon"]["one_hop"] == 4 + 32 + 4 * 32
     assert set(runs["relative-rec"]["ppl"]) == {"4", "68", "100"}
     assert set(runs["relative-rec-c32x4"]["ppl"]) == {"68", "100"}  # 4 keys leave no room beside 32 slots
     assert runs["relative-rec"]["positions"] == runs["relative-rec-c32x4"]["positions"]
-    gap = out["comparisons"]["relative-rec-c32x4"]["by_length"]
+    cmp_ = out["comparisons"]
+    assert {n: c["against"] for n, c in cmp_.items()} == {"relative-rec-c32x4": "relative-rec",
+                                                          "relative-rec-c32x4-seed1": "relative-rec-seed1"}
+    gap = cmp_["relative-rec-c32x4-seed1"]["by_length"]
     assert set(gap) == {"68", "100"}
     assert gap["68"]["gap_pct"] == pytest.approx(
-        100 * (runs["relative-rec-c32x4"]["ppl"]["68"] / runs["relative-rec"]["ppl"]["68"] - 1))
-    assert out["noise"]["pair"] == ["relative-rec-c32x4", "relative-rec-c32x4-seed1"]
+        100 * (runs["relative-rec-c32x4-seed1"]["ppl"]["68"] / runs["relative-rec-seed1"]["ppl"]["68"] - 1))
+    assert [n["pair"] for n in out["noise"]] == [["relative-rec", "relative-rec-seed1"],
+                                                ["relative-rec-c32x4", "relative-rec-c32x4-seed1"]]
+    assert set(out["verdicts"]) == {"68", "100"}
+    v = out["verdicts"]["68"]
+    assert v["mean_gap_pct"] == pytest.approx((cmp_["relative-rec-c32x4"]["by_length"]["68"]["gap_pct"]
+                                               + gap["68"]["gap_pct"]) / 2)
+    assert v["verdict"] in ("better", "worse", "within noise")
     assert [p["attn_len"] for p in out["long_memory"]["relative-rec-c32x4"]] == [68, 100]
+    text = report.compressive_wt2_section({**out, "_md": str(tmp_path / "results" / "compressive_wt2.md")}, None)
+    assert f"**{v['verdict']}**" in "\n".join(text) and "seed for seed" in "\n".join(text)
     with pytest.raises(SystemExit, match="compressed rows are defined for wt2"):
         compressive_wt2.main(["--corpus", "ptb"])
