@@ -401,21 +401,27 @@ def compressive_wt2_section(g: dict[str, Any] | None, a: dict[str, Any] | None) 
     text = [f"* At the training attention length ({init}), seed for seed: {seeds(init)}."]
     v = verdicts.get(init)
     if v:
-        than = " than" if v["verdict"] in ("better", "worse") else ""
+        than = " than" if v["verdict"] in ("better", "worse") else " of"
         text.append(f"* The mean gap is {v['mean_gap_pct']:+.2f}%, and two seeds of one model differ by up to "
                     f"{v['seed_spread_pct']:.2f}%: at the same slots the compressed memory is **{v['verdict']}**{than} "
                     "the plain one on this budget.")
     w = verdicts.get(longest)
     if w:
+        def lost(names: list[str]) -> float:  # mean % lost from the training length to the longest
+            return sum(runs[n]["loss_pct_longest"] for n in names) / len(names)
+
         text.append(f"* With a longer memory at evaluation the mean gap is {w['mean_gap_pct']:+.2f}% at {longest} keys "
-                    f"({w['verdict']}): {seeds(longest)}. Column '% at longest': how much each row loses from a "
-                    "memory longer than it was trained with.")
+                    f"({w['verdict']}): {seeds(longest)}. From {init} to {longest} keys the compressed rows lose "
+                    f"{lost(list(cmp_)):+.1f}% on average, the plain ones "
+                    f"{lost([c['against'] for c in cmp_.values()]):+.1f}% (column '% at longest').")
     text.append("* Rae et al. report 17.1 against Transformer-XL's 18.1 perplexity on WikiText-103 (-5.5%), with "
                 "far larger models, memories and budgets.")
-    grid_row = (a or {}).get("runs", {}).get("relative-rec", {}).get("ppl", {})
-    if init in grid_row:
-        text.append(f"* The plain row trained again here reaches {plain['ppl'][init]:.2f} at {init} keys against the "
-                    f"grid's {grid_row[init]:.2f} (section 5: another machine and an older tree).")
+    grid = (a or {}).get("runs", {})
+    again = [f"`{n}` {runs[n]['ppl'][init]:.2f} against {grid[n]['ppl'][init]:.2f}" for n in ("relative-rec",
+             "relative-rec-seed1") if n in runs and init in grid.get(n, {}).get("ppl", {})]
+    if again:
+        text.append(f"* The plain rows trained again here, at {init} keys, against the grid's runs of section 5 "
+                    f"(another machine, an older tree): {', '.join(again)}.")
     return out + text + [""]
 
 
