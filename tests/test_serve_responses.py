@@ -131,3 +131,19 @@ def test_an_undeclared_key_is_refused_not_sent(api, monkeypatch):
                                                             "created": 0, "surprise": 1})
     r = api.get("/v1/models/tiny")
     assert r.status_code == 500 and "surprise" not in r.text
+
+
+def test_an_undeclared_key_in_a_stream_ends_it_with_an_error_chunk(api, monkeypatch):
+    """A streamed chunk that is not its model, after the stream began (its 200 already sent): the stream ends as
+    one whose generation fails there does, an error chunk then ``data: [DONE]``, not a connection cut without an
+    end."""
+    call = openai.Chunks.__call__
+
+    def surprise(self, kind, data):
+        chunk = call(self, kind, data)
+        return None if chunk is None else {**chunk, "surprise": 1}
+
+    monkeypatch.setattr(openai.Chunks, "__call__", surprise)
+    streamed = chunks(api.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3, "temperature": 0,
+                                                        "stream": True}))
+    assert streamed == [{"error": {"field": None, "reason": "internal error"}}]

@@ -108,8 +108,9 @@ async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], firs
               model: type[BaseModel]):
     """A streamed answer: an error before the first event is a plain JSON error; then server-sent events,
     ``data: {...}`` each (what ``render`` makes of an event, validated as a ``model``: the route's chunk model in
-    ``txl.serve.responses``), ending with ``data: [DONE]``. A client that goes away cancels the generation at
-    the next token; what was generated stays in the session."""
+    ``txl.serve.responses``), ending with ``data: [DONE]``; a failure after the first (the generation's, or a chunk
+    that is not its model) sends an error chunk (``StreamError``) before it. A client that goes away cancels the
+    generation at the next token; what was generated stays in the session."""
     from fastapi.responses import StreamingResponse
 
     def data(chunk: dict, kind: type[BaseModel]) -> str:  # only the keys the chunk sets, as the JSON answers
@@ -119,22 +120,31 @@ async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], firs
     if kind == "error":
         raise value
 
+    def failed(err: BaseException) -> str:  # the last chunk of a stream that fails: a client error's words, else none
+        err = err if isinstance(err, ClientError) else ClientError(500, None, "internal error")
+        return data({"error": {"field": err.field, "reason": err.reason}}, StreamError)
+
     async def stream():
         nonlocal kind, value
         try:
-            for k, d in first or []:
-                yield data(render(k, d), model)
-            while True:
-                if kind == "error":
-                    err = value if isinstance(value, ClientError) else ClientError(500, None, "internal error")
-                    yield data({"error": {"field": err.field, "reason": err.reason}}, StreamError)
-                    break
-                chunk = render(kind, value)
-                if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
-                    yield data(chunk, model)
-                if kind == "done":
-                    break
-                kind, value = await events.queue.get()
+            try:
+                for k, d in first or []:
+                    yield data(render(k, d), model)
+                while True:
+                    if kind == "error":
+                        yield failed(value)
+                        break
+                    chunk = render(kind, value)
+                    if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
+                        yield data(chunk, model)
+                    if kind == "done":
+                        break
+                    kind, value = await events.queue.get()
+            except Exception as err:
+                # The 200 is sent: a chunk that cannot be made, or is not its model (a key it does not declare), ends
+                # the stream as a failed generation does, not as a connection cut without its end.
+                logger.exception("a streamed chunk failed; the stream ends with an error")
+                yield failed(err)
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True  # no effect once it is done; stops the generation if the client left
