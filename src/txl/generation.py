@@ -193,7 +193,8 @@ def generate_steps(model: TransformerXL, prompt_ids: PromptIds, *,
     Randomness comes only from ``seed`` (row b: a generator seeded ``seed + b``, so each row equals its prompt
     alone with ``seed=seed + b``), or from ``generator``, shared by the rows (neither: torch's global generator).
     ``mem_len`` None keeps the whole context (see the module docstring).
-    ``compile`` runs each (B, 1) step as one torch.compile graph (``txl.decoding.Decoder``'s ``compile``).
+    ``compile`` runs each (B, 1) step as one torch.compile graph (``txl.decoding.Decoder``'s ``compile``; relative
+    attention without a compressed memory, else the whole forward through torch.compile).
 
     A row stops after producing one of ``stop_tokens``, or once ``decode(its new ids)`` contains one of
     ``stop_strings`` (the caller cuts the text there); its later places are ``FINISHED`` and the stream

@@ -21,8 +21,7 @@ async def create(srv: Srv, owner: Owner, req: Annotated[CreateSession, body(Crea
     return await srv.run(None, owner, lambda s, j: srv.info(s), create={"with_memory": req.memory})
 
 
-@get_and_head(router, "/{sid}", response_model=SessionInfo,
-                  response_model_exclude_unset=True)
+@get_and_head(router, "/{sid}", response_model=SessionInfo, response_model_exclude_unset=True)
 async def get(sid: str, srv: Srv, owner: Owner):
     return await srv.run(sid, owner, lambda s, j: srv.info(s), changes=False)
 

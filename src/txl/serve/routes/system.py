@@ -20,8 +20,7 @@ async def page():
     return HTMLResponse(resources.files("txl.serve").joinpath("page.html").read_text(encoding="utf-8"))
 
 
-@get_and_head(router, "/health", response_model=Health,
-                  responses={503: {"model": Unavailable}})
+@get_and_head(router, "/health", response_model=Health, responses={503: {"model": Unavailable}})
 async def health(srv: Srv):
     if srv.engine is None:
         status = "failed" if srv.failed else "loading"
@@ -36,7 +35,7 @@ async def health(srv: Srv):
 
 
 @get_and_head(router, "/metrics", response_class=Response,
-                  responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]})
+              responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]})
 async def metrics(srv: Srv, _: Owner):
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
