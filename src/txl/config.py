@@ -592,7 +592,7 @@ class SampleConfig:
     """Prompt tokens read per forward pass."""
     compile: bool = False
     """Run each generation step as one torch.compile graph (``txl.compiled_step``, relative attention; other
-    encodings: the whole forward through torch.compile)."""
+    encodings and a compressed memory: the whole forward through torch.compile)."""
 
     def __post_init__(self) -> None:
         check_sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

@@ -54,9 +54,10 @@ class ServeConfig:
     drain_seconds: float = 10.0
     """On SIGTERM/SIGINT: seconds the requests in flight get to finish before the sessions are written."""
     compile: bool = False
-    """Run each generation step as one torch.compile graph (``txl.compiled_step``; relative attention): the same
-    tokens, less per-step cost (1.6x eager's tokens/s at one session, 1.25x at 8 on a CPU), for a compilation of
-    tens of seconds that the first generation of one session, and the first of several, wait for."""
+    """Run each generation step as one torch.compile graph (``txl.compiled_step``; relative attention without a
+    compressed memory, any other model is refused at start): the same tokens, less per-step cost (1.6x eager's
+    tokens/s at one session, 1.25x at 8 on a CPU), for a compilation of tens of seconds that the first generation
+    of one session, and the first of several, wait for."""
     threads: int = 0
     """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
     model_name: str = ""
