@@ -166,3 +166,43 @@ def test_compressed_rows_beside_relative_rec_on_wikitext2(tmp_path, monkeypatch)
     assert f"**{v['verdict']}**" in "\n".join(text) and "seed for seed" in "\n".join(text)
     with pytest.raises(SystemExit, match="compressed rows are defined for wt2"):
         compressive_wt2.main(["--corpus", "ptb"])
+
+
+def test_compressive_wt2_verdicts_need_both_seeds_one_sign_beyond_2_se_and_the_seed_spread(tmp_path):
+    """The verdict rule on made-up per-position losses: 'better' or 'worse' only when both seed pairs' gaps are
+    beyond 2 SE with one sign and their mean exceeds the gap between two seeds of one model; 'within noise' when
+    the seeds disagree or two seeds of the plain model differ by more; no verdict without all four runs."""
+    from experiments import ablation
+
+    args = ablation.parse_args(["--corpus", "wt2", "--tgt-len", "4", "--mem-len", "64", "--contexts", "4,68,100",
+                                "--n-layer", "1", "--results", str(tmp_path)])
+    rng = np.random.default_rng(0)
+    base = 3 + 0.5 * rng.standard_normal(400)  # (P,) nats per position
+
+    spread = rng.standard_normal(base.size)
+    spread = 0.5 * (spread - spread.mean())  # (P,) mean 0: a gap of 0.02 nats over it is ~0.8 SE
+
+    def noisy(shift: float, wide: bool) -> dict[int, np.ndarray]:
+        return {c: base + shift + (spread if wide else 0) + 0.01 * rng.standard_normal(base.size) for c in (68, 100)}
+
+    def verdicts(plain: tuple[float, float], compressed: tuple[float, float], names=compressive_wt2.ROWS,
+                 wide: bool = False) -> dict:
+        """``wide``: the compressed rows' per-position losses spread about the plain rows' (the same way for both
+        seeds), so that a gap of the same size is within 2 SE."""
+        variants = {"relative-rec": ablation.Variant("relative", True),
+                    "relative-rec-seed1": ablation.Variant("relative", True, seed=1),
+                    "relative-rec-c32x4": ablation.Variant("relative", True, cmem_len=32),
+                    "relative-rec-c32x4-seed1": ablation.Variant("relative", True, cmem_len=32, seed=1)}
+        shifts = dict(zip(compressive_wt2.ROWS, (*plain, *compressed)))
+        runs = {n: {"variant": variants[n], "losses": noisy(shifts[n], wide and variants[n].cmem_len > 0),
+                    "eval_wall_s": 1.0,
+                    "record": {"steps": 2, "train_s": 1.0, "n_params": 10}} for n in names}
+        return {c: v["verdict"] for c, v in compressive_wt2.report(runs, args, [], 1.0)["verdicts"].items()}
+
+    assert verdicts((0, 0), (-0.1, -0.1)) == {"68": "better", "100": "better"}
+    assert verdicts((0, 0), (0.1, 0.1)) == {"68": "worse", "100": "worse"}
+    assert verdicts((0, 0), (-0.1, 0.1)) == {"68": "within noise", "100": "within noise"}  # the seeds disagree
+    assert verdicts((0, 0.2), (-0.1, 0.1)) == {"68": "within noise", "100": "within noise"}  # plain seeds 22% apart
+    assert verdicts((0, 0), (-0.02, -0.02)) == {"68": "better", "100": "better"}
+    assert verdicts((0, 0), (-0.02, -0.02), wide=True) == {"68": "within noise", "100": "within noise"}  # < 2 SE
+    assert verdicts((0, 0), (-0.1, -0.1), names=compressive_wt2.ROWS[:3]) == {}
