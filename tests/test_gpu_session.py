@@ -97,7 +97,8 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     steps = gs.plan("cuda", tmp_path)
     names = [s.name for s in steps]
     assert names[:6] == ["env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before", "serve-engine"]
-    assert names[-7:] == ["bench-big", "flex", "speedup", "parallel-one", "bench-reference", "serve-http", "suite"]
+    assert names[-8:] == ["bench-big", "flex", "speedup", "parallel-one", "serve-compiled", "bench-reference",
+                          "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
     assert "benchmarks.flex --device cuda" in by["flex"]
     assert "-m gpu --continue-on-collection-errors tests" in by["gpu-tests"]
@@ -110,6 +111,7 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     assert "--lengths 800,1800,2800,3800" in by["speedup"] and "--reps 10" in by["speedup"]
     assert "--model.attn_impl reference" in by["bench-reference"] and "--device cuda" in by["serve-engine"]
     assert "benchmarks.parallel_one --device cuda" in by["parallel-one"]
+    assert "benchmarks.serve_step --device cuda" in by["serve-compiled"] and "--compile" in by["serve-compiled"]
     first = [s for s in steps if s.name in ("env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before",
                                             "serve-engine")]
     assert sum(s.cap_s for s in first) <= 540 + 420, "the caps of one call's steps stay near its budget"
