@@ -147,3 +147,24 @@ def test_an_undeclared_key_in_a_stream_ends_it_with_an_error_chunk(api, monkeypa
     streamed = chunks(api.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3, "temperature": 0,
                                                         "stream": True}))
     assert streamed == [{"error": {"field": None, "reason": "internal error"}}]
+
+
+def test_an_answer_that_is_not_its_model_is_a_500_not_an_exception_out_of_the_app():
+    """The response model's 500 is answered by its own handler: no exception leaves the app (starlette re-raises
+    those it answers as any Exception, and uvicorn then closes the client's keep-alive connection)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from txl.serve.middleware import add_error_handlers
+
+    app = FastAPI()
+    add_error_handlers(app)
+
+    @app.get("/card", response_model=responses.Detokenized)
+    async def card():
+        return {"prompt": "x", "surprise": 1}
+
+    with TestClient(app, raise_server_exceptions=True) as client:  # an exception out of the app would raise here
+        r = client.get("/card")
+    assert r.status_code == 500 and "surprise" not in r.text
+    exactly(responses.ErrorBody, r.json())

@@ -18,7 +18,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import RequestValidationError, ResponseValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -72,6 +72,15 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, err: ClientDisconnect):  # nobody to answer: the access line says 499
         return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(ResponseValidationError)
+    async def _not_its_model(request: Request, err: ResponseValidationError):
+        # An answer that is not its response model (txl.serve.responses): a server bug, answered as a 500 here.
+        # Handled by its own class, not as any Exception: starlette answers those and raises them again, and
+        # uvicorn then closes the connection, so a client's next request on it (keep-alive) fails.
+        logger.error("%s %s: the answer is not its response model: %s", request.method, request.url.path,
+                     err.errors())
+        return error_response(500, None, "internal error (see the server's log)")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception):
