@@ -202,7 +202,7 @@ def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, caps
     import txl.train
     from txl import graphs
     from txl.cli import main
-    from txl.config import DataConfig, RunConfig, TrainConfig
+    from txl.config import DataConfig, EvalConfig, RunConfig, TrainConfig
     from txl.data.corpora import load_run_corpus
 
     calls = []
@@ -226,6 +226,10 @@ def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, caps
         figures.append(line.split(" tokens, ")[0])  # "mem_len 6, tgt_len 4, keys/query 7-10: loss ..., 200"
     assert len(calls) == 1  # the flag reached txl.graphs
     assert figures[0] == figures[1] and "loss" in figures[0]
+    assert main(["eval", str(tmp_path / "run"), "--graphs", "--compile"]) == 2
+    assert "--graphs already compiles" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="EvalConfig.compile and EvalConfig.graphs are both set"):
+        EvalConfig(compile=True, graphs=True)
 
 
 @pytest.mark.gpu

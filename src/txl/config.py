@@ -531,6 +531,9 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check("EvalConfig", "batch_size", self.batch_size >= 1, "must be a positive integer", self.batch_size)
+        if self.compile and self.graphs:
+            raise ValueError("EvalConfig.compile and EvalConfig.graphs are both set: graphs already compiles (static "
+                             "shapes through torch.compile's CUDA graphs); set one of them")
         if self.tgt_len is not None:
             _check("EvalConfig", "tgt_len", self.tgt_len >= 1, "must be a positive integer", self.tgt_len)
         for name in ("mem_len", "ext_len"):

@@ -157,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_batches < 0:
         raise ValueError(f"--max-batches {args.max_batches} must be >= 0 (0: the whole split)")
+    if args.graphs and args.compile:
+        raise ValueError("--graphs already compiles (static shapes through torch.compile's CUDA graphs): give "
+                         "--graphs or --compile, not both")
     if (args.checkpoint is None) == (args.checkpoint_opt is None):
         raise ValueError("give the checkpoint once: txl eval DIR, or txl eval --checkpoint DIR|REPO_ID")
     args.checkpoint = args.checkpoint or args.checkpoint_opt
