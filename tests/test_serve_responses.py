@@ -168,3 +168,40 @@ def test_an_answer_that_is_not_its_model_is_a_500_not_an_exception_out_of_the_ap
         r = client.get("/card")
     assert r.status_code == 500 and "surprise" not in r.text
     exactly(responses.ErrorBody, r.json())
+
+
+def test_an_internal_error_is_a_500_that_keeps_the_connection():
+    """Any server bug is answered as a 500 and logged once; the exception does not leave the app (starlette raises
+    the errors it answers again, and uvicorn would close a keep-alive client's connection), so a client's next
+    request on the same connection is served."""
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from serve_util import running
+
+    from txl.serve.metrics import Metrics
+    from txl.serve.middleware import add_error_handlers, guard
+
+    app = FastAPI()
+    add_error_handlers(app)
+    guard(app, limit=1 << 20, metrics=Metrics())
+
+    @app.get("/bug")
+    async def bug():
+        raise RuntimeError("a server bug")
+
+    @app.get("/fine")
+    async def fine():
+        return {"ok": True}
+
+    with TestClient(app, raise_server_exceptions=True) as client:  # an exception out of the app would raise here
+        r = client.get("/bug")
+    assert r.status_code == 500 and "a server bug" not in r.text
+    exactly(responses.ErrorBody, r.json())
+    with running(app, ready=False) as url, httpx.Client(base_url=url, timeout=30) as client:
+        peers = []
+        for path in ("/bug", "/fine", "/bug", "/fine"):
+            r = client.get(path, extensions={"trace": lambda name, info: peers.append(info.get("stream"))
+                                             if name == "connection.connect_tcp.complete" else None})
+            assert r.status_code == (500 if path == "/bug" else 200)
+        assert len(peers) == 1  # one TCP connection served all four

@@ -75,9 +75,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ResponseValidationError)
     async def _not_its_model(request: Request, err: ResponseValidationError):
-        # An answer that is not its response model (txl.serve.responses): a server bug, answered as a 500 here.
-        # Handled by its own class, not as any Exception: starlette answers those and raises them again, and
-        # uvicorn then closes the connection, so a client's next request on it (keep-alive) fails.
+        # An answer that is not its response model (txl.serve.responses): a server bug, answered as a 500 here,
+        # logged with the fields at fault rather than a traceback.
         logger.error("%s %s: the answer is not its response model: %s", request.method, request.url.path,
                      err.errors())
         return error_response(500, None, "internal error (see the server's log)")
@@ -124,6 +123,11 @@ def guard(app: FastAPI, *, limit: int, metrics: Metrics) -> None:
                     await error_response(413, "body", str(BodyTooLarge(limit).detail))(scope, receive, send_)
                 else:
                     await stack(scope, receive_, send_)
+            except Exception:
+                if status[0] != 500:  # nothing answered yet, or a stream broken after its 200: the server's to end
+                    raise
+                # Answered and logged by the 500 handler; starlette raises it again for the server, and uvicorn
+                # would then close the connection that a keep-alive client (httpx, the openai client) goes on using.
             finally:
                 seconds = time.perf_counter() - start
                 route = getattr(scope.get("route"), "path", "other")
