@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import AttnType, ModelConfig
-from txl.model import kernels, rotary
+from txl.model import casting, kernels, rotary
 from txl.model.dropout import dropout
 from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, rel_shift, relative_distances, sinusoid
@@ -297,7 +297,7 @@ class RelativeAttention(Attention):
         if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
                 or any(p is not first for p in positions)
                 or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)
-                or _multi_process()):
+                or casting.multi_process()):
             return positions
         weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
         H, D = attns[0].n_head, attns[0].d_head
@@ -443,13 +443,6 @@ class RotaryAttention(Attention):
 
     def place(self, q, k):
         return rotary.rotate_window(q, k)  # (B, T, H, D), (B, K, H, D)
-
-
-def _multi_process() -> bool:
-    """Whether a process group of more than one process is running (DDP, FSDP)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def encoding(attn_type: str) -> type[Attention]:

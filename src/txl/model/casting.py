@@ -53,14 +53,19 @@ def matmul_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
             for n, p in m._parameters.items() if p is not None]
 
 
+def multi_process() -> bool:
+    """Whether a process group of more than one process is running (DDP, FSDP). Work grouped across layers
+    (one cast, one projection) gives its gradients only at the end of backward, where DDP reduces each layer's
+    while backward runs: under a group the layers keep their own ops."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def groupable(params: list[torch.Tensor], dtype: torch.dtype) -> bool:
     """Whether the grouped cast applies: float32 plain parameters (not FSDP's DTensors) under an autocast dtype
     of their own, and no multi-process group (DDP would lose its overlap of all-reduce with backward)."""
-    import torch.distributed as dist
-
-    if not params or dtype == params[0].dtype:
-        return False
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if not params or dtype == params[0].dtype or multi_process():
         return False
     return all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
 
