@@ -261,9 +261,11 @@ def position_losses(model: TransformerXL, tokens: np.ndarray, *, context: int, n
     x = data[:-1].view(n_streams, L).to(device)  # (S, L)
     y = data[1:].view(n_streams, L).to(device)  # (S, L): y[:, t] follows x[:, t]
     slots = model.config.cmem_len  # a compressive model's compressed slots count among the keys of ``context``
-    if not exact and context < seg_len + slots + (1 if slots else 0):
-        raise ValueError(f"attention length {context} leaves no memory beside the segment ({seg_len} tokens)"
-                         + (f" and the {slots} compressed slots" if slots else ""))
+    if not exact and context < seg_len:
+        raise ValueError(f"attention length {context} is shorter than the segment ({seg_len} tokens)")
+    if not exact and slots and context <= seg_len + slots:  # a compressive model keeps a memory of >= 1 row
+        raise ValueError(f"attention length {context} leaves no memory beside the segment ({seg_len} tokens) and "
+                         f"the {slots} compressed slots")
     if exact:
         changes = dict(mem_len=context, same_length=True, same_length_style="pytorch", ext_len=0)
     else:
