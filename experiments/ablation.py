@@ -212,15 +212,7 @@ def contexts_of(args: argparse.Namespace) -> list[int]:
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
-    grid = GRIDS[args.corpus]
-    if args.variants == "all":
-        return list(grid)
-    by_name = {v.name: v for v in (*grid, *EXTRA_VARIANTS.get(args.corpus, ()))}
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    bad = [n for n in names if n not in by_name]
-    if bad:
-        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(by_name)}")
-    return [by_name[n] for n in names]
+    return common.choose_variants(args.variants, GRIDS[args.corpus], EXTRA_VARIANTS.get(args.corpus, ()))
 
 
 def train_attention_length(v: Variant, args: argparse.Namespace) -> int:

@@ -141,6 +141,19 @@ def resolve_settings(args: Any, shortcuts: dict[str, str], fixed: dict[str, str]
     return Settings(**values, config=dict(given))
 
 
+def choose_variants(text: str, grid: Sequence[Any], extra: Sequence[Any] = ()) -> list[Any]:
+    """The runs ``--variants`` names: 'all' (the whole ``grid``), or comma-separated names of runs of ``grid`` and
+    ``extra`` (rows trained only when named); an unknown name is refused with the known ones."""
+    if text == "all":
+        return list(grid)
+    by_name = {v.name: v for v in (*grid, *extra)}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in by_name]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
 def with_overrides(cfg: RunConfig, overrides: dict[str, str]) -> RunConfig:
     """``cfg`` with the ``--SECTION.FIELD`` overrides of the command line applied (checked again as a whole)."""
     if not overrides:

@@ -93,14 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
-    if args.variants == "all":
-        return list(VARIANTS)
-    by_name = {v.name: v for v in VARIANTS}
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    bad = [n for n in names if n not in by_name]
-    if bad:
-        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(by_name)}")
-    return [by_name[n] for n in names]
+    return common.choose_variants(args.variants, VARIANTS)
 
 
 def run_config(v: Variant, args: argparse.Namespace, vocab_size: int) -> RunConfig:
