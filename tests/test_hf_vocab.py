@@ -141,8 +141,9 @@ def _fake_sacremoses() -> types.ModuleType:
     return module
 
 
-@pytest.mark.oracle
-def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
+def hf_tokenization(monkeypatch):
+    """transformers' TransfoXL tokenization module (skipped where it is not installed), with a stand-in for
+    sacremoses where that is missing (only the vocabulary is exercised, never Moses tokenization)."""
     hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
     if "sacremoses" not in sys.modules:
         try:
@@ -152,6 +153,12 @@ def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
             monkeypatch.setitem(sys.modules, "sacremoses", fake)
             monkeypatch.setattr(hf, "sm", fake, raising=False)
             monkeypatch.setattr(hf, "requires_backends", lambda *args, **kwargs: None)
+    return hf
+
+
+@pytest.mark.oracle
+def test_vocab_saved_by_hf_save_vocabulary(tmp_path, monkeypatch):
+    hf = hf_tokenization(monkeypatch)
     vocab_txt = tmp_path / "vocab.txt"
     write_vocab_txt(SYMBOLS, vocab_txt)
     tokenizer = hf.TransfoXLTokenizer(vocab_file=str(vocab_txt))
@@ -172,15 +179,7 @@ def test_added_tokens_saved_by_hf_save_pretrained(tmp_path, monkeypatch):
     """TransfoXLTokenizer.save_pretrained writes vocab.pkl and added_tokens.json (<formula>, added by default when
     the vocabulary lacks it, and a token added by add_tokens): the word tokenizer has len(tokenizer) symbols and
     gives every word transformers' id."""
-    hf = pytest.importorskip("transformers.models.deprecated.transfo_xl.tokenization_transfo_xl")
-    if "sacremoses" not in sys.modules:
-        try:
-            import sacremoses  # noqa: F401
-        except ImportError:
-            fake = _fake_sacremoses()
-            monkeypatch.setitem(sys.modules, "sacremoses", fake)
-            monkeypatch.setattr(hf, "sm", fake, raising=False)
-            monkeypatch.setattr(hf, "requires_backends", lambda *args, **kwargs: None)
+    hf = hf_tokenization(monkeypatch)
     from txl.data.tokenizer import WordTokenizer
 
     write_vocab_txt(SYMBOLS, tmp_path / "vocab.txt")
