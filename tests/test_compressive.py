@@ -326,25 +326,15 @@ CMEM_ARGS = ["--model.cmem_len", "4", "--model.cmem_rate", "4"]
 def test_training_logs_the_reconstruction_loss_and_resumes_exactly(corpus, tmp_path, monkeypatch, capsys):
     """Checkpoints hold both memories (and the compression group's optimizer state): a run stopped at step 4 and
     resumed from its step-3 checkpoint logs the uninterrupted run's LM and reconstruction losses exactly."""
-    from test_train import args
+    from test_train import args, interrupted_at_step
 
     def rows(out):
         return {r["step"]: (r["loss"], r["compression_loss"]) for r in
                 map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
 
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "6", *CMEM_ARGS)]) == 0
-    real = txl.train.train_step
-    calls = {"n": 0}
-
-    def crash_at_step_5(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(txl.train, "train_step", crash_at_step_5)
-    assert main(["train", *args(corpus, tmp_path / "b", "--max-steps", "6", *CMEM_ARGS)]) == 130
-    monkeypatch.setattr(txl.train, "train_step", real)
+    with interrupted_at_step(monkeypatch, 5):
+        assert main(["train", *args(corpus, tmp_path / "b", "--max-steps", "6", *CMEM_ARGS)]) == 130
     state = torch.load(txl.rundir.find_checkpoint(tmp_path / "b") / "train_state.pt", weights_only=True)
     (memory,) = state["train"]["ranks"][0]["memories"]
     assert [tuple(m.shape) for m in memory] == [(4, 8, 32), (4, 4, 32)]  # 1 layer: memory, compressed memory

@@ -1,5 +1,6 @@
 """Training, resume, evaluation and fault handling on a tiny model over a small generated text."""
 
+import contextlib
 import errno
 import json
 import math
@@ -30,6 +31,25 @@ TINY = ["--preset", "tiny", "--model.n_layer", "1", "--model.d_model", "32", "--
 
 def args(corpus, out, *more):
     return [*TINY, "--data.corpus", corpus, "--data.level", "byte", "--out", str(out), *more]
+
+
+@contextlib.contextmanager
+def interrupted_at_step(monkeypatch, n: int):
+    """Within the block, txl.train's train_step is interrupted (Ctrl-C: KeyboardInterrupt) at its n-th call;
+    the real one is back after it."""
+    real, calls = txl.train.train_step, {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(txl.train, "train_step", crash)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(txl.train, "train_step", real)
 
 
 def losses(out):
@@ -73,19 +93,9 @@ def test_time_budget_sets_the_schedule_horizon():
 @pytest.mark.slow  # real training
 def test_resume_is_bit_identical(corpus, tmp_path, monkeypatch, capsys):
     assert main(["train", *args(corpus, tmp_path / "a", "--max-steps", "6", "--train.grad_accum", "2")]) == 0
-    calls = {"n": 0}
-    real = txl.train.train_step
-
-    def crash_at_step_5(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(txl.train, "train_step", crash_at_step_5)
-    assert main(["train", *args(corpus, tmp_path / "b", "--max-steps", "6", "--train.grad_accum", "2")]) == 130
+    with interrupted_at_step(monkeypatch, 5):
+        assert main(["train", *args(corpus, tmp_path / "b", "--max-steps", "6", "--train.grad_accum", "2")]) == 130
     assert "resume with: txl train --resume" in capsys.readouterr().err
-    monkeypatch.setattr(txl.train, "train_step", real)
     assert max(losses(tmp_path / "b")) == 4  # steps 1-4 logged, checkpoint at step 3
     assert main(["train", "--resume", str(tmp_path / "b")]) == 0
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
