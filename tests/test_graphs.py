@@ -228,6 +228,8 @@ def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, caps
     assert figures[0] == figures[1] and "loss" in figures[0]
     assert main(["eval", str(tmp_path / "run"), "--graphs", "--compile"]) == 2
     assert "--graphs already compiles" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "run"), "--graphs", "--eval.compile", "true"]) == 2  # a flag and a field
+    assert "EvalConfig.compile and EvalConfig.graphs are both set" in capsys.readouterr().err
     with pytest.raises(ValueError, match="EvalConfig.compile and EvalConfig.graphs are both set"):
         EvalConfig(compile=True, graphs=True)
 

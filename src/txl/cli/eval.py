@@ -120,7 +120,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
         raise ValueError(f"the vocabulary in {directory} has {codec.vocab_size} symbols but the model has "
                          f"vocab_size={model.config.vocab_size}; it does not belong to this checkpoint")
     raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    e = EvalConfig(**{"batch_size": PRETRAINED_BATCH_SIZE, **ev})
+    e = EvalConfig(**{"batch_size": PRETRAINED_BATCH_SIZE, **ev, **flags(args, ev)})
     tgt_len, context = e.segment_len(raw.get("tgt_len") or PRETRAINED_TGT_LEN), e.context(model.config)
     print(f"{args.checkpoint} on {spec.name} {args.split}: {len(tokens):,} tokens with the checkpoint's "
           f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {e.batch_size} streams, tgt_len {tgt_len}, "
@@ -131,11 +131,16 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     with segment_progress(args.progress, args.split) as on_segment:
         r = evaluate(model, tokens, metric=spec.metric, batch_size=e.batch_size, tgt_len=tgt_len, context=context,
                      max_batches=args.max_batches,
-                     precision=resolve_precision(args.precision, device), compile=args.compile or e.compile,
-                     graphs=args.graphs or e.graphs,
+                     precision=resolve_precision(args.precision, device), compile=e.compile, graphs=e.graphs,
                      on_segment=on_segment)
     print(f"{args.split}: {r.describe()}")
     return 0
+
+
+def flags(args: argparse.Namespace, ev: dict) -> dict[str, bool]:
+    """--compile and --graphs folded into the evaluation config's fields of the same names (either turns one on),
+    so that EvalConfig's one rule sees them whichever way they were given."""
+    return {"compile": args.compile or bool(ev.get("compile")), "graphs": args.graphs or bool(ev.get("graphs"))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = RunConfig.from_dict(apply_overrides(run_cfg.to_dict(), overrides_from(args)))
     corpus = load_run_corpus(replace(cfg.data))
     check_tokenizer(loaded.path, corpus.tokenizer)
-    e, m = cfg.eval, model.config
+    e, m = replace(cfg.eval, **flags(args, vars(cfg.eval))), model.config
     tgt, context = e.segment_len(cfg.train.tgt_len), e.context(m)
     same, clamp = context.same_length, context.clamp_len
     if clamp > 0 and not model.encoding.clamps_distances:
@@ -194,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
                          "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
     kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, max_batches=args.max_batches,
-                  precision=resolve_precision(args.precision, device), compile=args.compile or e.compile,
-                  graphs=args.graphs or e.graphs)
+                  precision=resolve_precision(args.precision, device), compile=e.compile, graphs=e.graphs)
     tokens = corpus.split(args.split)
     check_split_fits("validation" if args.split == "valid" else "test", len(tokens), batch_size=e.batch_size,
                      tgt_len=tgt, flag="--eval.tgt_len" if e.tgt_len else "--train.tgt_len")
