@@ -112,6 +112,7 @@ class CompiledStep:
             raise ValueError(f"a compiled generation step is not available: {why}; generate without compile")
         self.model, self.compiled = model, compile
         self.made: set[tuple[bool, bool]] = set()  # the graphs made: (one row, clamped); torch specialises a batch of 1
+        self.pads: tuple[tuple, torch.Tensor] | None = None  # the rows' pad counts on the device, while they last
         fn = self._step
         self.fn = torch.compile(fn, backend=backend or "inductor", dynamic=True, fullgraph=True) if compile else fn
 
@@ -128,8 +129,10 @@ class CompiledStep:
         n = buffers[0].end
         views = [b.data.narrow(1, start, n + 1 - start) for b in buffers]  # (B, K, ...) each
         clamped = table[0].size(0) < n + 1 - start  # a graph for each (distances clamp from some step on)
-        args = (ids, views[:L], views[L:2 * L], views[2 * L:], tuple(table), torch.tensor(pads, device=ids.device),
-                clamped)
+        key = (tuple(pads), ids.device)
+        if self.pads is None or self.pads[0] != key:  # made when the rows change, not every step: on a GPU a copy
+            self.pads = (key, torch.tensor(pads, device=ids.device))  # from host memory waits for the device
+        args = (ids, views[:L], views[L:2 * L], views[2 * L:], tuple(table), self.pads[1], clamped)
         kind = (ids.size(0) == 1, clamped)
         if not self.compiled or kind in self.made:  # the graph exists: no marks, nothing to configure
             out = self.fn(*args)
