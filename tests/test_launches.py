@@ -212,7 +212,7 @@ def test_read_stats_reads_device_figures_once_and_keeps_python_numbers():
 def word_model(**changes) -> txl.TransformerXL:
     """Three clusters (shortlist 20, tails 40 and 60), weights perturbed so that every bias counts."""
     torch.manual_seed(0)
-    model = txl.TransformerXL(tiny_config(vocab_size=120, cutoffs=[20, 60], **changes))
+    model = txl.TransformerXL(tiny_config(**{"vocab_size": 120, "cutoffs": [20, 60], **changes}))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -429,7 +429,7 @@ def test_grouped_casts_are_one_op_each_way_and_the_parameters_come_back():
     before = dict(model.named_parameters())
     x = zipf((2, 5), vocab=61)
     counts = launches.count(lambda: _bf16_backward(model, x))
-    assert counts.ops["aten::_foreach_copy_"] == 2, counts.ops
+    assert counts.ops["aten::_foreach_copy_"] == 4, counts.ops  # the layers' and the softmax's, each way
     assert dict(model.named_parameters()).keys() == before.keys()
     assert all(p is before[n] for n, p in model.named_parameters())
 
@@ -516,3 +516,89 @@ def test_post_ln_layers_read_the_cast_input_the_memory_keeps():
                 assert cast is None
             else:
                 assert cast.dtype == torch.bfloat16 and cast.data_ptr() == mem.data_ptr()  # one copy for both
+
+
+def _softmax_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Per-token NLL and every gradient of one bf16 training segment, then bf16 log-probabilities."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.train()(x, labels=y)
+    out.loss.backward()
+    got = [out.nll.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got.append(model.eval()(x).log_probs)
+    return got
+
+
+@pytest.mark.parametrize("change", [{}, dict(cluster_rows="all"), dict(div_val=2), dict(d_embed=16),
+                                    dict(div_val=2, cluster_rows="all", tie_weight=False), dict(softmax_pad=7),
+                                    dict(softmax_pad=64, cluster_rows="all", d_embed=16), dict(cutoffs=[])],
+                         ids=["selected", "all-rows", "div2", "projected", "div2-all-untied", "pad-7",
+                              "pad-64-all-projected", "no-cutoffs"])
+def test_the_softmax_weights_cast_in_one_group_give_the_per_use_numbers_bit_for_bit(change):
+    """``casting.cast_rows`` (the softmax's weights, biases, cluster rows and projections cast and laid out, the head's
+    cluster rows and the padding included, by one op; their gradients back by one) against a cast of each: the
+    same NLL, gradients (an unseen cluster's too: no token of the batch is in the last one) and log-probabilities."""
+    x, y = zipf((3, 7), seed=1), zipf((3, 7), seed=2).clamp(max=59)  # ids >= 60: the last cluster, unseen
+    y[0, :2] = torch.tensor([30, 50])
+    y[1, 3] = -100
+    got = [_softmax_bf16(word_model(cast_weights=mode, **change), x, y) for mode in ("per_use", "grouped")]
+    assert len(got[0]) == len(got[1])
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*got)), [
+        i for i, (a, b) in enumerate(zip(*got)) if not torch.equal(a, b)]
+
+
+def test_the_softmax_casts_are_one_op_each_way():
+    """Under bf16 autocast with cutoffs (div_val 1, the tied table): 8 copies and 4 cats fewer than a cast of each
+    parameter (the table, its bias, the cluster rows and their bias, each way; the head's two cats and the split's
+    two in backward), for one ``_foreach_copy_`` each way."""
+    y = zipf((3, 7), seed=2)
+    counts = {}
+    for mode in ("per_use", "grouped"):
+        softmax = word_model(cast_weights=mode).softmax
+        hidden = torch.randn(21, 32, requires_grad=True)
+
+        def step(softmax=softmax, hidden=hidden):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                nll = softmax.nll(hidden, y.reshape(-1))
+            nll.sum().backward()
+
+        counts[mode] = launches.count(step)
+    per_use, grouped = counts["per_use"], counts["grouped"]
+    assert grouped.ops["aten::_foreach_copy_"] == 2 and per_use.ops["aten::_foreach_copy_"] == 0
+    assert (per_use.copies - grouped.copies, per_use.cats - grouped.cats) == (8, 4), (per_use.ops, grouped.ops)
+
+
+def test_cluster_logic_against_the_table_gives_the_python_int_form():
+    """The eager path compares ids with ``cluster_table`` (one kernel for all clusters); torch.compile's with Python
+    ints: the same clusters and head columns for every id. The table is not saved, and a model moved to bf16 keeps
+    it int64."""
+    from txl.model.adaptive import cluster_of
+
+    model = word_model()
+    softmax = model.softmax
+    ids = torch.arange(120)
+    cluster = softmax._cluster_of(ids)
+    assert torch.equal(cluster, cluster_of(ids, [20, 60]))
+    where_form = torch.where(cluster == 0, ids, cluster + 19)  # the column a where on cluster 0 picked
+    assert torch.equal(torch.minimum(ids, cluster + 19), where_form)
+    assert not any("cluster_table" in k for k in model.state_dict())
+    assert model.to(torch.bfloat16).softmax.cluster_table.dtype == torch.int64
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_static_rows_against_the_table_equal_the_compiled_forms_bit_for_bit(monkeypatch, precision):
+    """'all' rows eagerly (one kernel per step of the cluster logic for all clusters, the tails' picks summed) and as
+    torch.compile traces them (a comparison and a masked add per cluster): the same NLL and gradients."""
+    y = zipf((3, 7), seed=2)
+    y[1, 3] = -100
+    got = []
+    for compiling in (False, True):
+        softmax = word_model(cluster_rows="all", cast_weights="per_use").softmax
+        hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            nll = softmax.nll(hidden, y.reshape(-1))
+        nll.sum().backward()
+        got.append([nll.detach(), hidden.grad, *[p.grad for p in softmax.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))

@@ -153,7 +153,8 @@ class ModelConfig:
     one op at the start of the forward, their gradients in one at the end of backward (the gradients then all
     arrive after the last layer's: DDP could not overlap its all-reduce with backward). 'auto': 'grouped',
     except in a process group of more than one or with parameters that are not plain tensors (FSDP's); no
-    effect without autocast."""
+    effect without autocast. The adaptive softmax's weights, biases and projections are grouped the same way, in one
+    op of their own (``txl.model.casting.cast_rows``); 'per_use' casts each of them once per forward."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a

@@ -12,12 +12,18 @@ code reads column -i, i.e. the cluster rows reversed; the converter reorders suc
 Which rows a tail cluster computes is ``ModelConfig.cluster_rows``: only its own tokens ('selected', found with
 ``nonzero``: the least work, a host sync per cluster), or every token with the others masked out ('all':
 static shapes and no sync, for torch.compile and CUDA graphs); 'auto' picks 'selected' eagerly on the CPU and
-'all' elsewhere. A token's cluster is a sum of comparisons with the cutoffs (Python ints), so no tensor of
-the cutoffs is made per call and the compiler sees plain elementwise ops.
+'all' elsewhere. A token's cluster is a sum of comparisons with the cutoffs, so no tensor of the cutoffs is
+made per call and the compiler sees plain elementwise ops.
 
 Under autocast the output weights are cast once per call and sliced after (tied to the input embedding,
 they are one (V, e) table: per-slice casts would copy it piece by piece, and the head's cat again); with
-``ModelConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf.
+``ModelConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf. Where
+``ModelConfig.cast_weights`` groups, one copy kernel casts and lays out all of them, the head's cluster rows and
+the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back.
+
+Eagerly the cluster logic of 'all' rows broadcasts over a (4, C) table of the clusters' constants kept on the
+device (``cluster_table``): one kernel a step for all clusters, where a comparison with each cutoff took one
+per cluster (launches are what a GPU step waits on, issue 34); under torch.compile, Python ints as before.
 
 Selected rows: a tail cluster that no token of the batch falls in is skipped, so its parameters get no gradient.
 ``every_cluster = True`` (set by ``txl.parallel.shard``) runs it anyway on no rows: its gradient is then zeros.
@@ -34,6 +40,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.labels import IGNORE_INDEX
+from txl.model import casting
 from txl.model.kernels import compute_dtype
 
 
@@ -150,10 +157,19 @@ class AdaptiveLogSoftmax(nn.Module):
         self.shortlist = self.bounds[1]
         self.n_clusters = config.n_clusters
         self.div_val = config.div_val
+        self.cast_weights = config.cast_weights
         widths = cluster_widths(config)
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
+            # (4, C) int64 constants each tail cluster i (column i - 1) is compared with on the device: its first
+            # id, 0, its last id less the first, i. A tensor the ops broadcast over, so each step of the cluster
+            # logic is one kernel for all clusters (a comparison with a Python int per cluster was one each), made
+            # once here (a tensor of them made per call would be a host-to-device copy). Derived from the config:
+            # not saved (integer, so moving the model to another float dtype leaves it alone).
+            lo, hi, C = self.bounds[1:-1], self.bounds[2:], self.n_clusters
+            table = [lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))]  # (4, C)
+            self.register_buffer("cluster_table", torch.tensor(table), persistent=False)
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
         if config.div_val == 1:
@@ -174,6 +190,9 @@ class AdaptiveLogSoftmax(nn.Module):
         are made of the cast rows.
         """
         pad = pad_multiple(self.pad, device)
+        params = self._cast_params()
+        if self.cast_weights != "per_use" and not torch.compiler.is_compiling() and casting.groupable(params, dtype):
+            return self._cast_clusters(params, dtype, pad)
         if self.div_val == 1:
             sizes = [hi - lo for lo, hi in zip(self.bounds, self.bounds[1:])]
             weight, bias = self.layers[0].weight.to(dtype), self.layers[0].bias.to(dtype)  # (V, e), (V,)
@@ -198,6 +217,42 @@ class AdaptiveLogSoftmax(nn.Module):
             proj = self.projs[i] if len(self.projs) else None
             out.append((weight, bias, None if proj is None else proj.to(dtype)))
         return out
+
+    def _cast_params(self) -> list[torch.Tensor]:
+        """The parameters ``_cast_clusters`` reads, in its order: each layer's weight and bias, the cluster weight
+        and bias, the projections."""
+        params = [p for layer in self.layers for p in (layer.weight, layer.bias)]
+        if self.n_clusters:
+            params += [self.cluster_weight, self.cluster_bias]
+        return params + list(self.projs)
+
+    def _cast_clusters(self, params: list[torch.Tensor], dtype: torch.dtype, pad: int) -> list[Cluster]:
+        """``_clusters`` in one grouped op (``casting.cast_rows``), where ``ModelConfig.cast_weights`` groups: every
+        cluster's weight, bias and projection cast and laid out (the head's cluster rows after its shortlist, the
+        padding after each) by one copy kernel, their gradients cast back by one. The same tensors."""
+        n_layers, C = len(self.layers), self.n_clusters
+        layouts, pads = [], []
+        for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])):
+            w, b = (0, 1) if self.div_val == 1 else (2 * i, 2 * i + 1)  # the layer holding cluster i's rows
+            first, last = (lo, hi) if self.div_val == 1 else (0, hi - lo)
+            rows_w: list[casting.Piece] = [(w, first, last)]
+            rows_b: list[casting.Piece] = [(b, first, last)]
+            if i == 0 and C:  # the head also scores one logit per tail cluster
+                rows_w.append((2 * n_layers, 0, C))
+                rows_b.append((2 * n_layers + 1, 0, C))
+            extra = -(last - first + (C if i == 0 else 0)) % pad
+            if extra:  # zero rows scored -inf: exp(-inf) = 0 adds nothing to the softmax
+                rows_w.append(extra)
+                rows_b.append(extra)
+            layouts += [rows_w, rows_b]
+            pads += [0.0, float("-inf")]
+        first_proj = 2 * n_layers + (2 if C else 0)
+        layouts += [[(first_proj + j, 0, p.size(0))] for j, p in enumerate(self.projs)]
+        pads += [0.0] * len(self.projs)
+        cast = casting.cast_rows(params, layouts, pads, dtype)
+        n = len(self.bounds) - 1
+        projs = cast[2 * n:]
+        return [(cast[2 * i], cast[2 * i + 1], projs[i] if projs else None) for i in range(n)]
 
     @staticmethod
     def _log_softmax(hidden: torch.Tensor, cluster: Cluster) -> torch.Tensor:
@@ -234,9 +289,11 @@ class AdaptiveLogSoftmax(nn.Module):
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: one gather
             return -head.gather(1, target[:, None]).squeeze(1).masked_fill(ignored, 0.0)
-        # Which head column scores each token: itself in the shortlist, else its cluster's logit.
-        cluster = cluster_of(target, self.bounds[1:-1])  # (N,)
-        head_col = torch.where(cluster == 0, target, cluster + (self.shortlist - 1))  # (N,)
+        cluster = self._cluster_of(target)  # (N,)
+        # Which head column scores each token: itself in the shortlist, else its cluster's logit at shortlist - 1 + i.
+        # A cluster-i token's id is >= cutoff_i >= shortlist + i - 1 (the cutoffs increase), so the column is the
+        # smaller of the two: one kernel, where a where on cluster == 0 took three.
+        head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
         logp = head.gather(1, head_col[:, None]).squeeze(1)  # (N,)
         if rows_mode(self.rows, hidden.device) == "all":
             return -self._tails_static(hidden, clusters, target, cluster, logp).masked_fill(ignored, 0.0)
@@ -248,6 +305,13 @@ class AdaptiveLogSoftmax(nn.Module):
                 logp = logp.index_add(0, idx, tail_logp)
         return -logp.masked_fill(ignored, 0.0)
 
+    def _cluster_of(self, target: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N,) int64 cluster index (0 = head): one comparison with the table of cutoffs and a sum, two
+        kernels for all clusters (``cluster_of``'s two per cutoff, which torch.compile fuses anyway)."""
+        if torch.compiler.is_compiling():
+            return cluster_of(target, self.bounds[1:-1])
+        return (target[:, None] >= self.cluster_table[0]).sum(1)  # (N, C) -> (N,)
+
     def _tails_static(self, hidden: torch.Tensor, clusters: list[Cluster], target: torch.Tensor,
                       cluster: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """``nll``'s tail clusters with shapes that do not depend on the targets ('all' rows).
@@ -257,10 +321,22 @@ class AdaptiveLogSoftmax(nn.Module):
         into the cluster's range) and keeps only its own cluster's log-probability: one graph, no sync, the
         same values, and more work, which the narrow tails of div_val > 1 keep small (benchmarks/README.md).
         """
-        for i in range(1, self.n_clusters + 1):
-            lo, hi = self.bounds[i], self.bounds[i + 1]
-            tail = self._log_softmax(hidden, clusters[i])  # (N, W_i): every token
-            tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
-            # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros took two).
-            logp = logp + tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
-        return logp
+        if torch.compiler.is_compiling():  # Python ints, one op each: the compiler fuses them
+            for i in range(1, self.n_clusters + 1):
+                lo, hi = self.bounds[i], self.bounds[i + 1]
+                tail = self._log_softmax(hidden, clusters[i])  # (N, W_i): every token
+                tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
+                # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
+                logp = logp + tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
+            return logp
+        # Eagerly, each step one kernel for all clusters, against ``cluster_table`` (column i - 1: cluster i):
+        # every token's id within every cluster, clamped into its range, and whether the cluster is not its own.
+        lo, zero, last, ids = self.cluster_table
+        local = (target[:, None] - lo).clamp(zero, last)  # (N, C)
+        other = cluster[:, None] != ids  # (N, C)
+        picked = [self._log_softmax(hidden, clusters[i]).gather(1, local[:, i - 1 : i])  # (N, 1): every token
+                  for i in range(1, self.n_clusters + 1)]
+        picked = torch.cat(picked, dim=1) if len(picked) > 1 else picked[0]  # (N, C)
+        # A token keeps its own cluster's log-probability, the others are 0: the sum is that one exactly, so the
+        # same number as adding each cluster's masked one in turn.
+        return logp + picked.masked_fill(other, 0.0).sum(1)  # (N,)

@@ -83,3 +83,84 @@ def cast_in_place(slots: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Ite
     finally:
         for (m, n), p in zip(slots, params):
             m._parameters[n] = p
+
+
+Piece = tuple[int, int, int] | int
+"""One block of rows of a ``cast_rows`` output: (parameter index, first row, end row), or a number of pad rows."""
+
+
+class _CastRows(torch.autograd.Function):
+    """Row blocks of parameters -> new tensors in ``dtype`` assembled from them (and pad rows), in one op; backward:
+    each parameter's gradient assembled from its blocks' gradients and cast back, in one op."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, layouts: tuple[tuple[Piece, ...], ...], pads: tuple[float, ...],
+                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = [sum(p if isinstance(p, int) else p[2] - p[1] for p in layout) for layout in layouts]
+        out = [params[_first(layout)].new_empty(n, *params[_first(layout)].shape[1:], dtype=dtype)
+               for n, layout in zip(rows, layouts)]
+        dst, src = [], []
+        fills: dict[float, torch.Tensor] = {}  # each pad value's source: one flat float32 tensor, cut into views
+        for value in set(pads):
+            need = [p * params[_first(lay)][0].numel() for lay, v in zip(layouts, pads) if v == value
+                    for p in lay if isinstance(p, int)]
+            if need:
+                fills[value] = params[0].new_full((max(need),), value)
+        for o, layout, value in zip(out, layouts, pads):
+            at = 0
+            for p in layout:
+                n = p if isinstance(p, int) else p[2] - p[1]
+                dst.append(o[at:at + n])
+                # A pad block reads the first rows' worth of its value's flat tensor, shaped as the rows.
+                src.append(fills[value][: o[at:at + n].numel()].view_as(o[at:at + n]) if isinstance(p, int)
+                           else params[p[0]][p[1]:p[2]])
+                at += n
+        # One copy kernel for every block (src all float32, dst all ``dtype``: CUDA's multi-tensor fast path).
+        torch._foreach_copy_(dst, src)
+        ctx.layouts, ctx.shapes = layouts, [(p.shape, p.dtype) for p in params]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        blocks: list[list[tuple[int, torch.Tensor, int, int]]] = [[] for _ in ctx.shapes]  # per parameter
+        for g, layout in zip(grads, ctx.layouts):
+            at = 0
+            for p in layout:
+                n = p if isinstance(p, int) else p[2] - p[1]
+                if g is not None and not isinstance(p, int):
+                    blocks[p[0]].append((at, g, p[1], p[2]))
+                at += n
+        out: list[torch.Tensor | None] = [None] * len(ctx.shapes)
+        dst, src = [], []
+        for k, ((shape, dtype), have) in enumerate(zip(ctx.shapes, blocks)):
+            if not have:
+                continue  # no use of this parameter had a gradient: None, as an unused parameter's
+            covered = sum(stop - start for _, _, start, stop in have)
+            # Rows no used block covers get a zero gradient (what a split or slice backward fills them with).
+            make = torch.empty if covered == shape[0] else torch.zeros
+            out[k] = make(shape, dtype=dtype, device=have[0][1].device)
+            for at, g, start, stop in have:
+                dst.append(out[k][start:stop])
+                src.append(g[at:at + stop - start])
+        torch._foreach_copy_(dst, src)
+        return None, None, None, *out
+
+
+def _first(layout: tuple[Piece, ...]) -> int:
+    """The parameter a layout's first block is cut from (its outputs' width and device)."""
+    return next(p[0] for p in layout if not isinstance(p, int))
+
+
+def cast_rows(params: list[torch.Tensor], layouts: list[list[Piece]], pads: list[float],
+              dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One output per layout in ``dtype``, its rows the listed blocks of ``params`` in order, a pad block filled with
+    its output's ``pads`` value; gradients flow back to ``params`` (float32 when ``groupable``).
+
+    The adaptive softmax's tied (V, e) table, its cluster rows and biases reach the compute dtype this way: one
+    copy kernel forward, one backward, where a cast of each parameter, a cat for the head and one per padded
+    cluster, and the split's cat and each cast back in backward took 12 launches at NVIDIA's shape (3 tail
+    clusters). The same numbers: the same rounding, the rows laid out as the cat made them; a parameter row that no
+    block of a used output covers gets a zero gradient, a parameter no used output reads gets None.
+    """
+    return _CastRows.apply(dtype, tuple(tuple(lay) for lay in layouts), tuple(pads), *params)
