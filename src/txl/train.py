@@ -140,6 +140,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     # Counts, losses and the norm stay on the device (no host sync inside a step): the caller reads them later.
     n_total = (batch.labels != IGNORE_INDEX).sum()  # () int64
     new_memories, nll_sum, aux_sum = [], None, None
+    alone = len(chunks) == 1 and not info.enabled  # nothing to weigh nor to reduce
     for i, ((x, y), memory) in enumerate(zip(chunks, memories)):
         last = i == len(chunks) - 1
         sync = contextlib.nullcontext() if last or not info.enabled else parallel.no_sync(model)
@@ -155,13 +156,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
                 aux_sum = aux if aux_sum is None else aux_sum + aux
             scaler.scale(loss).backward()
         new_memories.append(out.memory)
-        chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
+        chunk_sum = out.loss.detach().double()  # () float64: a fresh tensor, kept until the log interval
+        if not alone:
+            chunk_sum = chunk_sum * n  # the chunk's NLL sum, as the host summed it before
         nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
-    sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
-    # Stacked for one all-reduce between processes; alone, nothing to reduce (one kernel fewer).
-    nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind() if info.enabled else sums
-    aux_sum = aux[0] / info.world_size if aux else None  # every process's mean over equal shares
-    loss = nll_sum / count
+    if alone:
+        # One chunk in one process: the step's mean is the model's, and the count stays int64 (``read_stats`` widens
+        # it as it reads): 3 kernels fewer than the sum below and the same number, (loss * n) / n being exact in
+        # float64 for n < 2**29 (a step that scores no label logs the model's 0 where the sum gave 0 / 0).
+        loss, count = nll_sum, n_total
+    else:
+        sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
+        # Stacked for one all-reduce between processes; alone, nothing to reduce (one kernel fewer).
+        nll_sum, count, *aux = all_reduce_sum_tensor(torch.stack(sums), info).unbind() if info.enabled else sums
+        aux_sum = aux[0] / info.world_size if aux else None  # every process's mean over equal shares
+        loss = nll_sum / count
     # A non-finite loss is found when the trainer reads the step (``read_stats``), which stops the run before
     # anything is saved; fp16's gradient scaler skips the update of a step with non-finite gradients itself.
     scaler.unscale_(optimizer)
