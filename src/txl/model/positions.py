@@ -21,7 +21,9 @@ def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
     # reciprocal(): what 1.0 / x runs, without its multiply by 1.0 (the same numbers, one kernel fewer).
     inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
                           / d_model)).reciprocal()  # (d/2,)
-    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
+    # Integer distances widened by the multiply itself (exact below 2**24), not by a cast kernel of their own.
+    distances = distances.float() if distances.is_floating_point() else distances  # a float32 one: no copy
+    angles = distances[:, None] * inv_freq[None, :]  # (K, d/2) float32
     if torch.compiler.is_compiling():
         return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
     # Each half written where it belongs (no cat after): constants, no autograd.
