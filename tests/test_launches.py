@@ -571,8 +571,8 @@ def test_the_softmax_casts_are_one_op_each_way():
 
 def test_cluster_logic_against_the_table_gives_the_python_int_form():
     """The eager path compares ids with ``cluster_table`` (one kernel for all clusters); torch.compile's with Python
-    ints: the same clusters and head columns for every id. The table is not saved, and a model moved to bf16 keeps
-    it int64."""
+    ints: the same clusters and head columns for every id. The table is not saved, holds its values in a model built
+    on the meta device, and stays int64 in a model moved to bf16."""
     from txl.model.adaptive import cluster_of
 
     model = word_model()
@@ -583,6 +583,9 @@ def test_cluster_logic_against_the_table_gives_the_python_int_form():
     where_form = torch.where(cluster == 0, ids, cluster + 19)  # the column a where on cluster 0 picked
     assert torch.equal(torch.minimum(ids, cluster + 19), where_form)
     assert not any("cluster_table" in k for k in model.state_dict())
+    with torch.device("meta"):  # as txl.from_pretrained builds a model before it loads the weights
+        on_meta = txl.TransformerXL(tiny_config(vocab_size=120, cutoffs=[20, 60]))
+    assert torch.equal(on_meta.softmax.cluster_table, softmax.cluster_table)  # values (on the CPU), not meta
     assert model.to(torch.bfloat16).softmax.cluster_table.dtype == torch.int64
 
 
@@ -602,3 +605,26 @@ def test_static_rows_against_the_table_equal_the_compiled_forms_bit_for_bit(monk
         nll.sum().backward()
         got.append([nll.detach(), hidden.grad, *[p.grad for p in softmax.parameters()]])
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+def test_an_unclipped_step_only_measures_the_gradient_norm():
+    """clip 0 (max_norm inf): the norm torch's clip_grad_norm_ returns, the gradients untouched, and 3 launches where
+    torch's scaling of every gradient by min(1, inf / norm) = 1 added 5."""
+    import math
+
+    from txl import parallel
+
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in params]
+    with launches._Dispatched() as mode:
+        norm = parallel.clip_grad_norm(params, math.inf)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, b in zip(copies, before):
+        c.grad = b.clone()
+    with launches._Dispatched() as clipped:
+        expected = torch.nn.utils.clip_grad_norm_(copies, math.inf)
+    assert torch.equal(norm, expected) and all(torch.equal(c.grad, b) for c, b in zip(copies, before))
+    assert mode.launched == 3 and clipped.launched > mode.launched, (mode.ops, clipped.ops)

@@ -166,10 +166,13 @@ class AdaptiveLogSoftmax(nn.Module):
             # id, 0, its last id less the first, i. A tensor the ops broadcast over, so each step of the cluster
             # logic is one kernel for all clusters (a comparison with a Python int per cluster was one each), made
             # once here (a tensor of them made per call would be a host-to-device copy). Derived from the config:
-            # not saved (integer, so moving the model to another float dtype leaves it alone).
+            # not saved (integer, so moving the model to another float dtype leaves it alone). A model built on the
+            # meta device (its weights loaded next, then moved) holds it on the CPU: a meta tensor has no values.
             lo, hi, C = self.bounds[1:-1], self.bounds[2:], self.n_clusters
-            table = [lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))]  # (4, C)
-            self.register_buffer("cluster_table", torch.tensor(table), persistent=False)
+            rows = [lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))]  # (4, C)
+            table = torch.tensor(rows)
+            self.register_buffer("cluster_table", torch.tensor(rows, device="cpu") if table.is_meta else table,
+                                 persistent=False)
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
         if config.div_val == 1:
