@@ -628,3 +628,23 @@ def test_an_unclipped_step_only_measures_the_gradient_norm():
         expected = torch.nn.utils.clip_grad_norm_(copies, math.inf)
     assert torch.equal(norm, expected) and all(torch.equal(c.grad, b) for c, b in zip(copies, before))
     assert mode.launched == 3 and clipped.launched > mode.launched, (mode.ops, clipped.ops)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("change", [dict(cluster_rows="selected"), dict(cluster_rows="all"),
+                                    dict(cluster_rows="all", div_val=2, softmax_pad=8), dict(cutoffs=[])],
+                         ids=["selected", "all-rows", "all-div2-pad", "no-cutoffs"])
+def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
+    """``nll`` (the head's term by F.nll_loss, a tail's subtracted: -h - t) against ``log_prob`` (h + t, the full
+    distribution), read at the target: equal bit for bit, and 0 at an ignored target."""
+    softmax = word_model(**change).softmax
+    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(4))
+    target = zipf((3, 7), seed=2).reshape(-1)
+    target[[2, 9]] = torch.tensor([119, 45])  # both tail clusters are met
+    target[[0, 5]] = -100
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        nll = softmax.nll(hidden, target)
+        log_prob = softmax.log_prob(hidden)
+    kept = target != -100
+    assert torch.equal(nll[kept], -log_prob[kept].gather(1, target[kept, None]).squeeze(1))
+    assert torch.equal(nll[~kept], torch.zeros(2))

@@ -284,29 +284,30 @@ class AdaptiveLogSoftmax(nn.Module):
     def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,) negative log-likelihood in token order; 0 where target is IGNORE_INDEX.
 
-        Each tail cluster scores the tokens whose target falls in it (``cluster_rows``).
+        Each tail cluster scores the tokens whose target falls in it (``cluster_rows``). The head's term is
+        ``F.nll_loss`` (no reduction): -log p of the column, and 0 for an ignored target, in one kernel where a
+        gather, the negation and two masks took four; an ignored id (-100) is in no cluster and scores no tail. A
+        tail's log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric), as before.
         """
-        ignored = target == IGNORE_INDEX  # (N,): one kernel, read twice
-        target = target.masked_fill(ignored, 0)
         hidden, clusters = self._prepare(hidden)
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
-        if not self.n_clusters:  # a plain softmax: one gather
-            return -head.gather(1, target[:, None]).squeeze(1).masked_fill(ignored, 0.0)
-        cluster = self._cluster_of(target)  # (N,)
+        if not self.n_clusters:  # a plain softmax: the head alone
+            return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
+        cluster = self._cluster_of(target)  # (N,): 0 for the head and for an ignored target
         # Which head column scores each token: itself in the shortlist, else its cluster's logit at shortlist - 1 + i.
         # A cluster-i token's id is >= cutoff_i >= shortlist + i - 1 (the cutoffs increase), so the column is the
-        # smaller of the two: one kernel, where a where on cluster == 0 took three.
+        # smaller of the two: one kernel, where a where on cluster == 0 took three. An ignored target stays -100.
         head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
-        logp = head.gather(1, head_col[:, None]).squeeze(1)  # (N,)
+        nll = F.nll_loss(head, head_col, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
         if rows_mode(self.rows, hidden.device) == "all":
-            return -self._tails_static(hidden, clusters, target, cluster, logp).masked_fill(ignored, 0.0)
+            return nll - self._tails_static(hidden, clusters, target, cluster)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
             if idx.numel() or self.every_cluster:
                 tail = self._log_softmax(hidden[idx], clusters[i])  # (N_i, W_i)
                 tail_logp = tail.gather(1, (target[idx] - self.bounds[i])[:, None]).squeeze(1)
-                logp = logp.index_add(0, idx, tail_logp)
-        return -logp.masked_fill(ignored, 0.0)
+                nll = nll.index_add(0, idx, tail_logp, alpha=-1)
+        return nll
 
     def _cluster_of(self, target: torch.Tensor) -> torch.Tensor:
         """(N,) ids -> (N,) int64 cluster index (0 = head): one comparison with the table of cutoffs and a sum, two
@@ -316,8 +317,9 @@ class AdaptiveLogSoftmax(nn.Module):
         return (target[:, None] >= self.cluster_table[0]).sum(1)  # (N, C) -> (N,)
 
     def _tails_static(self, hidden: torch.Tensor, clusters: list[Cluster], target: torch.Tensor,
-                      cluster: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-        """``nll``'s tail clusters with shapes that do not depend on the targets ('all' rows).
+                      cluster: torch.Tensor) -> torch.Tensor:
+        """(N,) each token's log-probability within its tail cluster (0 for the head's tokens), with shapes that do
+        not depend on the targets ('all' rows).
 
         ``nonzero()`` has a data-dependent output shape: a host sync eagerly on a GPU, a graph break (or an
         unbacked size) for the compiler. Here every token is scored by every tail cluster (its target clamped
@@ -325,12 +327,14 @@ class AdaptiveLogSoftmax(nn.Module):
         same values, and more work, which the narrow tails of div_val > 1 keep small (benchmarks/README.md).
         """
         if torch.compiler.is_compiling():  # Python ints, one op each: the compiler fuses them
+            logp = None
             for i in range(1, self.n_clusters + 1):
                 lo, hi = self.bounds[i], self.bounds[i + 1]
                 tail = self._log_softmax(hidden, clusters[i])  # (N, W_i): every token
                 tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
                 # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
-                logp = logp + tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
+                tail_logp = tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
+                logp = tail_logp if logp is None else logp + tail_logp
             return logp
         # Eagerly, each step one kernel for all clusters, against ``cluster_table`` (column i - 1: cluster i):
         # every token's id within every cluster, clamped into its range, and whether the cluster is not its own.
@@ -342,4 +346,4 @@ class AdaptiveLogSoftmax(nn.Module):
         picked = torch.cat(picked, dim=1) if len(picked) > 1 else picked[0]  # (N, C)
         # A token keeps its own cluster's log-probability, the others are 0: the sum is that one exactly, so the
         # same number as adding each cluster's masked one in turn.
-        return logp + picked.masked_fill(other, 0.0).sum(1)  # (N,)
+        return picked.masked_fill(other, 0.0).sum(1)  # (N,)
