@@ -156,14 +156,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
                 aux_sum = aux if aux_sum is None else aux_sum + aux
             scaler.scale(loss).backward()
         new_memories.append(out.memory)
-        chunk_sum = out.loss.detach().double()  # () float64: a fresh tensor, kept until the log interval
-        if not alone:
-            chunk_sum = chunk_sum * n  # the chunk's NLL sum, as the host summed it before
+        if alone:  # the model's mean is the step's (below)
+            nll_sum = out.loss.detach()  # () float32
+            continue
+        chunk_sum = out.loss.detach().double() * n  # () float64: the chunk's NLL sum, as the host summed it before
         nll_sum = chunk_sum if nll_sum is None else nll_sum + chunk_sum
     if alone:
-        # One chunk in one process: the step's mean is the model's, and the count stays int64 (``read_stats`` widens
-        # it as it reads): 3 kernels fewer than the sum below and the same number, (loss * n) / n being exact in
-        # float64 for n < 2**29 (a step that scores no label logs the model's 0 where the sum gave 0 / 0).
+        # One chunk in one process: the step's loss and count are the model's mean and the int64 count, which
+        # ``read_stats`` widens to float64 as it reads them: 4 kernels fewer than the sum below and the same number,
+        # (loss * n) / n being exact in float64 for n < 2**29 (a step that scores no label logs the model's 0 where
+        # the sum gave 0 / 0).
         loss, count = nll_sum, n_total
     else:
         sums = [nll_sum, n_total.double()] + ([] if aux_sum is None else [aux_sum])
