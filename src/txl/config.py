@@ -148,13 +148,14 @@ class ModelConfig:
     The same without autocast (both are the weights' dtype)."""
     cast_weights: CastWeights = "auto"
     """Under autocast, how the layers' float32 matmul weights and biases (and u, v with state_dtype 'compute')
-    reach the compute dtype (``txl.model.casting``); the same numbers. 'per_use': autocast casts each where it is
-    used and backward casts each gradient back (two copy kernels per weight and step). 'grouped': all of them in
+    reach the compute dtype (``txl.model.casting``); the same numbers (the adaptive softmax's weights, biases and
+    projections too, grouped in one op of their own, ``casting.cast_rows``; with 'per_use' it casts each once per
+    forward). 'per_use': autocast casts each where it is used and backward casts each gradient back (two copy
+    kernels per weight and step). 'grouped': all of them in
     one op at the start of the forward, their gradients in one at the end of backward (the gradients then all
     arrive after the last layer's: DDP could not overlap its all-reduce with backward). 'auto': 'grouped',
     except in a process group of more than one or with parameters that are not plain tensors (FSDP's); no
-    effect without autocast. The adaptive softmax's weights, biases and projections are grouped the same way, in one
-    op of their own (``txl.model.casting.cast_rows``); 'per_use' casts each of them once per forward."""
+    effect without autocast."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
