@@ -271,14 +271,58 @@ class AdaptiveLogSoftmax(nn.Module):
         dtype = compute_dtype(hidden)
         return hidden.to(dtype), self._clusters(dtype, hidden.device)
 
+    def _every_log_softmax(self, hidden: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every cluster's (N, W_i) float32 log-probabilities of every token (0 = head) from ONE matmul, where it
+        applies: under autocast with the softmax's weights grouped (``_cast_clusters``), div_val 1 and no
+        projections (every cluster reads the hidden state as it is), and cutoffs. Else None.
+
+        The grouped cast lays every cluster's rows (each padded) out as one (W, e) table, so the N x W logits are
+        one matmul and the clusters' log-softmaxes read column blocks of it; backward is one cat of their
+        gradients and one matmul each way, where a matmul per cluster took three kernels each way and the hidden
+        state's gradient an add per tail (14 launches fewer at NVIDIA's 3 tail clusters). The numbers change in
+        rounding only: the hidden state's gradient is one product accumulated in float32 and rounded once,
+        where each cluster's was rounded to the compute dtype and the sum rounded again (and the matmuls'
+        kernels may split their work otherwise). float32 (no autocast) never takes this path.
+        """
+        if not self.n_clusters or self.div_val != 1 or len(self.projs) or self.cast_weights == "per_use":
+            return None
+        dtype = compute_dtype(hidden)
+        params = self._cast_params()
+        if torch.compiler.is_compiling() or not casting.groupable(params, dtype):
+            return None
+        pad = pad_multiple(self.pad, hidden.device)
+        C = self.n_clusters
+        rows_w: list[casting.Piece] = []
+        rows_b: list[casting.Piece] = []
+        widths = []
+        for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])):
+            rows_w.append((0, lo, hi))
+            rows_b.append((1, lo, hi))
+            if i == 0:  # the head also scores one logit per tail cluster
+                rows_w.append((2, 0, C))
+                rows_b.append((3, 0, C))
+            width = hi - lo + (C if i == 0 else 0)
+            extra = -width % pad
+            if extra:  # zero rows scored -inf: exp(-inf) = 0 adds nothing to the softmax
+                rows_w.append(extra)
+                rows_b.append(extra)
+            widths.append(width + extra)
+        weight, bias = casting.cast_rows(params, [rows_w, rows_b], [0.0, float("-inf")], dtype)  # (W, e), (W,)
+        logits = F.linear(hidden.to(dtype), weight, bias)  # (N, W): every cluster's logits side by side
+        # split: views whose backward is one cat; each log-softmax reads its block (a cast, then the kernel).
+        return [torch.log_softmax(block, dim=-1, dtype=torch.float32) for block in logits.split(widths, dim=1)]
+
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d) -> (N, V) log-probabilities over the whole vocabulary (float32)."""
-        hidden, clusters = self._prepare(hidden)
-        head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
+        every = self._every_log_softmax(hidden)
+        if every is None:
+            hidden, clusters = self._prepare(hidden)
+            every = [self._log_softmax(hidden, cluster) for cluster in clusters]  # (N, W_i) each
+        head = every[0]  # (N, W_0)
         parts = [head[:, : self.shortlist]]
         for i in range(1, self.n_clusters + 1):
             col, width = self.shortlist + i - 1, self.bounds[i + 1] - self.bounds[i]
-            parts.append(head[:, col : col + 1] + self._log_softmax(hidden, clusters[i])[:, :width])  # (N, V_i)
+            parts.append(head[:, col : col + 1] + every[i][:, :width])  # (N, V_i)
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -289,8 +333,12 @@ class AdaptiveLogSoftmax(nn.Module):
         gather, the negation and two masks took four; an ignored id (-100) is in no cluster and scores no tail. A
         tail's log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric), as before.
         """
-        hidden, clusters = self._prepare(hidden)
-        head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
+        every = self._every_log_softmax(hidden) if rows_mode(self.rows, hidden.device) == "all" else None
+        if every is None:
+            hidden, clusters = self._prepare(hidden)
+            head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
+        else:
+            head = every[0]  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: the head alone
             return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
         cluster = self._cluster_of(target)  # (N,): 0 for the head and for an ignored target
@@ -300,7 +348,9 @@ class AdaptiveLogSoftmax(nn.Module):
         head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
         nll = F.nll_loss(head, head_col, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
         if rows_mode(self.rows, hidden.device) == "all":
-            return nll - self._tails_static(hidden, clusters, target, cluster)
+            tails = every[1:] if every is not None else [self._log_softmax(hidden, clusters[i])
+                                                         for i in range(1, self.n_clusters + 1)]
+            return nll - self._tails_static(tails, target, cluster)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
             if idx.numel() or self.every_cluster:
@@ -316,10 +366,10 @@ class AdaptiveLogSoftmax(nn.Module):
             return cluster_of(target, self.bounds[1:-1])
         return (target[:, None] >= self.cluster_table[0]).sum(1)  # (N, C) -> (N,)
 
-    def _tails_static(self, hidden: torch.Tensor, clusters: list[Cluster], target: torch.Tensor,
-                      cluster: torch.Tensor) -> torch.Tensor:
-        """(N,) each token's log-probability within its tail cluster (0 for the head's tokens), with shapes that do
-        not depend on the targets ('all' rows).
+    def _tails_static(self, tails: list[torch.Tensor], target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
+        """(N,) each token's log-probability within its tail cluster (0 for the head's tokens), read from ``tails``,
+        every tail cluster's (N, W_i) log-probabilities of every token ('all' rows: shapes that do not depend on
+        the targets).
 
         ``nonzero()`` has a data-dependent output shape: a host sync eagerly on a GPU, a graph break (or an
         unbacked size) for the compiler. Here every token is scored by every tail cluster (its target clamped
@@ -328,9 +378,8 @@ class AdaptiveLogSoftmax(nn.Module):
         """
         if torch.compiler.is_compiling():  # Python ints, one op each: the compiler fuses them
             logp = None
-            for i in range(1, self.n_clusters + 1):
+            for i, tail in enumerate(tails, start=1):
                 lo, hi = self.bounds[i], self.bounds[i + 1]
-                tail = self._log_softmax(hidden, clusters[i])  # (N, W_i): every token
                 tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
                 # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
                 tail_logp = tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
@@ -341,8 +390,7 @@ class AdaptiveLogSoftmax(nn.Module):
         lo, zero, last, ids = self.cluster_table
         local = (target[:, None] - lo).clamp(zero, last)  # (N, C)
         other = cluster[:, None] != ids  # (N, C)
-        picked = [self._log_softmax(hidden, clusters[i]).gather(1, local[:, i - 1 : i])  # (N, 1): every token
-                  for i in range(1, self.n_clusters + 1)]
+        picked = [tail.gather(1, local[:, i : i + 1]) for i, tail in enumerate(tails)]  # (N, 1) each
         picked = torch.cat(picked, dim=1) if len(picked) > 1 else picked[0]  # (N, C)
         # A token keeps its own cluster's log-probability, the others are 0: the sum is that one exactly, so the
         # same number as adding each cluster's masked one in turn.
