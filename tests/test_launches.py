@@ -530,15 +530,16 @@ def _softmax_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) ->
     return got
 
 
-@pytest.mark.parametrize("change", [{}, dict(cluster_rows="all"), dict(div_val=2), dict(d_embed=16),
+@pytest.mark.parametrize("change", [{}, dict(div_val=2), dict(d_embed=16),
                                     dict(div_val=2, cluster_rows="all", tie_weight=False), dict(softmax_pad=7),
                                     dict(softmax_pad=64, cluster_rows="all", d_embed=16), dict(cutoffs=[])],
-                         ids=["selected", "all-rows", "div2", "projected", "div2-all-untied", "pad-7",
-                              "pad-64-all-projected", "no-cutoffs"])
+                         ids=["selected", "div2", "projected", "div2-all-untied", "pad-7", "pad-64-all-projected",
+                              "no-cutoffs"])
 def test_the_softmax_weights_cast_in_one_group_give_the_per_use_numbers_bit_for_bit(change):
     """``casting.cast_rows`` (the softmax's weights, biases, cluster rows and projections cast and laid out, the head's
     cluster rows and the padding included, by one op; their gradients back by one) against a cast of each: the
-    same NLL, gradients (an unseen cluster's too: no token of the batch is in the last one) and log-probabilities."""
+    same NLL, gradients (an unseen cluster's too: no token of the batch is in the last one) and log-probabilities.
+    (With 'all' rows, div_val 1 and no projections the clusters share one matmul: next test.)"""
     x, y = zipf((3, 7), seed=1), zipf((3, 7), seed=2).clamp(max=59)  # ids >= 60: the last cluster, unseen
     y[0, :2] = torch.tensor([30, 50])
     y[1, 3] = -100
@@ -648,3 +649,43 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
     kept = target != -100
     assert torch.equal(nll[kept], -log_prob[kept].gather(1, target[kept, None]).squeeze(1))
     assert torch.equal(nll[~kept], torch.zeros(2))
+
+
+
+@pytest.mark.parametrize("tie_weight", [True, False])
+def test_one_matmul_for_every_cluster_under_autocast_changes_rounding_only(tie_weight):
+    """'all' rows, div_val 1, no projections, weights grouped under bf16 autocast: every cluster's logits come from
+    one matmul over the cast rows side by side (forward one addmm for the softmax where there was one per cluster,
+    backward one matmul each way), with the NLL and log-probabilities of a matmul per cluster and gradients equal
+    up to bf16 rounding (the hidden state's gradient summed in float32 once, not per cluster in bf16). Without
+    autocast nothing is grouped: the same ops, the same numbers bit for bit."""
+    x, y = zipf((3, 7), seed=1), zipf((3, 7), seed=2)
+    y[0, :2] = torch.tensor([30, 119])
+    y[1, 3] = -100
+    got, counts = {}, {}
+    for mode in ("per_use", "grouped"):
+        model = word_model(cluster_rows="all", cast_weights=mode, tie_weight=tie_weight)
+        got[mode] = _softmax_bf16(model, x, y)
+        softmax, hidden = model.softmax, torch.randn(21, 32, requires_grad=True)
+
+        def step(softmax=softmax, hidden=hidden):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                softmax.nll(hidden, y.reshape(-1)).sum().backward()
+
+        counts[mode] = launches.count(step).ops
+    one, per = got["grouped"], got["per_use"]
+    assert len(one) == len(per)
+    torch.testing.assert_close(one[0], per[0], atol=1e-5, rtol=1e-5)  # the NLL
+    torch.testing.assert_close(one[-1], per[-1], atol=1e-5, rtol=1e-5)  # the log-probabilities
+    for a, b in zip(one[1:-1], per[1:-1]):  # the gradients: bf16 rounding apart
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)
+    assert counts["grouped"]["aten::addmm"] == 1 and counts["per_use"]["aten::addmm"] == 3, counts  # head + 2 tails
+    assert counts["per_use"]["aten::mm"] - counts["grouped"]["aten::mm"] == 4, counts  # 2 of 6 matmuls backward
+    fp32 = []
+    for mode in ("per_use", "grouped"):
+        model = word_model(cluster_rows="all", cast_weights=mode, tie_weight=tie_weight).train()
+        with launches._Dispatched() as mode_ops:
+            out = model(x, labels=y)
+            out.loss.backward()
+        fp32.append(([out.nll.detach()] + [p.grad for p in model.parameters()], mode_ops.ops))
+    assert fp32[0][1] == fp32[1][1] and all(torch.equal(a, b) for a, b in zip(fp32[0][0], fp32[1][0]))
