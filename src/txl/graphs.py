@@ -153,7 +153,7 @@ class StaticSteps:
         filled = min(M + T, S)
         kept = dict(memory=tuple(_kept(m, filled, mem_dtype) for m in out.memory))
         if out.loss is not None:
-            kept.update(loss=out.loss.clone(), nll=out.nll.clone())
+            kept.update(loss=out.loss.clone(), nll=out.nll.clone(), tokens=out.tokens.clone())
         if cache is not None:
             dtype = cache.keys[0].dtype
             kept["kv_cache"] = KVCache(keys=tuple(_kept(k, filled, dtype) for k in out.kv_cache.keys),

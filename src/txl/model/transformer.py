@@ -79,6 +79,9 @@ class LMOutput:
     """Scalar mean NLL over the labels that are not IGNORE_INDEX (-100)."""
     nll: torch.Tensor | None = None
     """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
+    tokens: torch.Tensor | None = None
+    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over (a trainer's token count
+    without counting again: a step launches its kernels once)."""
     log_probs: torch.Tensor | None = None
     """(B, T, V) log-probabilities of the next token (float32)."""
     kv_cache: KVCache | None = None
@@ -303,8 +306,8 @@ class TransformerXL(nn.Module):
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
-            n = (labels != IGNORE_INDEX).sum()
-            out.loss = out.nll.sum() / n.clamp(min=1)
+            out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
+            out.loss = out.nll.sum() / out.tokens.clamp(min=1)
         if return_log_probs or (return_log_probs is None and labels is None):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
