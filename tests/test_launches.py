@@ -689,3 +689,27 @@ def test_one_matmul_for_every_cluster_under_autocast_changes_rounding_only(tie_w
             out.loss.backward()
         fp32.append(([out.nll.detach()] + [p.grad for p in model.parameters()], mode_ops.ops))
     assert fp32[0][1] == fp32[1][1] and all(torch.equal(a, b) for a, b in zip(fp32[0][0], fp32[1][0]))
+
+
+@pytest.mark.parametrize("attn_type", ["relative", "absolute"])
+def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
+    """The model keeps ``inverse_frequencies(d_model)`` (a buffer, not saved; float32 also in a model built on the
+    meta device): R and the loss are those of frequencies made per call, which ``sinusoid`` falls back to when the
+    buffer is not float32 (a model moved to bf16)."""
+    from txl.model.positions import inverse_frequencies
+
+    model = word_model(attn_type=attn_type).train()
+    assert torch.equal(model.inv_freq, inverse_frequencies(32)) and "inv_freq" not in model.state_dict()
+    dist = relative_distances(19, 0)
+    assert torch.equal(sinusoid(dist, 32, model.inv_freq), sinusoid(dist, 32))
+    assert torch.equal(sinusoid(dist, 32, model.inv_freq.bfloat16()), sinusoid(dist, 32))  # not float32: made here
+    with torch.device("meta"):
+        on_meta = txl.TransformerXL(tiny_config())
+    assert torch.equal(on_meta.inv_freq, inverse_frequencies(32))  # values, on the CPU
+    x, y = zipf((2, 9)), zipf((2, 9), seed=3)
+    losses = []
+    for inv_freq in (model.inv_freq, model.inv_freq.bfloat16()):  # kept, and made per call
+        model.inv_freq = inv_freq
+        torch.manual_seed(5)
+        losses.append(model(x, labels=y).loss)
+    assert torch.equal(losses[0], losses[1])

@@ -54,7 +54,10 @@ from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, rel_shift, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
-"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
+"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
+and under ``INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
+INV_FREQ = "inv_freq"
+"""The ``Shared`` key of ``positions.inverse_frequencies(d_model)`` made once by the model (a buffer, not saved)."""
 
 
 class Attention(nn.Module):
@@ -282,7 +285,7 @@ class RelativeAttention(Attention):
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
             return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
-        r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
+        r = drop(sinusoid(dist, config.d_model, shared.get(INV_FREQ)).to(dtype))  # (K, d), shared by the layers
         # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
         return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
 
@@ -401,7 +404,7 @@ class AbsoluteAttention(Attention):
 
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
-        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model).to(dtype)  # (K, d)
+        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model, shared.get(INV_FREQ)).to(dtype)
         return [Positions(absolute=drop(r))] + [None] * (config.n_layer - 1)
 
 

@@ -16,11 +16,20 @@ import torch
 import torch.nn.functional as F
 
 
-def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
-    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
+def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
+    """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""
     # reciprocal(): what 1.0 / x runs, without its multiply by 1.0 (the same numbers, one kernel fewer).
-    inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32)
-                          / d_model)).reciprocal()  # (d/2,)
+    return (10000 ** (torch.arange(0, d_model, 2, device=device, dtype=torch.float32) / d_model)).reciprocal()
+
+
+def sinusoid(distances: torch.Tensor, d_model: int, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters).
+
+    ``inv_freq``: ``inverse_frequencies(d_model)`` made once (a model keeps them: four kernels fewer per call);
+    ignored (made here) unless float32 on the distances' device.
+    """
+    if inv_freq is None or inv_freq.dtype != torch.float32 or inv_freq.device != distances.device:
+        inv_freq = inverse_frequencies(d_model, distances.device)  # (d/2,)
     # Integer distances widened by the multiply itself (exact below 2**24), not by a cast kernel of their own.
     distances = distances.float() if distances.is_floating_point() else distances  # a float32 one: no copy
     angles = distances[:, None] * inv_freq[None, :]  # (K, d/2) float32

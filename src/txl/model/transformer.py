@@ -24,12 +24,12 @@ from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import Attention, build_attention, encoding
+from txl.model.attention import INV_FREQ, Attention, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
-from txl.model.positions import Positions, attention_mask, padding_mask
+from txl.model.positions import Positions, attention_mask, inverse_frequencies, padding_mask
 
 
 class FeedForward(nn.Module):
@@ -105,6 +105,12 @@ class TransformerXL(nn.Module):
         # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
         for name, shape in self.encoding.shared_parameters(c).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+        # The sinusoid's frequencies, made once (each forward made them in four kernels): a constant of d_model, not
+        # saved; float32 always (``positions.sinusoid`` makes its own should the model be moved to another dtype).
+        # A model built on the meta device (its weights loaded next) makes them on the CPU: meta holds no values.
+        inv_freq = inverse_frequencies(c.d_model)
+        self.register_buffer(INV_FREQ, inverse_frequencies(c.d_model, torch.device("cpu")) if inv_freq.is_meta
+                             else inv_freq, persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
         # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
@@ -237,6 +243,7 @@ class TransformerXL(nn.Module):
             table = self.encoding.grow_table([layer.attn for layer in self.layers], kv_cache.positions, M + T,
                                              ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
         shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(c)}
+        shared[INV_FREQ] = getattr(self, INV_FREQ)
         positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
                                                   device=input_ids.device, drop=self.drop, table=table)
 
