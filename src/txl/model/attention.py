@@ -51,13 +51,11 @@ from txl.config import AttnType, ModelConfig
 from txl.model import casting, kernels, rotary
 from txl.model.dropout import dropout
 from txl.model.kv_cache import position_table
-from txl.model.positions import Positions, rel_shift, relative_distances, sinusoid
+from txl.model.positions import INV_FREQ, Positions, rel_shift, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
 """The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
-and under ``INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
-INV_FREQ = "inv_freq"
-"""The ``Shared`` key of ``positions.inverse_frequencies(d_model)`` made once by the model (a buffer, not saved)."""
+and under ``positions.INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
 
 
 class Attention(nn.Module):

@@ -15,6 +15,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+INV_FREQ = "inv_freq"
+"""The name of ``inverse_frequencies(d_model)`` where a model keeps them (a buffer, not saved), and their key in
+the ``Shared`` tensors it hands its encoding (``txl.model.attention``)."""
+
 
 def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
     """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""

@@ -24,12 +24,12 @@ from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import INV_FREQ, Attention, build_attention, encoding
+from txl.model.attention import Attention, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
-from txl.model.positions import Positions, attention_mask, inverse_frequencies, padding_mask
+from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
 
 
 class FeedForward(nn.Module):
