@@ -143,7 +143,8 @@ class _CastRows(torch.autograd.Function):
             for at, g, start, stop in have:
                 dst.append(out[k][start:stop])
                 src.append(g[at:at + stop - start])
-        torch._foreach_copy_(dst, src)
+        if dst:
+            torch._foreach_copy_(dst, src)
         return None, None, None, *out
 
 
