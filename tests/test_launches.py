@@ -713,3 +713,21 @@ def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
         torch.manual_seed(5)
         losses.append(model(x, labels=y).loss)
     assert torch.equal(losses[0], losses[1])
+
+
+def test_cast_rows_lays_out_blocks_and_pads_and_casts_gradients_back():
+    """``casting.cast_rows``: each output the listed row blocks in the compute dtype (pads filled with its value); in
+    backward each parameter's gradient gathered from its blocks', in float32, zeros for rows of a used parameter
+    no used output covers, None for a parameter no used output reads: what casts, cats and slices give."""
+    from txl.model import casting
+
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(n, 3, generator=gen)) for n in (5, 2, 4))
+    layouts = [[(0, 0, 2), (1, 0, 2), 3], [(0, 3, 5)], [(2, 0, 4)]]  # rows 2 of a in no output; c's output unused
+    outs = casting.cast_rows([a, b, c], layouts, [0.0, 0.0, float("-inf")], torch.bfloat16)
+    want = [torch.cat([a[:2], b, torch.zeros(3, 3)]).bfloat16(), a[3:].bfloat16(), c.bfloat16()]
+    assert all(o.dtype == torch.bfloat16 and torch.equal(o, w) for o, w in zip(outs, want))
+    g0, g1 = torch.randn(7, 3, generator=gen).bfloat16(), torch.randn(2, 3, generator=gen).bfloat16()
+    torch.autograd.backward([outs[0], outs[1]], [g0, g1])
+    assert torch.equal(a.grad, torch.cat([g0[:2], torch.zeros(1, 3).bfloat16(), g1]).float())
+    assert torch.equal(b.grad, g0[2:4].float()) and c.grad is None
