@@ -146,7 +146,8 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
-        h = self.norm(x) if self.pre_ln else (x if x_cast is None else x_cast)  # pre-LN normalises what they read
+        # pre-LN normalises what the projections read
+        h = kernels.layer_norm(self.norm, x) if self.pre_ln else (x if x_cast is None else x_cast)
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
@@ -179,7 +180,7 @@ class Attention(nn.Module):
                                            recompute=self.recompute)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
-        return x + out if self.pre_ln else self.norm(x + out)
+        return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, positions: Positions | None,
                   u: torch.Tensor | None, v: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,17 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
+def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in x's own dtype: a 16-bit residual stream (``ModelConfig.residual_dtype='compute'``) stays 16-bit,
+    its statistics computed in float32 by the kernel itself (the float32 weights read as they are). CUDA's autocast
+    runs layer norm in float32: it would cast x up, and the next matmul cast the output down again."""
+    kind = x.device.type
+    if x.dtype != norm.weight.dtype and torch.is_autocast_enabled(kind):
+        with torch.autocast(kind, enabled=False):
+            return norm(x)
+    return norm(x)
+
+
 # -- rel_shift without the padded copy ------------------------------------------------------------
 
 def _shifted_view(x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +210,8 @@ class _SegmentAndMemory(torch.autograd.Function):
             grad_r = gr.mm(weight[split:]).view(rows.shape)  # (B, M, d)
         if ctx.needs_input_grad[2]:
             grad_w = g.t().mm(h.reshape(-1, h.size(-1)))  # (W, d)
-            grad_w[split:].add_(gr.t().mm(rows.reshape(-1, rows.size(-1))))  # (W - split, d)
+            # (W - split, d): accumulated by the matmul itself (beta 1), where a product and an add were two kernels
+            grad_w[split:].addmm_(gr.t(), rows.reshape(-1, rows.size(-1)))
         return grad_h, grad_r, grad_w, None
 
 
@@ -369,7 +381,10 @@ def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tens
     K = kh.size(1)
     go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
     grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-    delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
+    # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP), as one batched product of (1, D) rows and (D, 1) columns (one
+    # kernel where a multiply and a sum were two; the products summed in float32 and rounded once).
+    # (SDPA's output may be laid out by token: then copied heads-first, the same count of kernels as before.)
+    delta = torch.bmm(go.view(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
     grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
     del prob  # a recomputed one is freed here, before the two products below
     grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)

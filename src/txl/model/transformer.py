@@ -32,6 +32,13 @@ from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memor
 from txl.model.positions import Positions, attention_mask, padding_mask
 
 
+def residual_mode(setting: str, device: torch.device) -> str:
+    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params'."""
+    if setting == "auto":
+        return "compute" if device.type == "cuda" else "params"
+    return setting
+
+
 class FeedForward(nn.Module):
     """Position-wise feed-forward with residual and layer norm (post-LN, or pre-LN)."""
 
@@ -46,11 +53,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_ln:
-            h = self.norm(x)
+            h = kernels.layer_norm(self.norm, x)
         else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
             x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
         out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
-        return x + out if self.pre_ln else self.norm(x + out)
+        return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
 
 
 class DecoderLayer(nn.Module):
@@ -240,6 +247,8 @@ class TransformerXL(nn.Module):
         # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
         # once here, not by autocast in every layer (q + u would promote the query to float32).
         state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
+        if residual_mode(c.residual_dtype, h.device) == "compute":  # the stream in the compute dtype from here on
+            h = h.to(kernels.compute_dtype(h))  # (B, T, d)
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
