@@ -102,9 +102,10 @@ def plain_layouts(monkeypatch) -> None:
     segment] by a cat each, by token (the kernels copy them heads-first), both projections by F.linear, the query
     shift by an add and a multiply, a post-LN layer input read by a cast by a plain cast, W_kR R by each layer."""
     monkeypatch.setattr(kernels, "join_keys_values",
-                        lambda km, k, vm, v: (torch.cat([km, k], 1), torch.cat([vm, v], 1)))
+                        lambda km, k, vm, v, q=None: (torch.cat([km, k], 1), torch.cat([vm, v], 1))
+                        + (() if q is None else (q,)))
     monkeypatch.setattr(kernels, "project_segment_memory",
-                        lambda h, rows, w, split: (F.linear(h, w), F.linear(rows, w[split:])))
+                        lambda h, rows, w, split, bias=None: (F.linear(h, w, bias), F.linear(rows, w[split:])))
     monkeypatch.setattr(kernels, "shifted_scaled", lambda q, bias, scale: (q + bias) * scale)
     monkeypatch.setattr(kernels, "fork_cast", lambda x, dtype: (x, x.to(dtype)))
     monkeypatch.setattr(RelativeAttention, "project_layers", classmethod(lambda cls, attns, positions: positions))

@@ -24,7 +24,7 @@ from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import Attention, build_attention, encoding
+from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
@@ -68,9 +68,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
+                shift: QueryShift | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast, shift=shift))
 
 
 @dataclass
@@ -260,6 +260,7 @@ class TransformerXL(nn.Module):
             positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
+            shifts = self.encoding.query_shifts([layer.attn for layer in self.layers], u, v, state)
             # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
             # projections read: cast once for both (autocast would cast it again in the qkv matmul).
             share = (state is not None and not c.pre_ln and kv_cache is None and self.compressor is None
@@ -280,7 +281,7 @@ class TransformerXL(nn.Module):
                     keys.append(k)
                     values.append(val)
                     buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast)
+                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast, shift=shifts[l])
         h = self.drop(h)  # (B, T, d)
         compression_loss = None
         if self.compressor is not None:
