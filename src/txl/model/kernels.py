@@ -238,6 +238,44 @@ def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Te
     return F.linear(h, weight, bias), F.linear(rows, weight[split:])
 
 
+# -- a linear layer's output through a ReLU, in the matmul -------------------------------------------
+
+class _LinearReLU(torch.autograd.Function):
+    """relu(x W^T + b) by one ``_addmm_activation`` (on CUDA cuBLASLt's bias + ReLU epilogue: no pass of its own
+    over the (N, out) output); backward as autograd's for relu(F.linear(x, W, b)): ReLU's mask from the output, then
+    the matmuls and the bias's sum of addmm's backward, in the same operand orders (the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1))  # (N, in)
+        out = torch._addmm_activation(bias, x2, weight.t())  # (N, out)
+        ctx.save_for_backward(x2, weight, out)
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.size(-1))  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight, out = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(grad.reshape(out.shape), out, 0)  # (N, out): ReLU's backward
+        grad_x = g.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # (..., in)
+        grad_w = g.t().mm(x2) if ctx.needs_input_grad[1] else None  # (out, in)
+        grad_b = g.sum(0) if ctx.needs_input_grad[2] else None  # (out,)
+        return grad_x, grad_w, grad_b
+
+
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """relu(F.linear(x, weight, bias)) with the ReLU in the matmul (``_LinearReLU``), computed in x's compute dtype
+    (autocast's, or x's own): (..., in) -> (..., out). Under torch.compile as written (the compiler fuses it)."""
+    if torch.compiler.is_compiling():
+        return F.relu(F.linear(x, weight, bias))
+    dtype = compute_dtype(x)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)  # (what autocast would cast, cast here)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return _LinearReLU.apply(x, weight, bias)
+    out = torch._addmm_activation(bias, x.reshape(-1, x.size(-1)), weight.t())  # (N, out)
+    return out.view(*x.shape[:-1], out.size(-1))
+
+
 # -- the query, shifted and scaled, heads-first ---------------------------------------------------
 
 class _ShiftedScaled(torch.autograd.Function):

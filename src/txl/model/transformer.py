@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from txl.config import Context, ModelConfig
@@ -26,7 +27,7 @@ from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
-from txl.model.dropout import dropout
+from txl.model.dropout import FastReLUDropout, dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.positions import Positions, attention_mask, padding_mask
@@ -56,8 +57,17 @@ class FeedForward(nn.Module):
             h = kernels.layer_norm(self.norm, x)
         else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
             x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
-        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
+        out = self.drop(self.fc2(self.inner(h)))  # (B, T, d)
         return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        """dropout(relu(fc1(h))): (B, T, d) -> (B, T, d_inner). Where the dropout is torch's own kernel (CUDA, and
+        evaluation), the ReLU runs in fc1's matmul (``kernels.linear_relu``); the CPU's fast samplers apply it
+        with their mask instead."""
+        drop = self.relu_drop
+        if isinstance(drop, FastReLUDropout) and drop.training and 0 < drop.p and not drop.torch_kernel(h):
+            return drop(self.fc1(h))
+        return F.dropout(kernels.linear_relu(h, self.fc1.weight, self.fc1.bias), drop.p, drop.training)
 
 
 class DecoderLayer(nn.Module):
