@@ -459,7 +459,7 @@ def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tens
     # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP), as one batched product of (1, D) rows and (D, 1) columns (one
     # kernel where a multiply and a sum were two; the products summed in float32 and rounded once).
     # (SDPA's output may be laid out by token: then copied heads-first, the same count of kernels as before.)
-    delta = torch.bmm(go.view(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
+    delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
     grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
     del prob  # a recomputed one is freed here, before the two products below
     grad_query = _scaled_bmm(grad_score, kh, scale)  # (B*H, T, D)
