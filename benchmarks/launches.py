@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def cuda_fields(config: txl.ModelConfig) -> dict:
     """The ModelConfig fields whose 'auto' resolves differently on CUDA, set as there (none before issue 34)."""
-    return dict(cluster_rows="all") if hasattr(config, "cluster_rows") else {}
+    fields = dict(cluster_rows="all", residual_dtype="compute")
+    return {k: v for k, v in fields.items() if hasattr(config, k)}
 
 
 def as_on_cuda(dropout: bool = True):

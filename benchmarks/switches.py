@@ -35,8 +35,8 @@ def _unpinned_sdpa() -> Iterator[None]:
 
     pinned = kernels.sdpa
 
-    def sdpa(query, k, val, attn_mask):
-        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+    def sdpa(query, k, val, attn_mask, scale=1.0):
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
     kernels.sdpa = sdpa
     try:
@@ -55,6 +55,8 @@ SWITCHES: dict[str, Switch] = {
     "state-dtype": Switch("memory and u, v in the compute dtype under autocast", model={"state_dtype": "residual"}),
     "cast-weights": Switch("the layers' weights cast in one op per forward, their gradients back in one",
                            model={"cast_weights": "per_use"}),
+    "residual-dtype": Switch("the residual stream in the compute dtype under autocast",
+                             model={"residual_dtype": "params"}),
 }
 
 

@@ -44,6 +44,17 @@ def test_training_kernels_equal_the_reference(attn_type, context):
     assert_training_equal(fused, reference, torch.randint(0, 50, (2, 16)), TOL)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recompute"])
+def test_shared_biases_reach_the_queries_through_the_projection(recompute):
+    """The model's shared u and v (untie_r false, the paper's and NVIDIA's setting) as the fused path takes them:
+    u as the q/k/v projection's bias, v - u added to its queries, both views of one tensor per layer, and the
+    1/sqrt(D) scale in the kernels' matmuls: loss, memories and every gradient (u's and v's summed over the layers)
+    equal the reference's, which adds u and v and scales term by term."""
+    fused, reference = pair("relative", untie_r=False, recompute_attention=recompute)
+    assert fused.config.n_layer > 1 and fused.u.requires_grad
+    assert_training_equal(fused, reference, torch.randint(0, 50, (2, 16)), TOL)
+
+
 @pytest.mark.parametrize("context", list(CONTEXTS))
 @pytest.mark.parametrize("attn_type", ATTN_TYPES)
 def test_evaluation_kernels_equal_the_reference(attn_type, context):

@@ -89,9 +89,11 @@ def test_relative_scores_use_R_of_the_true_distance():
             torch.testing.assert_close(fused[0, :, i, j], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.375])
 @pytest.mark.parametrize("heads_first", [True, False])
-def test_realign_equals_rel_shift_plus_mask_with_its_gradient(heads_first):
-    """The pad-free realign (custom backward) against rel_shift written with autograd's own ops."""
+def test_realign_equals_rel_shift_plus_mask_with_its_gradient(heads_first, scale):
+    """The pad-free realign (custom backward) against rel_shift written with autograd's own ops; ``scale``: the
+    scores scaled in the same pass (the attention's 1/sqrt(D), issue 34), forward and backward."""
     A, C, T, M = 3, 2, 5, 4
     K = M + T
     scores = torch.randn(A, C, T, K, dtype=torch.float64)
@@ -99,9 +101,9 @@ def test_realign_equals_rel_shift_plus_mask_with_its_gradient(heads_first):
     reference_in = scores.clone().requires_grad_()
     mask = attention_mask(T, M, mem_len=3, same_length=True, style="pytorch")
     mask_bias = torch.zeros(T, K, dtype=torch.float64).masked_fill_(mask, float("-inf"))
-    got = realign(ours, mask_bias, heads_first=heads_first)  # (B, H, T, K)
+    got = realign(ours, mask_bias, heads_first=heads_first, scale=scale)  # (B, H, T, K)
     want = rel_shift(reference_in)
-    want = (want.transpose(0, 1) if heads_first else want) + mask_bias
+    want = (want.transpose(0, 1) if heads_first else want) * scale + mask_bias
     assert got.is_contiguous() and got.shape == want.shape
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     torch.testing.assert_close(got[~torch.isneginf(got)], want[~torch.isneginf(want)], rtol=0, atol=0)
@@ -112,7 +114,7 @@ def test_realign_equals_rel_shift_plus_mask_with_its_gradient(heads_first):
     torch.testing.assert_close(ours.grad, reference_in.grad, rtol=0, atol=1e-15)
     # ... and for any upstream gradient the backward is the exact gradient of the forward.
     assert torch.autograd.gradcheck(lambda x: realign(x, torch.zeros(T, K, dtype=torch.float64),
-                                                      heads_first=heads_first), (scores.requires_grad_(),))
+                                                      heads_first=heads_first, scale=scale), (scores.requires_grad_(),))
 
 
 def test_clamp_len_shares_far_encodings():

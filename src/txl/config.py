@@ -22,6 +22,7 @@ CompressFn = Literal["mean", "max", "conv"]
 ClusterRows = Literal["auto", "selected", "all"]
 StateDtype = Literal["compute", "residual"]
 CastWeights = Literal["auto", "per_use", "grouped"]
+ResidualDtype = Literal["auto", "compute", "params"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -31,10 +32,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 
 KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype",
-                 "cast_weights")
+                 "cast_weights", "residual_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype': where
-autocast rounds the memory and u, v). A finished experiment
+('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype' and
+'residual_dtype': where autocast rounds the memory, u, v and the residual stream). A finished experiment
 run that differs from its config only in them is the same run (experiments.common.train_or_skip)."""
 
 
@@ -156,6 +157,14 @@ class ModelConfig:
     arrive after the last layer's: DDP could not overlap its all-reduce with backward). 'auto': 'grouped',
     except in a process group of more than one or with parameters that are not plain tensors (FSDP's); no
     effect without autocast."""
+    residual_dtype: ResidualDtype = "auto"
+    """Under autocast, the dtype of the residual stream: the hidden states between the layers, their residual adds
+    and layer norms (whose statistics are computed in float32 either way). 'compute': autocast's (bf16 or fp16),
+    as NVIDIA's mixed-precision Transformer-XL (apex O2) and pure-bf16 training keep it: no layer casts its input
+    for its matmuls, nor its input gradient back (four copy kernels a layer and step fewer), the residual adds
+    rounded to 16 bits. 'params': the parameters' dtype (float32), each add exact to float32 (before issue 34).
+    'auto': 'compute' on CUDA, 'params' elsewhere (CPU bf16 autocast keeps the exact stream: the casts cost
+    little there). No effect without autocast."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
@@ -227,7 +236,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
                              "1: no padding, 64: widths padded to multiples of 64)")
         for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
-                           ("state_dtype", StateDtype), ("cast_weights", CastWeights)):
+                           ("state_dtype", StateDtype), ("cast_weights", CastWeights),
+                           ("residual_dtype", ResidualDtype)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
                                  f"{', '.join(map(repr, typing.get_args(kind)))}")

@@ -38,6 +38,7 @@ reference). The kernels take tensors; the classes here hand them their positiona
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import typing
@@ -56,6 +57,20 @@ from txl.model.positions import INV_FREQ, Positions, rel_shift, relative_distanc
 Shared = dict[str, torch.Tensor]
 """The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
 and under ``positions.INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryShift:
+    """What one layer's queries are shifted by (the global biases u, v of section 3.3), made once per forward pass for
+    all layers (``Attention.query_shifts``), in the form that costs no pass over the queries:
+
+    - ``projection``: (3*H*D,) [u; 0; 0], the bias of the fused q/k/v projection: its queries come out as q + u
+      (terms (a) + (c) read them), added by the matmul;
+    - ``positional``: (H, D) v - u: (q + u) + (v - u) = q + v, what the positions are read with (terms (b) + (d)).
+    """
+
+    projection: torch.Tensor
+    positional: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -124,6 +139,14 @@ class Attention(nn.Module):
         return positions
 
     @classmethod
+    def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None, v: torch.Tensor | None,
+                     dtype: torch.dtype | None) -> list[QueryShift | None]:
+        """Per layer, what its queries are shifted by (``QueryShift``), or None where the layer adds its biases itself
+        (``scaled_queries``). u, v: the model's shared biases, in ``dtype`` already (None: the layers' own, untie_r);
+        dtype: what the layers' own are cast to (``ModelConfig.state_dtype``; None: kept)."""
+        return [None] * len(attns)
+
+    @classmethod
     def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
                    d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
@@ -132,8 +155,8 @@ class Attention(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
+                shift: QueryShift | None = None) -> torch.Tensor:
         """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
         (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
@@ -144,43 +167,55 @@ class Attention(nn.Module):
 
         x_cast: x already in the compute dtype (the model's copy of it for the next memory), read by the post-LN
         projections instead of autocast casting x again; the residual still adds x.
+
+        shift: u and v as the projection's bias and v - u (``query_shifts``; the fused path only), in place of u, v.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
-        h = self.norm(x) if self.pre_ln else (x if x_cast is None else x_cast)  # pre-LN normalises what they read
+        # pre-LN normalises what the projections read
+        h = kernels.layer_norm(self.norm, x) if self.pre_ln else (x if x_cast is None else x_cast)
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
+        # With a shift, the projection's bias [u; 0; 0] adds u to the queries in the matmul (term (c)).
+        bias = None if shift is None else shift.projection  # (3*H*D,)
+        q_heads = None  # the queries laid out heads-first with the keys and values, when they are
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
             if memory is None:
-                q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+                q, k, val = F.linear(h, w, bias).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             else:
                 # Both in the weight's dtype, cast here as autocast would cast them in the matmuls.
                 rows = self.key_value_inputs(memory, w.dtype).to(w.dtype)  # (B, M, d)
-                seg, mem = kernels.project_segment_memory(h.to(w.dtype), rows, w, H * D)  # (B, ., 3 or 2 *H*D)
+                seg, mem = kernels.project_segment_memory(h.to(w.dtype), rows, w, H * D, bias)  # (B, ., 3|2 *H*D)
                 q, k, val = seg.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
                 k_memory, val_memory = mem.view(B, -1, 2, H, D).unbind(2)  # (B, M, H, D) each
                 # Joined heads-first in one buffer, the layout the attention kernels read (B*H, K, D) as: the cat
-                # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views.
-                k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
+                # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views. With a
+                # shift the query (q + u, read unchanged by the content term) joins them in the same copy.
+                if shift is None:
+                    k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
+                else:
+                    k, val, q_heads = kernels.join_keys_values(k_memory, k, val_memory, val, q)
         else:
-            q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
+            q = F.linear(h, w[:H * D], None if bias is None else bias[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
         if self.impl == "reference":
             attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=kernels.hidden(mask))  # (B, H, T, D)
         else:
-            query, shifted = self.scaled_queries(q, u, v)  # (B, T, H, D) each (shifted may be None)
+            # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
+            # the pass that realigns them), where scaling the queries was a pass over them.
+            query, shifted = self.scaled_queries(q, u, v, shift=shift, q_heads=q_heads)  # (B, T, H, D) each
             made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
             inputs, bias_fn = made if made is not None else ((), None)
             attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
                                            dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
-                                           recompute=self.recompute)  # (B, H, T, D)
+                                           recompute=self.recompute, scale=self.scale)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
-        return x + out if self.pre_ln else self.norm(x + out)
+        return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, positions: Positions | None,
                   u: torch.Tensor | None, v: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
@@ -210,12 +245,14 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
-    def scaled_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None
+    def scaled_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
+                       shift: QueryShift | None = None, q_heads: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused path's queries, scaled by 1/sqrt(D), (B, T, H, D) each: against the keys (shifted by the
-        content bias, terms (a) + (c)), and against the positions where the encoding shifts them by a bias of its
-        own (term (d); ``positional_inputs`` reads it as ``shifted``), else None."""
-        return kernels.shifted_scaled(q, self.query_bias(self.content_bias(u), q), self.scale), None
+        """The fused path's queries, unscaled (the kernels apply 1/sqrt(D)), (B, T, H, D) each: against the keys
+        (shifted by the content bias, terms (a) + (c)), and against the positions where the encoding shifts them by
+        a bias of its own (term (d); ``positional_inputs`` reads it as ``shifted``), else None. With ``shift``, q
+        came out of the projection with u added (``q_heads``: the same, heads-first)."""
+        return kernels.shifted_scaled(q, self.query_bias(self.content_bias(u), q), 1.0), None
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
@@ -332,24 +369,45 @@ class RelativeAttention(Attention):
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
-    def scaled_queries(self, q, u, v):
+    @classmethod
+    def query_shifts(cls, attns, u, v, dtype):
+        if not attns or attns[0].impl != "fused":  # the reference adds u and v itself, term by term
+            return [None] * len(attns)
+        H, D = attns[0].n_head, attns[0].d_head
+
+        def shift(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return F.pad(u.reshape(H * D), (0, 2 * H * D)), v - u  # (3*H*D,) [u; 0; 0], (H, D) v - u
+
+        if u is None:  # untie_r: each layer's own
+            own = [(a.u, a.v) if dtype is None else (a.u.to(dtype), a.v.to(dtype)) for a in attns]
+            return [QueryShift(*shift(au, av)) for au, av in own]
+        projection, positional = shift(u, v)
+        if len(attns) > 1 and projection.requires_grad and torch.is_grad_enabled():
+            # One view per layer of an expanded tensor: backward stacks the layers' gradients and sums them in one
+            # op each, where the layers' gradients of one shared tensor were added one by one (a kernel per layer).
+            return [QueryShift(a, b) for a, b in zip(projection.expand(len(attns), -1).unbind(0),
+                                                     positional.expand(len(attns), H, D).unbind(0))]
+        return [QueryShift(projection, positional)] * len(attns)
+
+    def scaled_queries(self, q, u, v, *, shift=None, q_heads=None):
+        if shift is not None:  # q is q + u already (the projection's bias); (q + u) + (v - u) by token
+            return (q if q_heads is None else q_heads), q + shift.positional  # (B, T, H, D) each
         u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
         if torch.is_grad_enabled() and (q.requires_grad or u.requires_grad or v.requires_grad):
             # Apart: a joined form's backward would sum the biases' gradients in another order (float32 rounding).
             # The query heads-first, as the kernels read it; (q + v) by token, as relative_bias reads it.
-            return kernels.shifted_scaled(q, u, self.scale), (q + v) * self.scale  # (B, T, H, D) each
-        # Without autograd (evaluation, decoding), (q + u) and (q + v) scaled as one add and one multiply over
-        # (2, B, T, H, D): the same numbers, one kernel fewer per layer.
-        both = (q + torch.stack([u, v])[:, None, None]) * self.scale  # (2, B, T, H, D)
+            return kernels.shifted_scaled(q, u, 1.0), q + v  # (B, T, H, D) each
+        # Without autograd (evaluation, decoding), (q + u) and (q + v) as one add over (2, B, T, H, D).
+        both = q + torch.stack([u, v])[:, None, None]  # (2, B, T, H, D)
         return both[0], both[1]  # (B, T, H, D) each
 
     def positional_inputs(self, q, klen, positions, v, shifted=None):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         if shifted is None:
-            shifted = (q + self.query_bias(self.global_bias(v, "v"), q)) * self.scale  # (B, T, H, D)
-        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D)
-        return (qv, r), kernels.relative_bias
+            shifted = q + self.query_bias(self.global_bias(v, "v"), q)  # (B, T, H, D)
+        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
+        return (qv, r), functools.partial(kernels.relative_bias, scale=self.scale)
 
 
 class ShawAttention(Attention):

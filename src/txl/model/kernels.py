@@ -41,6 +41,17 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
+def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in x's own dtype: a 16-bit residual stream (``ModelConfig.residual_dtype='compute'``) stays 16-bit,
+    its statistics computed in float32 by the kernel itself (the float32 weights read as they are). CUDA's autocast
+    runs layer norm in float32: it would cast x up, and the next matmul cast the output down again."""
+    kind = x.device.type
+    if x.dtype != norm.weight.dtype and torch.is_autocast_enabled(kind):
+        with torch.autocast(kind, enabled=False):
+            return norm(x)
+    return norm(x)
+
+
 # -- rel_shift without the padded copy ------------------------------------------------------------
 
 def _shifted_view(x: torch.Tensor) -> torch.Tensor:
@@ -65,14 +76,16 @@ class _Realign(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool, scale: float) -> torch.Tensor:
         shifted = _shifted_view(scores)  # (A, C, T, K)
         if heads_first:
             shifted = shifted.transpose(0, 1)  # (H, B, T, K) -> (B, H, T, K) view
-        ctx.heads_first = heads_first
+        ctx.heads_first, ctx.scale = heads_first, scale
         ctx.scores_shape = scores.shape
         out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
-        return torch.add(shifted, mask_bias, out=out)
+        if scale == 1.0:
+            return torch.add(shifted, mask_bias, out=out)
+        return torch.add(mask_bias, shifted, alpha=scale, out=out)  # scaled in the same pass
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -86,18 +99,24 @@ class _Realign(torch.autograd.Function):
             buf.as_strided((A, C, 2, T - 1), (C * T * K, T * K, T * K - T + 1, 1), buf.storage_offset()).zero_()
         # Each row's first K-1 entries tile the rest of the block exactly ...
         rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
-        rows.copy_(g[..., :K - 1])
+        scale = ctx.scale
+        if scale == 1.0:
+            rows.copy_(g[..., :K - 1])
+        else:  # the forward's scale, applied as the gradient is written
+            torch.mul(g[..., :K - 1], scale, out=rows)
         # ... the rows' last entries add onto the next row's first, and the last row's onto the zeroed last entry.
         last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
         if T > 1:
-            last.add_(g[..., K - 1])
-        else:
+            last.add_(g[..., K - 1], alpha=scale)
+        elif scale == 1.0:
             last.copy_(g[..., K - 1])
-        return buf.view(A, C, T, K), None, None
+        else:
+            torch.mul(g[..., K - 1], scale, out=last)
+        return buf.view(A, C, T, K), None, None, None
 
 
-def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool) -> torch.Tensor:
-    """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), mask added.
+def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool, scale: float = 1.0) -> torch.Tensor:
+    """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), times ``scale``, mask added.
 
     scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
     distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
@@ -106,8 +125,9 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool)
     """
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         shifted = rel_shift(scores)  # (A, C, T, K)
-        return ((shifted.transpose(0, 1) if heads_first else shifted) + mask_bias).contiguous()  # (B, H, T, K)
-    return _Realign.apply(scores.contiguous(), mask_bias, heads_first)
+        shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
+        return (shifted * scale + mask_bias if scale != 1.0 else shifted + mask_bias).contiguous()  # (B, H, T, K)
+    return _Realign.apply(scores.contiguous(), mask_bias, heads_first, scale)
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -171,8 +191,8 @@ def fork_cast(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 # -- the projections of the segment and the memory rows --------------------------------------------
 
 class _SegmentAndMemory(torch.autograd.Function):
-    """``F.linear(h, weight)`` and ``F.linear(rows, weight[split:])``: the segment's projection and the memory
-    rows' (which need the last rows of the weight alone: keys and values, no queries).
+    """``F.linear(h, weight, bias)`` and ``F.linear(rows, weight[split:])``: the segment's projection and the memory
+    rows' (which need the last rows of the weight alone: keys and values, no queries; ``bias`` is zero there).
 
     Backward computes what autograd computes for the two, with the same matmuls, except that the memory rows'
     weight gradient is added in place into the rows of the segment's it belongs to: autograd gives the slice a
@@ -180,10 +200,12 @@ class _SegmentAndMemory(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int):
+    def forward(ctx, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int,
+                bias: torch.Tensor | None):
         ctx.split = split
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(h, rows, weight)
-        return F.linear(h, weight), F.linear(rows, weight[split:])  # (B, T, W), (B, M, W - split)
+        return F.linear(h, weight, bias), F.linear(rows, weight[split:])  # (B, T, W), (B, M, W - split)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor):
@@ -191,7 +213,7 @@ class _SegmentAndMemory(torch.autograd.Function):
         split = ctx.split
         g = grad.reshape(-1, grad.size(-1))  # (B*T, W)
         gr = grad_rows.reshape(-1, grad_rows.size(-1))  # (B*M, W - split)
-        grad_h = grad_r = grad_w = None
+        grad_h = grad_r = grad_w = grad_b = None
         # The operand orders of autograd's mm backward (a row-major input, a transposed weight): the same sums.
         if ctx.needs_input_grad[0]:
             grad_h = g.mm(weight).view(h.shape)  # (B, T, d)
@@ -199,17 +221,59 @@ class _SegmentAndMemory(torch.autograd.Function):
             grad_r = gr.mm(weight[split:]).view(rows.shape)  # (B, M, d)
         if ctx.needs_input_grad[2]:
             grad_w = g.t().mm(h.reshape(-1, h.size(-1)))  # (W, d)
-            grad_w[split:].add_(gr.t().mm(rows.reshape(-1, rows.size(-1))))  # (W - split, d)
-        return grad_h, grad_r, grad_w, None
+            # (W - split, d): accumulated by the matmul itself (beta 1), where a product and an add were two kernels
+            grad_w[split:].addmm_(gr.t(), rows.reshape(-1, rows.size(-1)))
+        if ctx.needs_input_grad[4]:  # autograd's addmm backward: the rows' sum, in the bias's dtype
+            grad_b = g.sum(0).to(ctx.bias_dtype)  # (W,)
+        return grad_h, grad_r, grad_w, None, grad_b
 
 
-def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, d) segment and (B, M, d) memory rows, (W, d) weight -> (B, T, W) = h W^T and (B, M, W - split) =
-    rows W[split:]^T, in the dtype all three share (``_SegmentAndMemory`` under autograd)."""
+def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int,
+                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, d) segment and (B, M, d) memory rows, (W, d) weight -> (B, T, W) = h W^T + bias and (B, M, W - split)
+    = rows W[split:]^T, in the dtype all three share (``_SegmentAndMemory`` under autograd). ``bias``: (W,) or None,
+    zero in its last W - split entries (the memory rows' projection adds none)."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _SegmentAndMemory.apply(h, rows, weight, split)
-    return F.linear(h, weight), F.linear(rows, weight[split:])
+        return _SegmentAndMemory.apply(h, rows, weight, split, bias)
+    return F.linear(h, weight, bias), F.linear(rows, weight[split:])
+
+
+# -- a linear layer's output through a ReLU, in the matmul -------------------------------------------
+
+class _LinearReLU(torch.autograd.Function):
+    """relu(x W^T + b) by one ``_addmm_activation`` (on CUDA cuBLASLt's bias + ReLU epilogue: no pass of its own
+    over the (N, out) output); backward as autograd's for relu(F.linear(x, W, b)): ReLU's mask from the output, then
+    the matmuls and the bias's sum of addmm's backward, in the same operand orders (the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1))  # (N, in)
+        out = torch._addmm_activation(bias, x2, weight.t())  # (N, out)
+        ctx.save_for_backward(x2, weight, out)
+        ctx.x_shape = x.shape
+        return out.view(*x.shape[:-1], out.size(-1))  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight, out = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(grad.reshape(out.shape), out, 0)  # (N, out): ReLU's backward
+        grad_x = g.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # (..., in)
+        grad_w = g.t().mm(x2) if ctx.needs_input_grad[1] else None  # (out, in)
+        grad_b = g.sum(0) if ctx.needs_input_grad[2] else None  # (out,)
+        return grad_x, grad_w, grad_b
+
+
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """relu(F.linear(x, weight, bias)) with the ReLU in the matmul (``_LinearReLU``), computed in x's compute dtype
+    (autocast's, or x's own): (..., in) -> (..., out). Under torch.compile as written (the compiler fuses it)."""
+    if torch.compiler.is_compiling():
+        return F.relu(F.linear(x, weight, bias))
+    dtype = compute_dtype(x)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)  # (what autocast would cast, cast here)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return _LinearReLU.apply(x, weight, bias)
+    out = torch._addmm_activation(bias, x.reshape(-1, x.size(-1)), weight.t())  # (N, out)
+    return out.view(*x.shape[:-1], out.size(-1))
 
 
 # -- the query, shifted and scaled, heads-first ---------------------------------------------------
@@ -226,11 +290,11 @@ class _ShiftedScaled(torch.autograd.Function):
         ctx.scale, ctx.dtypes, ctx.bias_shape = scale, (q.dtype, bias.dtype), bias.shape
         out = q.new_empty((B, H, T, D), dtype=torch.result_type(q, bias))  # (B, H, T, D)
         torch.add(q.transpose(1, 2), bias.unsqueeze(-2), out=out)  # bias (H, D) -> (H, 1, D)
-        return out.mul_(scale).transpose(1, 2)  # (B, T, H, D) view
+        return (out if scale == 1.0 else out.mul_(scale)).transpose(1, 2)  # (B, T, H, D) view
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        g = grad * ctx.scale  # (B, T, H, D)
+        g = grad if ctx.scale == 1.0 else grad * ctx.scale  # (B, T, H, D)
         q_dtype, bias_dtype = ctx.dtypes
         grad_bias = g.sum([0, 1], keepdim=True).view(ctx.bias_shape)  # (H, D): autograd's sum_to
         return g.to(q_dtype), grad_bias.to(bias_dtype), None
@@ -242,6 +306,8 @@ def shifted_scaled(q: torch.Tensor, bias: torch.Tensor | float, scale: float) ->
     if (isinstance(bias, torch.Tensor) and bias.shape == q.shape[2:] and torch.is_grad_enabled()
             and not torch.compiler.is_compiling()):
         return _ShiftedScaled.apply(q, bias, scale)
+    if scale == 1.0:
+        return q if isinstance(bias, (int, float)) and bias == 0 else q + bias  # (B, T, H, D)
     return (q + bias) * scale  # (B, T, H, D)
 
 
@@ -257,33 +323,44 @@ class _JoinedKeysValues(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor):
+    def forward(ctx, k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor,
+                q: torch.Tensor | None = None):
         M, K = k_memory.size(1), k_memory.size(1) + k.size(1)
         ctx.M = M
-        both = torch.cat([t.transpose(1, 2) for t in (k_memory, k, val_memory, val)], dim=2)  # (B, H, 2K, D)
-        return both[:, :, :K].transpose(1, 2), both[:, :, K:].transpose(1, 2)  # (B, K, H, D) views
+        parts = (k_memory, k, val_memory, val) if q is None else (k_memory, k, val_memory, val, q)
+        both = torch.cat([t.transpose(1, 2) for t in parts], dim=2)  # (B, H, 2K (+ T), D)
+        out = both[:, :, :K].transpose(1, 2), both[:, :, K:2 * K].transpose(1, 2)  # (B, K, H, D) views
+        return out if q is None else (*out, both[:, :, 2 * K:].transpose(1, 2))  # and (B, T, H, D)
 
     @staticmethod
-    def backward(ctx, grad_k: torch.Tensor, grad_val: torch.Tensor):
+    def backward(ctx, grad_k: torch.Tensor, grad_val: torch.Tensor, grad_q: torch.Tensor | None = None):
         M = ctx.M
-        return grad_k[:, :M], grad_k[:, M:], grad_val[:, :M], grad_val[:, M:]  # (B, M or T, H, D) views
+        return grad_k[:, :M], grad_k[:, M:], grad_val[:, :M], grad_val[:, M:], grad_q  # (B, M or T, H, D) views
 
 
-def join_keys_values(k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def join_keys_values(k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor,
+                     q: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Keys and values of [memory; segment]: (B, M, H, D) and (B, T, H, D) of each -> (B, K, H, D) each, with the
     heads-first layout the kernels read (B*H, K, D) as, so no kernel copies them again. One ``cat`` for both
-    (``_JoinedKeysValues``); under torch.compile a ``cat`` each (the compiler plans its own copies)."""
+    (``_JoinedKeysValues``); under torch.compile a ``cat`` each (the compiler plans its own copies).
+
+    q: a (B, T, H, D) query to lay out heads-first in the same copy (then returned third, a view of the buffer), where
+    the kernels would copy it alone."""
     if torch.compiler.is_compiling():
-        return tuple(torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
-                     for a, b in ((k_memory, k), (val_memory, val)))  # (B, K, H, D) views
-    return _JoinedKeysValues.apply(k_memory, k, val_memory, val)
+        out = tuple(torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
+                    for a, b in ((k_memory, k), (val_memory, val)))  # (B, K, H, D) views
+        return out if q is None else (*out, q)
+    if q is None:
+        return _JoinedKeysValues.apply(k_memory, k, val_memory, val)
+    return _JoinedKeysValues.apply(k_memory, k, val_memory, val, q)
 
 
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
 
-def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor) -> torch.Tensor:
-    """Terms (b) + (d) of the relative attention: (H, B*T, D) scaled (q + v), (K, H, D) W_kR R -> (B, H, T, K).
+def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Terms (b) + (d) of the relative attention: (H, B*T, D) (q + v), (K, H, D) W_kR R -> (B, H, T, K), times
+    ``scale`` (1/sqrt(D) for an unscaled qv; the model's attention hands it unscaled, the scale applied in the pass
+    that realigns).
 
     One matmul per head over all B*T queries: R is shared by the batch, so it is not copied B times, as a
     (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added.
@@ -291,7 +368,7 @@ def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor)
     H, BT, _ = qv.shape
     T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
     position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
-    return realign(position, mask_bias, heads_first=True)  # (B, H, T, K)
+    return realign(position, mask_bias, heads_first=True, scale=scale)  # (B, H, T, K)
 
 
 def shaw_bias(q: torch.Tensor, emb: torch.Tensor, bias: torch.Tensor, *, scale: float,
@@ -316,20 +393,21 @@ torch.compile); flash takes no bias at all, so it runs only where there is none;
 is its 'flash' one; math is the fallback everywhere."""
 
 
-def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=1.0)`` on ``SDPA_BACKENDS``.
+def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0
+         ) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)`` on ``SDPA_BACKENDS``.
 
     On a CPU there is no cuDNN kernel to keep out, and the backend context costs 20-40 us a call there, so the
     call is made as is; on any other device (CUDA; meta, where the tests read the flags) inside the context.
     """
     if query.device.type == "cpu":
-        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
     with sdpa_kernel(list(SDPA_BACKENDS)):
-        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=1.0)
+        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 
-def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> torch.Tensor:
-    """softmax(score + qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
+def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """softmax(score + scale * qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
 
     score: a fresh (N, T, K) bias (positions and mask, -inf where hidden), consumed: the content scores are
     the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet in the matmul's own
@@ -337,7 +415,7 @@ def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor) -> t
     softmax runs in float32 (a hidden key gets probability 0).
     """
     dt = score.dtype
-    score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2))  # (N, T, K)
+    score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2), alpha=scale)  # (N, T, K)
     return softmax_in(score, dt)  # (N, T, K)
 
 
@@ -356,9 +434,18 @@ def _forward_autocast(device: torch.device) -> dict:
     return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
 
 
+def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * a b for batches of matrices: one kernel (the matmul's alpha), where bmm and a multiply were two."""
+    if scale == 1.0:
+        return torch.bmm(a, b)
+    unread = a.new_empty(()).expand(a.size(0), a.size(1), b.size(2))  # beta 0: never read (nor its NaNs)
+    return torch.baddbmm(unread, a, b, beta=0, alpha=scale)
+
+
 def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tensor, qh: torch.Tensor,
-                     kh: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Gradients of softmax(qh kh^T + bias) vh from its probabilities, as FlashAttention's backward forms them.
+                     kh: torch.Tensor, vh: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """Gradients of softmax(scale * qh kh^T + bias) vh from its probabilities, as FlashAttention's backward forms
+    them.
 
     grad_out, out: (B, H, T, D); prob: (B*H, T, K); qh, kh, vh: (B*H, ., D). dS = P * (dP - rowsum(dO * O))
     with dP = dO vh^T: rowsum(dO * O) = rowsum(P * dP) is a (B, H, T, D) product, not a pass over the
@@ -369,11 +456,14 @@ def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tens
     K = kh.size(1)
     go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
     grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-    delta = (grad_out * out).sum(-1).reshape(B * H, T, 1)  # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP)
+    # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP), as one batched product of (1, D) rows and (D, 1) columns (one
+    # kernel where a multiply and a sum were two; the products summed in float32 and rounded once).
+    # (SDPA's output may be laid out by token: then copied heads-first, the same count of kernels as before.)
+    delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
     grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
     del prob  # a recomputed one is freed here, before the two products below
-    grad_query = torch.bmm(grad_score, kh)  # (B*H, T, D)
-    grad_key = torch.bmm(grad_score.transpose(1, 2), qh)  # (B*H, K, D)
+    grad_query = _scaled_bmm(grad_score, kh, scale)  # (B*H, T, D)
+    grad_key = _scaled_bmm(grad_score.transpose(1, 2), qh, scale)  # (B*H, K, D)
     return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
             grad_score.view(B, H, T, K))
 
@@ -390,11 +480,13 @@ class _RecomputedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias_fn, *bias_inputs: torch.Tensor):
-        # query: (B, H, T, D) scaled; k, val: (B, H, K, D); any strides.
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, bias_fn,
+                *bias_inputs: torch.Tensor):
+        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = sdpa(query, k, val, bias)  # (B, H, T, D)
+        out = sdpa(query, k, val, bias, scale)  # (B, H, T, D)
+        ctx.scale = scale
         ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
         ctx.bias_fn = bias_fn
         ctx.save_for_backward(query, k, val, out, *bias_inputs)
@@ -420,11 +512,11 @@ class _RecomputedAttention(torch.autograd.Function):
         # softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
         # on CPU, and the probabilities are the same up to rounding.
         grad_query, grad_key, grad_val, grad_score = _attention_grads(  # the probabilities, hidden keys 0
-            grad_out, out, _probabilities(bias.detach().view(B * H, T, K), qh, kh), qh, kh, vh)
+            grad_out, out, _probabilities(bias.detach().view(B * H, T, K), qh, kh, ctx.scale), qh, kh, vh, ctx.scale)
         wanted = [x for x in inputs if x.requires_grad]
         grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
         grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return grad_query, grad_key, grad_val, None, *grad_inputs
+        return grad_query, grad_key, grad_val, None, None, *grad_inputs
 
 
 class _KeptAttention(torch.autograd.Function):
@@ -439,14 +531,17 @@ class _KeptAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        # query: (B, H, T, D) scaled; k, val: (B, H, K, D); any strides. bias: a fresh (B, H, T, K), consumed.
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
+        # bias: a fresh (B, H, T, K), consumed.
         B, H, T, D = query.shape
         K = k.size(2)
         qh = query.reshape(B * H, T, D)  # (B*H, T, D)
         kh = k.reshape(B * H, K, D)  # (B*H, K, D)
         vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh)  # (B*H, T, K)
+        prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
+        ctx.scale = scale
         out = torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
         ctx.autocast = _forward_autocast(query.device)  # backward runs under it, to the same dtypes
         ctx.save_for_backward(qh, kh, vh, out, prob)
@@ -456,14 +551,15 @@ class _KeptAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         qh, kh, vh, out, prob = ctx.saved_tensors
         with torch.autocast(**ctx.autocast):
-            return _attention_grads(grad_out, out, prob, qh, kh, vh)  # dS is the bias gradient
+            return *_attention_grads(grad_out, out, prob, qh, kh, vh, ctx.scale), None  # dS is the bias gradient
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
-                       dropout: Dropout | None = None, *, fresh: bool = True) -> torch.Tensor:
-    """softmax(query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``): (B, H, T, D).
+                       dropout: Dropout | None = None, *, fresh: bool = True, scale: float = 1.0) -> torch.Tensor:
+    """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
+    (B, H, T, D).
 
-    query: (B, T, H, D) scaled; k, val: (B, K, H, D); bias: (B, H, T, K) (a fresh tensor, consumed) or
+    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K) (a fresh tensor, consumed) or
     (T, K), -inf where hidden; ``fresh=False``: a (B, H, T, K) bias others read too (a shared ``Mask``'s), copied
     before the scores accumulate into it. A key that is hidden gets probability 0, hence zero gradient.
     """
@@ -477,9 +573,9 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     elif bias.dim() == 4 and not fresh:  # another reads it: the scores accumulate into a copy
         bias = bias.clone()  # (B, H, T, K)
     if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
-        prob = _probabilities(bias.view(B * H, T, K), qh, kh)  # (B*H, T, K)
+        prob = _probabilities(bias.view(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
     else:  # (T, K), broadcast
-        score = torch.baddbmm(bias, qh, kh.transpose(1, 2))  # (B*H, T, K)
+        score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
         prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
     prob = prob if dropout is None else dropout(prob)
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
@@ -493,10 +589,11 @@ BiasFn = Callable[..., torch.Tensor]
 
 def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor | Mask,
                     bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
-                    dropout: Dropout | None = None, recompute: bool = True) -> torch.Tensor:
-    """softmax(query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
+                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0) -> torch.Tensor:
+    """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
 
-    query: (B, T, H, D), content bias added and scaled by 1/sqrt(D); k, val: (B, K, H, D); mask: (T, K)
+    query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
+    for an unscaled query: in the matmul, no pass over the query); k, val: (B, K, H, D); mask: (T, K)
     bool (or (B, 1, T, K) with padding), True where hidden, or a ``Mask`` the layers share. The positional
     scores, when the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``: small inputs (e.g. (q + v)
     and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
@@ -515,17 +612,17 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     if dropout is not None:
         # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
-        return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared)
+        return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared, scale=scale)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
-        return sdpa(qh, kh, vh, ~mask)  # (B, H, T, D)
+        return sdpa(qh, kh, vh, ~mask, scale)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
         # The fused kernel cannot return the gradient of its additive mask (the positional term), so
         # training recomputes what it needs in backward, or keeps the probabilities.
         if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, functools.partial(bias_fn, mask_bias=mask_bias),
+            return _RecomputedAttention.apply(qh, kh, vh, scale, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
-        return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias))  # (B, H, T, D)
+        return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
-    return sdpa(qh, kh, vh, bias)  # (B, H, T, D)
+    return sdpa(qh, kh, vh, bias, scale)  # (B, H, T, D)

@@ -18,18 +18,26 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import Attention, build_attention, encoding
+from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
-from txl.model.dropout import dropout
+from txl.model.dropout import FastReLUDropout, dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
+
+
+def residual_mode(setting: str, device: torch.device) -> str:
+    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params'."""
+    if setting == "auto":
+        return "compute" if device.type == "cuda" else "params"
+    return setting
 
 
 class FeedForward(nn.Module):
@@ -46,11 +54,20 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_ln:
-            h = self.norm(x)
+            h = kernels.layer_norm(self.norm, x)
         else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
             x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
-        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
-        return x + out if self.pre_ln else self.norm(x + out)
+        out = self.drop(self.fc2(self.inner(h)))  # (B, T, d)
+        return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        """dropout(relu(fc1(h))): (B, T, d) -> (B, T, d_inner). Where the dropout is torch's own kernel (CUDA, and
+        evaluation), the ReLU runs in fc1's matmul (``kernels.linear_relu``); the CPU's fast samplers apply it
+        with their mask instead."""
+        drop = self.relu_drop
+        if isinstance(drop, FastReLUDropout) and drop.training and 0 < drop.p and not drop.torch_kernel(h):
+            return drop(self.fc1(h))
+        return F.dropout(kernels.linear_relu(h, self.fc1.weight, self.fc1.bias), drop.p, drop.training)
 
 
 class DecoderLayer(nn.Module):
@@ -61,9 +78,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
+                shift: QueryShift | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast, shift=shift))
 
 
 @dataclass
@@ -250,6 +267,8 @@ class TransformerXL(nn.Module):
         # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
         # once here, not by autocast in every layer (q + u would promote the query to float32).
         state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
+        if residual_mode(c.residual_dtype, h.device) == "compute":  # the stream in the compute dtype from here on
+            h = h.to(kernels.compute_dtype(h))  # (B, T, d)
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
@@ -261,6 +280,7 @@ class TransformerXL(nn.Module):
             positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
+            shifts = self.encoding.query_shifts([layer.attn for layer in self.layers], u, v, state)
             # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
             # projections read: cast once for both (autocast would cast it again in the qkv matmul).
             share = (state is not None and not c.pre_ln and kv_cache is None and self.compressor is None
@@ -281,7 +301,7 @@ class TransformerXL(nn.Module):
                     keys.append(k)
                     values.append(val)
                     buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast)
+                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast, shift=shifts[l])
         h = self.drop(h)  # (B, T, d)
         compression_loss = None
         if self.compressor is not None:
