@@ -19,7 +19,8 @@ Under autocast the output weights are cast once per call and sliced after (tied 
 they are one (V, e) table: per-slice casts would copy it piece by piece, and the head's cat again); with
 ``ModelConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf. Where
 ``ModelConfig.cast_weights`` groups, one copy kernel casts and lays out all of them, the head's cluster rows and
-the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back.
+the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back; with 'all' rows,
+div_val 1 and no projections, that layout makes every cluster's logits one matmul (``_every_log_softmax``).
 
 Eagerly the cluster logic of 'all' rows broadcasts over a (4, C) table of the clusters' constants kept on the
 device (``cluster_table``): one kernel a step for all clusters, where a comparison with each cutoff took one
