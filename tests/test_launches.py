@@ -607,8 +607,8 @@ def test_the_softmax_casts_are_one_op_each_way():
 
 def test_cluster_logic_against_the_table_gives_the_python_int_form():
     """The eager path compares ids with ``cluster_table`` (one kernel for all clusters); torch.compile's with Python
-    ints: the same clusters and head columns for every id. The table is not saved, holds its values in a model built
-    on the meta device, and stays int64 in a model moved to bf16."""
+    ints: the same clusters and head columns for every id. The table is not saved, is made again where a model built
+    on the meta device moves (``to_empty``: no uninitialised values), and stays int64 in a model moved to bf16."""
     from txl.model.adaptive import cluster_of
 
     model = word_model()
@@ -619,9 +619,9 @@ def test_cluster_logic_against_the_table_gives_the_python_int_form():
     where_form = torch.where(cluster == 0, ids, cluster + 19)  # the column a where on cluster 0 picked
     assert torch.equal(torch.minimum(ids, cluster + 19), where_form)
     assert not any("cluster_table" in k for k in model.state_dict())
-    with torch.device("meta"):  # as txl.from_pretrained builds a model before it loads the weights
+    with torch.device("meta"):  # as txl.from_pretrained builds a model before it loads the weights and moves it
         on_meta = txl.TransformerXL(tiny_config(vocab_size=120, cutoffs=[20, 60]))
-    assert torch.equal(on_meta.softmax.cluster_table, softmax.cluster_table)  # values (on the CPU), not meta
+    assert torch.equal(on_meta.to_empty(device="cpu").softmax.cluster_table, softmax.cluster_table)  # made again
     assert model.to(torch.bfloat16).softmax.cluster_table.dtype == torch.int64
 
 
@@ -728,9 +728,9 @@ def test_one_matmul_for_every_cluster_under_autocast_changes_rounding_only(tie_w
 
 @pytest.mark.parametrize("attn_type", ["relative", "absolute"])
 def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
-    """The model keeps ``inverse_frequencies(d_model)`` (a buffer, not saved; float32 also in a model built on the
-    meta device): R and the loss are those of frequencies made per call, which ``sinusoid`` falls back to when the
-    buffer is not float32 (a model moved to bf16)."""
+    """The model keeps ``inverse_frequencies(d_model)`` (a buffer, not saved, made again in float32 wherever the model
+    moves, also from the meta device): R and the loss are those of frequencies made per call, what ``sinusoid``
+    falls back to when it is handed frequencies that are not float32."""
     from txl.model.positions import inverse_frequencies
 
     model = word_model(attn_type=attn_type).train()
@@ -740,7 +740,9 @@ def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
     assert torch.equal(sinusoid(dist, 32, model.inv_freq.bfloat16()), sinusoid(dist, 32))  # not float32: made here
     with torch.device("meta"):
         on_meta = txl.TransformerXL(tiny_config())
-    assert torch.equal(on_meta.inv_freq, inverse_frequencies(32))  # values, on the CPU
+    assert torch.equal(on_meta.to_empty(device="cpu").inv_freq, inverse_frequencies(32))  # made where it moves
+    assert model.to(torch.bfloat16).inv_freq.dtype == torch.float32  # made again, in float32
+    model.float()
     x, y = zipf((2, 9)), zipf((2, 9), seed=3)
     losses = []
     for inv_freq in (model.inv_freq, model.inv_freq.bfloat16()):  # kept, and made per call

@@ -167,13 +167,8 @@ class AdaptiveLogSoftmax(nn.Module):
             # id, 0, its last id less the first, i. A tensor the ops broadcast over, so each step of the cluster
             # logic is one kernel for all clusters (a comparison with a Python int per cluster was one each), made
             # once here (a tensor of them made per call would be a host-to-device copy). Derived from the config:
-            # not saved (integer, so moving the model to another float dtype leaves it alone). A model built on the
-            # meta device (its weights loaded next, then moved) holds it on the CPU: a meta tensor has no values.
-            lo, hi, C = self.bounds[1:-1], self.bounds[2:], self.n_clusters
-            rows = [lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))]  # (4, C)
-            table = torch.tensor(rows)
-            self.register_buffer("cluster_table", torch.tensor(rows, device="cpu") if table.is_meta else table,
-                                 persistent=False)
+            # not saved, made again wherever the module moves (``_apply``).
+            self.register_buffer("cluster_table", self._cluster_table(None), persistent=False)
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
         if config.div_val == 1:
@@ -185,6 +180,23 @@ class AdaptiveLogSoftmax(nn.Module):
             for i, width in enumerate(widths):
                 self.layers.append(nn.Linear(width, self.bounds[i + 1] - self.bounds[i]))
                 self.projs.append(nn.Parameter(torch.zeros(config.d_model, width)))
+
+    def _cluster_table(self, device: torch.device | None) -> torch.Tensor:
+        """(4, C) int64 on ``device``: the first ids, zeros, the last ids less the first, the cluster numbers."""
+        lo, hi, C = self.bounds[1:-1], self.bounds[2:], self.n_clusters
+        return torch.tensor([lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))], device=device)
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``to``, ``cuda``, ``to_empty``, ...), then ``cluster_table`` made again where the
+        module now lives: constants, also after ``to_empty``'s uninitialised memory or a build on the meta device."""
+        if not self.n_clusters:
+            return super()._apply(fn, recurse)
+        self._buffers.pop("cluster_table")  # not converted (a meta one cannot be): made below, still not saved
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["cluster_table"] = self._cluster_table(self.cluster_weight.device)
+        return self
 
     def _clusters(self, dtype: torch.dtype, device: torch.device) -> list[Cluster]:
         """Every cluster's weight, bias and projection (0 = head), in ``dtype`` and padded (``softmax_pad``).

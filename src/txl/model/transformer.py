@@ -123,11 +123,8 @@ class TransformerXL(nn.Module):
         for name, shape in self.encoding.shared_parameters(c).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         # The sinusoid's frequencies, made once (each forward made them in four kernels): a constant of d_model, not
-        # saved; float32 always (``positions.sinusoid`` makes its own should the model be moved to another dtype).
-        # A model built on the meta device (its weights loaded next) makes them on the CPU: meta holds no values.
-        inv_freq = inverse_frequencies(c.d_model)
-        self.register_buffer(INV_FREQ, inverse_frequencies(c.d_model, torch.device("cpu")) if inv_freq.is_meta
-                             else inv_freq, persistent=False)
+        # saved, made again wherever the model moves (``_apply``).
+        self.register_buffer(INV_FREQ, inverse_frequencies(c.d_model), persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
         # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
@@ -178,6 +175,19 @@ class TransformerXL(nn.Module):
                     nn.init.normal_(p, 0.0, c.init_std)
         for name in self.encoding.shared_parameters(c):
             nn.init.normal_(getattr(self, name), 0.0, c.init_std)
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (what ``to``, ``cuda``, ``half``, ``to_empty`` run), then the sinusoid's frequencies
+        made again where the model now lives, in float32: what ``positions.sinusoid`` makes per call on that device
+        (a copy made on another device could differ in the last bit; a cast to 16 bits, or ``to_empty``'s
+        uninitialised memory, would be wrong; a meta build's get values when it moves)."""
+        self._buffers.pop(INV_FREQ)  # not converted (a meta one cannot be): made below, still not saved
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = next(self.parameters()).device
+            self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
+        return self
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
