@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda():
                 r = fn(cuda).row()
-            print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, ids not read): {r}")
+            print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, residual_dtype "
+                  f"compute, ids not read): {r}")
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda(dropout=False):
                 r = fn(cuda).row()

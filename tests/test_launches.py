@@ -49,7 +49,10 @@ cache work)."""
 
 
 def cuda_mode() -> txl.ModelConfig:
-    return launches.narrow_nvidia(dropout_impl="torch", cluster_rows="all")
+    """The narrow NVIDIA-structured model with the fields whose 'auto' resolves otherwise on CUDA set as there
+    (cluster_rows 'all', residual_dtype 'compute'), dropout as torch's kernel."""
+    config = launches.narrow_nvidia(dropout_impl="torch")
+    return config.replace(**launches.cuda_fields(config))
 
 
 def test_training_step_makes_no_host_sync_as_on_cuda():
