@@ -122,6 +122,9 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         Step("serve-engine", "serving, the engine's batched read and generation",
              (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
               "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 90, 20),
+        Step("launches", "launched ops, copies and host syncs of one NVIDIA-structured step, counted on the device "
+                         "(tests/test_launches.py holds the CPU's count of the same step)",
+             (py, "-m", "benchmarks.launches", "--device", device), 120, 30),
         *[bench_step(f"bench-before-{name}", f"eager with {name} switched back: {switches.SWITCHES[name].what}",
                      work, device, 100, 120, 35, "--shapes", *shapes, *phases, "--modes", "eager", "--before", name,
                      *reps) for name in every if len(every) > 1],  # one switch: bench-before is it
