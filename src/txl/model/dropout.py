@@ -217,14 +217,24 @@ class ReLUDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(_relu(x, self.inplace), self.p, self.training)
 
+    def masks_relu(self, x: torch.Tensor) -> bool:
+        """Whether the ReLU is applied with this module's own dropout mask (never: it runs torch's ``F.dropout``
+        after a plain ReLU, which a caller may fold into the matmul before it, ``kernels.linear_relu``)."""
+        return False
+
 
 class FastReLUDropout(_Sampler, nn.Dropout):
     """dropout(relu(x)) in one step with ``FastDropout``'s samplers: no ReLU input or mask kept for backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or self.torch_kernel(x):
+        if not self.masks_relu(x):
             return F.dropout(_relu(x, self.inplace), self.p, self.training)
         return self.draw(x, relu=True)
+
+    def masks_relu(self, x: torch.Tensor) -> bool:
+        """Whether the ReLU is applied with this module's own mask (the fast samplers, training); else torch's
+        ``F.dropout`` runs after a plain ReLU (see ``ReLUDropout.masks_relu``)."""
+        return self.training and self.p > 0 and not self.torch_kernel(x)
 
 
 def dropout(config: ModelConfig, p: float, *, relu: bool = False) -> nn.Module:

@@ -27,7 +27,7 @@ from txl.model import casting, kernels
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
-from txl.model.dropout import FastReLUDropout, dropout
+from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
@@ -65,7 +65,7 @@ class FeedForward(nn.Module):
         evaluation), the ReLU runs in fc1's matmul (``kernels.linear_relu``); the CPU's fast samplers apply it
         with their mask instead."""
         drop = self.relu_drop
-        if isinstance(drop, FastReLUDropout) and drop.training and 0 < drop.p and not drop.torch_kernel(h):
+        if drop.masks_relu(h):
             return drop(self.fc1(h))
         return F.dropout(kernels.linear_relu(h, self.fc1.weight, self.fc1.bias), drop.p, drop.training)
 
