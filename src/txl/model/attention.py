@@ -142,7 +142,7 @@ class Attention(nn.Module):
     def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None, v: torch.Tensor | None,
                      dtype: torch.dtype | None) -> list[QueryShift | None]:
         """Per layer, what its queries are shifted by (``QueryShift``), or None where the layer adds its biases itself
-        (``scaled_queries``). u, v: the model's shared biases, in ``dtype`` already (None: the layers' own, untie_r);
+        (``shifted_queries``). u, v: the model's shared biases, in ``dtype`` already (None: the layers' own, untie_r);
         dtype: what the layers' own are cast to (``ModelConfig.state_dtype``; None: kept)."""
         return [None] * len(attns)
 
@@ -207,7 +207,7 @@ class Attention(nn.Module):
         else:
             # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
             # the pass that realigns them), where scaling the queries was a pass over them.
-            query, shifted = self.scaled_queries(q, u, v, shift=shift, q_heads=q_heads)  # (B, T, H, D) each
+            query, shifted = self.shifted_queries(q, u, v, shift=shift, q_heads=q_heads)  # (B, T, H, D) each
             made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
             inputs, bias_fn = made if made is not None else ((), None)
             attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
@@ -245,7 +245,7 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
-    def scaled_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
+    def shifted_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
                        shift: QueryShift | None = None, q_heads: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused path's queries, unscaled (the kernels apply 1/sqrt(D)), (B, T, H, D) each: against the keys
@@ -265,7 +265,7 @@ class Attention(nn.Module):
                           ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
         """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
         and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
-        ``shifted``: the query shifted by the positional bias and scaled, when ``scaled_queries`` made it."""
+        ``shifted``: the query shifted by the positional bias (unscaled), when ``shifted_queries`` made it."""
         return None
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,7 +389,7 @@ class RelativeAttention(Attention):
                                                      positional.expand(len(attns), H, D).unbind(0))]
         return [QueryShift(projection, positional)] * len(attns)
 
-    def scaled_queries(self, q, u, v, *, shift=None, q_heads=None):
+    def shifted_queries(self, q, u, v, *, shift=None, q_heads=None):
         if shift is not None:  # q is q + u already (the projection's bias); (q + u) + (v - u) by token
             return (q if q_heads is None else q_heads), q + shift.positional  # (B, T, H, D) each
         u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
