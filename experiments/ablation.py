@@ -190,6 +190,15 @@ def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -
     return resolve(common.parse_known(parser, argv))
 
 
+def parse_extra_rows(argv: list[str], parser: argparse.ArgumentParser, rows: str) -> argparse.Namespace:
+    """``parse_args`` for a driver of rows defined in ``EXTRA_VARIANTS`` (the rotary row, the compressed rows):
+    a corpus without them is refused in one line naming ``rows`` (e.g. 'the rotary row is')."""
+    args = parse_args(argv, parser)
+    if args.corpus not in EXTRA_VARIANTS:
+        raise SystemExit(f"--corpus {args.corpus}: {rows} defined for {', '.join(EXTRA_VARIANTS)}")
+    return args
+
+
 def defaults(corpus: str) -> dict[str, Any]:
     """Every flag's value in the full budget of ``corpus`` (what the report calls 'not reduced')."""
     return vars(parse_args(["--corpus", corpus]))

@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ablation.add_arguments(p)
     p.add_argument("--report-only", action="store_true",
                    help="train and score nothing: write the results of the runs already finished and scored")
-    args = ablation.parse_args(argv, p)
-    if args.corpus not in ablation.EXTRA_VARIANTS:
-        raise SystemExit(f"--corpus {args.corpus}: the compressed rows are defined for "
-                         f"{', '.join(ablation.EXTRA_VARIANTS)}")
+    args = ablation.parse_extra_rows(argv, p, "the compressed rows are")
     report_only = args.report_only
     args = args.replace(variants=",".join(ROWS))
     common.setup_logging()

@@ -51,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m experiments.rotary", description=__doc__.split("\n\n")[0])
     ablation.add_arguments(p)
-    args = ablation.parse_args(argv, p)
-    if args.corpus not in ablation.EXTRA_VARIANTS:
-        raise SystemExit(f"--corpus {args.corpus}: the rotary row is defined for "
-                         f"{', '.join(ablation.EXTRA_VARIANTS)}")
+    args = ablation.parse_extra_rows(argv, p, "the rotary row is")
     args = args.replace(variants=NAME)
     common.setup_logging()
     start = time.perf_counter()
