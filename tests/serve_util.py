@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_config
 
@@ -102,6 +103,23 @@ def served_client(model_dir: Path, state_dir: Path, **config):
                      loader(model_dir))
     with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client
+
+
+def word_model_fixtures(name: str):
+    """A test module's module-scoped fixtures ``word_dir`` (a word-level model directory) and ``api`` (a client of
+    a server on it, ``served_client``), their temporary directories named after ``name``:
+    ``word_dir, api = word_model_fixtures("openai")`` at the module's top."""
+
+    @pytest.fixture(scope="module")
+    def word_dir(tmp_path_factory):
+        return make_model_dir(tmp_path_factory.mktemp(name) / "word", level="word")
+
+    @pytest.fixture(scope="module")
+    def api(word_dir, tmp_path_factory):
+        with served_client(word_dir, tmp_path_factory.mktemp(f"{name}-state")) as client:
+            yield client
+
+    return word_dir, api
 
 
 def txl_score_logprobs(model_dir: Path, directory: Path, segment_len: int) -> np.ndarray:

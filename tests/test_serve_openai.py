@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import loader, make_model_dir, running, served_client  # noqa: E402
+from serve_util import loader, running, word_model_fixtures  # noqa: E402
 
 from txl.serve import ServeConfig, create_app  # noqa: E402
 
@@ -21,15 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 C = "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def word_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("openai") / "word", level="word")
-
-
-@pytest.fixture(scope="module")
-def api(word_dir, tmp_path_factory):
-    with served_client(word_dir, tmp_path_factory.mktemp("openai-state")) as client:
-        yield client
+word_dir, api = word_model_fixtures("openai")
 
 
 # -- the spec's request fields ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from serve_util import TEXT, make_model_dir, served_client  # noqa: E402
+from serve_util import TEXT, word_model_fixtures  # noqa: E402
 
 from txl.serve import openai, responses  # noqa: E402
 
@@ -34,15 +34,7 @@ ROUTES = {
 }
 
 
-@pytest.fixture(scope="module")
-def word_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("responses") / "word", level="word")
-
-
-@pytest.fixture(scope="module")
-def api(word_dir, tmp_path_factory):
-    with served_client(word_dir, tmp_path_factory.mktemp("responses-state")) as client:
-        yield client
+word_dir, api = word_model_fixtures("responses")
 
 
 def ref(schema: dict) -> str:
