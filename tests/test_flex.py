@@ -14,14 +14,15 @@ from txl.model.flex import relative_flex_attention
 from txl.model.positions import attention_mask, rel_shift
 
 H, D = 3, 8
+CUDA_D = 16  # FlexAttention's smallest head width on CUDA
 
 
-def operands(B: int, T: int, M: int, device: str = "cpu", requires_grad: bool = False):
+def operands(B: int, T: int, M: int, device: str = "cpu", requires_grad: bool = False, d: int = D):
     g = torch.Generator().manual_seed(T * 100 + M)
     K = M + T
-    tensors = [torch.randn(B, T, H, D, generator=g), torch.randn(B, K, H, D, generator=g),
-               torch.randn(B, K, H, D, generator=g), torch.randn(H, B * T, D, generator=g),
-               torch.randn(K, H, D, generator=g)]
+    tensors = [torch.randn(B, T, H, d, generator=g), torch.randn(B, K, H, d, generator=g),
+               torch.randn(B, K, H, d, generator=g), torch.randn(H, B * T, d, generator=g),
+               torch.randn(K, H, d, generator=g)]
     return [t.to(device).requires_grad_(requires_grad) for t in tensors]
 
 
@@ -30,7 +31,7 @@ def reference(query, k, val, qv, r):
     B, T = query.shape[:2]
     K = k.size(1)
     content = torch.einsum("bthd,bkhd->bhtk", query, k)  # (B, H, T, K)
-    position = torch.einsum("hbtd,khd->bhtk", qv.view(H, B, T, D), r)  # (B, H, T, K) by distance
+    position = torch.einsum("hbtd,khd->bhtk", qv.view(H, B, T, -1), r)  # (B, H, T, K) by distance
     mask = attention_mask(T, K - T, mem_len=K - T, same_length=False, style="pytorch", device=query.device)
     score = (content + rel_shift(position)).masked_fill(mask, float("-inf"))
     return torch.einsum("bhtk,bkhd->bhtd", torch.softmax(score, dim=-1), val)  # (B, H, T, D)
@@ -59,7 +60,7 @@ def test_compiled_flex_forward_and_gradients_equal_the_reference_on_cuda(T, M):
 
     attend = torch.compile(flex_attention, dynamic=False)
     with matmul_precision(torch.device("cuda"), tf32=False):
-        inputs = operands(2, T, M, "cuda", requires_grad=True)
+        inputs = operands(2, T, M, "cuda", requires_grad=True, d=CUDA_D)
         got = relative_flex_attention(*inputs, attend=attend)
         want = reference(*inputs)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -53,6 +53,13 @@ def matmul_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
             for n, p in m._parameters.items() if p is not None]
 
 
+def norm_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every weight and bias of the ``nn.LayerNorm`` modules in ``modules``: what a 16-bit residual
+    stream's norms read in its dtype (``kernels.layer_norm``: CUDA's kernel takes one dtype for all three)."""
+    return [(m, n) for m in modules.modules() if isinstance(m, nn.LayerNorm)
+            for n, p in m._parameters.items() if p is not None]
+
+
 def multi_process() -> bool:
     """Whether a process group of more than one process is running (DDP, FSDP). Work grouped across layers
     (one cast, one projection) gives its gradients only at the end of backward, where DDP reduces each layer's

@@ -42,13 +42,17 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)`` in x's own dtype: a 16-bit residual stream (``ModelConfig.residual_dtype='compute'``) stays 16-bit,
-    its statistics computed in float32 by the kernel itself (the float32 weights read as they are). CUDA's autocast
-    runs layer norm in float32: it would cast x up, and the next matmul cast the output down again."""
-    kind = x.device.type
-    if x.dtype != norm.weight.dtype and torch.is_autocast_enabled(kind):
-        with torch.autocast(kind, enabled=False):
-            return norm(x)
+    """``norm(x)``; a 16-bit stream (``ModelConfig.residual_dtype='compute'``, or the adaptive embedding's projection
+    under autocast) is normalised in its own dtype, the norm's weight and bias cast to it.
+
+    The condition is the stream's dtype, not a mismatch with the weights: CUDA's layer norm takes one dtype for its
+    input and weights (the CPU's also takes float32 weights beside a 16-bit input, so a mismatch passes there and fails
+    only on a GPU), and CUDA's autocast runs layer norm in float32 whatever the weights are (it would cast x up and the
+    next matmul cast it down again). The kernel computes the statistics in float32 either way.
+    """
+    if x.dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
     return norm(x)
 
 

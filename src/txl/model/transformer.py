@@ -286,7 +286,8 @@ class TransformerXL(nn.Module):
                 and not torch.compiler.is_compiling())
         hiddens, keys, values, buffers = [], [], [], []
         # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
-        with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None):
+        sixteen_bit = h.dtype in (torch.float16, torch.bfloat16)  # the stream: its norms read weights in its dtype
+        with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None, with_norms=sixteen_bit):
             positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
             u, v = (getattr(self, "u", None), getattr(self, "v", None))
             u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
@@ -349,9 +350,11 @@ class TransformerXL(nn.Module):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
 
-    def _cast_weights(self, dtype: torch.dtype, *, with_biases: bool) -> contextlib.AbstractContextManager:
-        """Where the layers read their matmul weights (and u, v ``with_biases``) cast to ``dtype`` by one grouped op
-        (``ModelConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast or with 'per_use'."""
+    def _cast_weights(self, dtype: torch.dtype, *, with_biases: bool,
+                      with_norms: bool) -> contextlib.AbstractContextManager:
+        """Where the layers read their matmul weights (and u, v ``with_biases``; the layer norms' ``with_norms``, for a
+        16-bit stream) cast to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a
+        no-op without autocast or with 'per_use'."""
         mode = self.config.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
@@ -359,6 +362,8 @@ class TransformerXL(nn.Module):
         if first is None or first.dtype == dtype:  # no autocast (the usual float32 run): nothing to walk or cast
             return contextlib.nullcontext()
         slots = casting.matmul_weights(self.layers)
+        if with_norms:
+            slots += casting.norm_weights(self.layers)
         if with_biases:
             slots += [(self, n) for n in ("u", "v") if self._parameters.get(n) is not None]
         params = [m._parameters[n] for m, n in slots]
