@@ -162,6 +162,34 @@ def test_streamed_chunks_each_carry_their_tokens_logprobs(api, echo):
         assert (a is None) == (b is None) and (a is None or a == pytest.approx(b))
 
 
+def test_word_level_text_offsets_are_positions_in_the_text(api):
+    """text_offset is where each token's piece of the choice's text starts (a word owning the space before it,
+    ``<eos>`` the line break), in the prompt as written (two spaces, a line break) and in the generated text
+    after it; not a running sum of the tokens' lengths ([0, 3, 6, 9, 14, ...] here)."""
+    prompt = "The  cat sat\non the mat."
+    r = api.post(C, json={"prompt": prompt, "max_tokens": 6, "seed": 1, "logprobs": 0, "echo": True}).json()
+    choice = r["choices"][0]
+    block, text = choice["logprobs"], choice["text"]
+    assert block["text_offset"][:7] == [0, 3, 8, 12, 13, 15, 19]
+    ends = block["text_offset"][1:] + [len(text)]
+    for token, start, end in zip(block["tokens"], block["text_offset"], ends):
+        assert text[start:end].strip(" ") == ("\n" if token == "<eos>" else token), (token, text[start:end])
+    streamed = api.post(C, json={"prompt": prompt, "max_tokens": 6, "seed": 1, "logprobs": 0, "echo": True,
+                                 "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+    assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == block["text_offset"]
+
+
+def test_token_starts_of_words():
+    from txl.serve.openai import token_starts
+
+    assert token_starts("to hello , the cat", ["to", "hello", ",", "the", "cat"], words=True) == [0, 2, 8, 10, 14]
+    # <unk> and a lower-cased word stand for the word there; <eos> for the line break; WikiText's @-@ for "-".
+    assert token_starts("A Zyx\nwell-known", ["a", "<unk>", "<eos>", "well", "@-@", "known"], words=True,
+                        eos="<eos>") == [0, 1, 5, 6, 10, 11]
+    assert token_starts("ab", ["a", "b"], words=False) == [0, 1]
+
+
 # -- the tokenizer, the model's name, HEAD, CORS -----------------------------------------------------------------
 def test_tokenize_detokenize_and_tokenizer_info(api, word_dir):
     from txl.data.tokenizer import load_model_tokenizer

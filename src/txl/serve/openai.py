@@ -36,22 +36,57 @@ def usage(out: dict) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def token_starts(text: str, tokens: list[str], *, words: bool, eos: str | None = None) -> list[int]:
+    """Where each token's piece of ``text`` starts: OpenAI's ``text_offset``, a token owning the space before it
+    (``[0, 2, 8]`` for ``to hello ,``). Char and byte tokens are pieces of the text in order (their lengths
+    summed). ``words``: the tokens are words cut at white space, ``eos`` (the end-of-line symbol) a line break; a
+    word not found as written (``<unk>``, a lower-cased word) stands for the run of non-space characters there,
+    WikiText's ``@-@`` for the ``-`` it was made of."""
+    starts, pos = [], 0
+    for token in tokens:
+        starts.append(pos)
+        if not words:
+            pos += len(token)
+        elif token == eos:
+            line_end = text.find("\n", pos)
+            pos = len(text) if line_end < 0 else line_end + 1
+        else:
+            while pos < len(text) and text[pos].isspace() and not (eos is not None and text[pos] == "\n"):
+                pos += 1
+            form = token[1] if len(token) == 3 and token[0] == token[2] == "@" else token
+            if text.startswith(form, pos):
+                pos += len(form)
+            else:
+                while pos < len(text) and not text[pos].isspace():
+                    pos += 1
+    return starts
+
+
 def logprob_block(out: dict, *, logprobs: int | None, echo: bool, token_text: Callable[[int], str],
                   start: int = 0) -> dict | None:
     """OpenAI's ``logprobs``: tokens, their log-probs (None for an unscored one: a document's first token), the
     top alternatives at each (a dict of ``logprobs`` most likely tokens' texts to their log-probs, the token
     itself added where it is not among them, as OpenAI and vLLM do; None for an unscored token; the field is
-    None for ``logprobs`` 0) and each token's text offset (from ``start``)."""
+    None for ``logprobs`` 0) and each token's text offset, its position in the choice's text (from ``start``).
+
+    The positions are ``out["starts"]`` (where each generated token starts in the generated text, as the engine
+    reports it) and with ``echo`` ``out["prompt_starts"]`` (``token_starts`` of the prompt) before them, the
+    generated text following the prompt's; a token without them is placed at the end of the one before."""
     if logprobs is None:
         return None
     ids, lps = list(out["ids"]), list(out["logprobs"])
     tops: list[dict | None] = [dict(t) for t in out["top_logprobs"]]
+    starts = out.get("starts")
     if echo:
         unscored = len(out["prompt_ids"]) - len(out["prompt_logprobs"])
         ids = list(out["prompt_ids"]) + ids
         lps = [None] * unscored + list(out["prompt_logprobs"]) + lps
         prompt_tops = [{token_text(i): v for i, v in zip(*top)} for top in out.get("prompt_top_logprobs", [])]
         tops = [None] * unscored + (prompt_tops or [{} for _ in out["prompt_logprobs"]]) + tops
+        if starts is not None and out.get("prompt_starts") is not None:
+            starts = list(out["prompt_starts"]) + [len(out["prompt_text"]) + s for s in starts]
+        else:
+            starts = None
     texts = [token_text(t) for t in ids]
     if logprobs:
         for text, lp, top in zip(texts, lps, tops):
@@ -59,10 +94,10 @@ def logprob_block(out: dict, *, logprobs: int | None, echo: bool, token_text: Ca
                 # The token's own log-prob, as token_logprobs has it (one computation, so a greedy token's equals
                 # the dict's largest value exactly: lm-evaluation-harness compares them).
                 top[text] = lp
-    offsets, pos = [], start
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
+    if starts is not None:
+        offsets = [start + s for s in starts]
+    else:
+        offsets = [start + s for s in token_starts("", texts, words=False)]
     return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops if logprobs else None,
             "text_offset": offsets}
 
@@ -98,20 +133,19 @@ class Chunks:
         self.base = {"id": cid, "object": "text_completion", "created": created, "model": model}
         self.logprobs, self.token_text = logprobs, token_text
         self.drawn: list[tuple[int, float, dict, float]] = []
+        self.starts: list[int] = []  # where each drawn token's text starts in the generated text
         self.sent = 0  # tokens whose logprobs went out
         self.text = 0  # characters streamed
-        self.offset = 0  # text_offset of the next token
+        self.offset = 0  # where the generated text starts in the choice's (after an echoed prompt)
 
     def _block(self, last: bool) -> dict | None:
         n = self.sent
         while n < len(self.drawn) and (last or self.drawn[n][3] <= self.text):
             n += 1
         ids, lps, tops, _ = zip(*self.drawn[self.sent:n]) if n > self.sent else ((), (), (), ())
-        out = {"ids": list(ids), "logprobs": list(lps), "top_logprobs": list(tops)}
+        out = {"ids": list(ids), "logprobs": list(lps), "top_logprobs": list(tops), "starts": self.starts[self.sent:n]}
         block = logprob_block(out, logprobs=self.logprobs, echo=False, token_text=self.token_text, start=self.offset)
         self.sent = n
-        if block is not None:
-            self.offset += sum(len(t) for t in block["tokens"])
         return block
 
     def __call__(self, kind: str, data: Any) -> dict | None:
@@ -120,15 +154,15 @@ class Chunks:
                 self.drawn[-1] = (*self.drawn[-1][:3], data[3])
             if data[0] is not None:  # (None, ..., end): the stream finished, the last token's text ends there
                 self.drawn.append((*data[:3], float("inf")))
+                self.starts.append(data[3])  # the text before it: where its own starts
             return None
         if kind == "text":
             self.text += len(data)
             return {**self.base, "choices": [choice(data, None, self._block(False))]}
         if kind == "echo":  # the prompt, echoed before the continuation: its tokens were read, not drawn
-            block = logprob_block({**data, "ids": [], "logprobs": [], "top_logprobs": []}, logprobs=self.logprobs,
-                                  echo=True, token_text=self.token_text)
-            if block is not None:
-                self.offset = sum(len(t) for t in block["tokens"])
+            block = logprob_block({**data, "ids": [], "logprobs": [], "top_logprobs": [], "starts": []},
+                                  logprobs=self.logprobs, echo=True, token_text=self.token_text)
+            self.offset = len(data["text"])
             return {**self.base, "choices": [choice(data["text"], None, block)]}
         return {**self.base, "choices": [choice("", finish_reason(data["finish_reason"]), self._block(True))],
                 "usage": usage(data)}

@@ -67,6 +67,8 @@ async def completions(srv: Srv, owner: Owner, engine: Ready,
     cid, created = "cmpl-" + secrets.token_urlsafe(18), int(time.time())
     top = req.logprobs if req.echo and req.logprobs else 0
     tok = engine.tokenizer
+    words = tok.level == "word"
+    eos = tok.token_text(tok.eos_id) if words and tok.eos_id is not None else None
 
     def work_of(prompt: Prompt, events: Events | None):
         def work(state, job):
@@ -80,13 +82,16 @@ async def completions(srv: Srv, owner: Owner, engine: Ready,
                 ids, text = list(prompt), tok.decode(prompt)
                 lps = yield from engine.read_ids(state, ids, top=top, tops=tops)
                 state.chars += len(text)
+            prompt_starts = openai.token_starts(text, [tok.token_text(i) for i in ids], words=words, eos=eos)
             if events is not None and req.echo:
                 events.emit("echo", {"text": text, "prompt_ids": ids, "prompt_logprobs": lps,
-                                     "prompt_top_logprobs": tops})
+                                     "prompt_top_logprobs": tops, "prompt_starts": prompt_starts})
+            starts: list[int] = []
             out = yield from generation(engine, state, req, job, events, top_logprobs=req.logprobs or 0,
-                                        tokens=req.logprobs is not None)
+                                        tokens=req.logprobs is not None, starts=starts)
             return {"prompt_ids": ids, "prompt_logprobs": lps, "prompt_top_logprobs": tops, "prompt_text": text,
-                    **out, "session": srv.info(state) if req.session is not None else None}
+                    "prompt_starts": prompt_starts, **out, "starts": starts,
+                    "session": srv.info(state) if req.session is not None else None}
         return work
 
     if not req.stream:

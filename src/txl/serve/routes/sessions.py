@@ -68,15 +68,26 @@ async def text(sid: str, request: Request, srv: Srv, owner: Owner, engine: Ready
     return await srv.run(sid, owner, work)
 
 
-def generation(engine: Engine, state, req, job, events: Events | None, top_logprobs: int = 0, tokens: bool = False):
+def generation(engine: Engine, state, req, job, events: Events | None, top_logprobs: int = 0, tokens: bool = False,
+               starts: list[int] | None = None):
     """The engine's generation with a request's sampling settings (its text pieces to ``events``, and with
-    ``tokens`` each token drawn, (id, log-prob, top alternatives), as a 'token' event before its text)."""
+    ``tokens`` each token drawn, (id, log-prob, top alternatives), as a 'token' event before its text). ``starts``
+    gets where each token's text starts in the generated text (the text shown before it: ``Engine.generate``'s
+    ``on_token``)."""
+    emit = events is not None and tokens
+
+    def on_token(*t) -> None:
+        if starts is not None and t[0] is not None:
+            starts.append(t[3])
+        if emit:
+            events.emit("token", t)
+
     return engine.generate(state, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
                            top_p=req.top_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
                            stop=req.stop_texts, stop_tokens=req.stop_token_ids or (), job=job,
                            top_logprobs=top_logprobs,
                            on_text=(lambda piece: events.emit("text", piece)) if events else None,
-                           on_token=(lambda *t: events.emit("token", t)) if events and tokens else None)
+                           on_token=on_token if emit or starts is not None else None)
 
 
 @router.post("/{sid}/generate", response_model=Generation, response_model_exclude_unset=True,
