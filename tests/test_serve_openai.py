@@ -190,6 +190,24 @@ def test_token_starts_of_words():
     assert token_starts("ab", ["a", "b"], words=False) == [0, 1]
 
 
+def test_streamed_usage_comes_in_a_last_chunk_of_its_own(api):
+    """stream_options.include_usage, read by the openai client: the usage in a last chunk with ``choices: []``,
+    every other chunk's usage None; without it no chunk has a usage (as OpenAI streams)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=str(api.base_url) + "/v1", api_key="unused", max_retries=0)
+    asked = dict(model="tiny", prompt="The cat", max_tokens=5, seed=2, temperature=0.8, stream=True)
+    chunks = list(client.completions.create(**asked, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 5 and last.usage.total_tokens == 7
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    plain = list(client.completions.create(**asked))
+    assert all(c.usage is None and len(c.choices) == 1 for c in plain)
+    assert "".join(c.choices[0].text for c in plain) == "".join(c.choices[0].text for c in chunks[:-1])
+    with pytest.raises(openai.UnprocessableEntityError):  # a misspelt option is named, not ignored
+        client.completions.create(**asked, stream_options={"include_usages": True})
+
+
 # -- the tokenizer, the model's name, HEAD, CORS -----------------------------------------------------------------
 def test_tokenize_detokenize_and_tokenizer_info(api, word_dir):
     from txl.data.tokenizer import load_model_tokenizer

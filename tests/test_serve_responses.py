@@ -107,7 +107,13 @@ def test_every_answer_is_its_model(api):
                                                         "stream": True, "logprobs": 1}))
     for c in streamed:
         exactly(R.CompletionChunk, c)
-    assert "usage" in streamed[-1] and "usage" not in streamed[0]
+    assert all("usage" not in c for c in streamed)  # no usage unless stream_options.include_usage asks for it
+    streamed = chunks(api.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3, "temperature": 0,
+                                                        "stream": True, "stream_options": {"include_usage": True}}))
+    for c in streamed:
+        exactly(R.CompletionChunk, c)
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in streamed[:-1])
     exactly(R.Tokenized, api.post("/tokenize", json={"prompt": "The cat", "return_token_strs": True}).json())
     exactly(R.Tokenized, api.post("/tokenize", json={"prompt": "The cat"}).json())
     exactly(R.Detokenized, api.post("/detokenize", json={"tokens": [4, 5]}).json())

@@ -121,7 +121,8 @@ class Chunks:
     """The chunks of one streamed completion, each with the logprobs of the tokens its text covers: a token goes
     out with the first chunk whose text reaches the end of the token's own; the last chunk ('done') carries the
     finish reason, the tokens left and the usage. 'token' events (id, log-prob, top, the length of the text
-    shown once it was pushed: each token as drawn, before any text it releases) make no chunk (None).
+    shown once it was pushed: each token as drawn, before any text it releases) make no chunk (None). With
+    ``include_usage`` the usage follows in a chunk of its own, ``choices: []`` (OpenAI's ``stream_options``).
 
     A token's text is known to be complete when the next token is pushed: the text stream shows the text
     before the last token only (``TextStream``: decoding is not token-local), so the end the next token
@@ -129,8 +130,11 @@ class Chunks:
     stop text goes out later, and its tokens with it."""
 
     def __init__(self, *, cid: str, created: int, model: str, logprobs: int | None,
-                 token_text: Callable[[int], str]) -> None:
-        self.base = {"id": cid, "object": "text_completion", "created": created, "model": model}
+                 token_text: Callable[[int], str], include_usage: bool = False) -> None:
+        self.base: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
+        self.include_usage = include_usage
+        if include_usage:  # OpenAI's shape: every chunk has the field, null but in the last
+            self.base["usage"] = None
         self.logprobs, self.token_text = logprobs, token_text
         self.drawn: list[tuple[int, float, dict, float]] = []
         self.starts: list[int] = []  # where each drawn token's text starts in the generated text
@@ -148,7 +152,7 @@ class Chunks:
         self.sent = n
         return block
 
-    def __call__(self, kind: str, data: Any) -> dict | None:
+    def __call__(self, kind: str, data: Any) -> dict | list[dict] | None:
         if kind == "token":
             if self.drawn:  # the previous token's text ends where the text shown now ends
                 self.drawn[-1] = (*self.drawn[-1][:3], data[3])
@@ -164,5 +168,7 @@ class Chunks:
                                   logprobs=self.logprobs, echo=True, token_text=self.token_text)
             self.offset = len(data["text"])
             return {**self.base, "choices": [choice(data["text"], None, block)]}
-        return {**self.base, "choices": [choice("", finish_reason(data["finish_reason"]), self._block(True))],
-                "usage": usage(data)}
+        last = {**self.base, "choices": [choice("", finish_reason(data["finish_reason"]), self._block(True))]}
+        if not self.include_usage:
+            return last
+        return [last, {**self.base, "choices": [], "usage": usage(data)}]  # the usage in a chunk of its own

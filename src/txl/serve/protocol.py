@@ -131,6 +131,16 @@ class GenerateBody(Sampling):
     logprobs: bool = False
 
 
+class StreamOptions(Body):
+    """A streamed completion's ``stream_options``, as OpenAI's spec has them."""
+
+    include_usage: bool = False
+    """The usage in a last chunk of its own (``choices: []``) before ``[DONE]``, every other chunk with
+    ``usage: null``; without it, no chunk has a usage, as OpenAI streams."""
+    include_obfuscation: bool = False
+    """Accepted for OpenAI's clients: txl's chunks carry no obfuscation field either way."""
+
+
 NULLABLE = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "logprobs", "echo",
             "n", "best_of", "suffix", "presence_penalty", "frequency_penalty", "logit_bias", "stream_options", "user",
             "model")
@@ -157,7 +167,7 @@ class CompletionBody(Sampling):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
     @classmethod

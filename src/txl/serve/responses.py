@@ -211,7 +211,9 @@ class Completion(Answer):
 
 
 class CompletionChunk(Answer):
-    """POST /v1/completions with ``stream``: one chunk; the last has the finish reason and the usage."""
+    """POST /v1/completions with ``stream``: one chunk; the last with choices has the finish reason. With
+    ``stream_options.include_usage`` every chunk has ``usage`` (null) and one more chunk ends the stream,
+    ``choices: []`` and the usage, as OpenAI streams."""
 
     id: str
     object: Literal["text_completion"]

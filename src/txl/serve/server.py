@@ -104,8 +104,8 @@ class Server:
                 raise data
 
 
-async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], first: list | None = None, *,
-              model: type[BaseModel]):
+async def sse(events: Events, job: Job, render: Callable[[str, Any], dict | list[dict] | None],
+              first: list | None = None, *, model: type[BaseModel]):
     """A streamed answer: an error before the first event is a plain JSON error; then server-sent events,
     ``data: {...}`` each (what ``render`` makes of an event, validated as a ``model``: the route's chunk model in
     ``txl.serve.responses``), ending with ``data: [DONE]``; a failure after the first (the generation's, or a chunk
@@ -135,8 +135,9 @@ async def sse(events: Events, job: Job, render: Callable[[str, Any], dict], firs
                         yield failed(value)
                         break
                     chunk = render(kind, value)
-                    if chunk is not None:  # None: an event that makes no chunk of its own (a token before its text)
-                        yield data(chunk, model)
+                    # None: an event that makes no chunk of its own (a token before its text); a list: several
+                    for c in [] if chunk is None else chunk if isinstance(chunk, list) else [chunk]:
+                        yield data(c, model)
                     if kind == "done":
                         break
                     kind, value = await events.queue.get()

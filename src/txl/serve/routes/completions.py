@@ -102,5 +102,6 @@ async def completions(srv: Srv, owner: Owner, engine: Ready,
         return openai.completion(outs, cid=cid, created=created, model=srv.name, texts=texts, logprobs=blocks)
     events = Events()
     job = await srv.run(req.session, owner, work_of(prompts[0], events), events=events)
+    usage = req.stream_options is not None and req.stream_options.include_usage
     return await sse(events, job, openai.Chunks(cid=cid, created=created, model=srv.name, logprobs=req.logprobs,
-                                                token_text=tok.token_text), model=CompletionChunk)
+                                                token_text=tok.token_text, include_usage=usage), model=CompletionChunk)
