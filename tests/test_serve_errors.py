@@ -92,6 +92,26 @@ CASES = [  # (what, method, path, request arguments, status, field)
      415, "Content-Type"),
     ("text as XML", "post", T, dict(content=b"<text>hello</text>", headers={"content-type": "application/xml"}),
      415, "Content-Type"),
+    # One rule for every endpoint that reads JSON: application/json (UTF-8), else 415 naming the type expected.
+    ("a completion sent as text/plain", "post", C, dict(content=b'{"prompt": "a"}', headers={
+        "content-type": "text/plain"}), 415, "Content-Type"),
+    ("a completion sent as curl's default form type", "post", C, dict(content=b'{"prompt": "a"}', headers={
+        "content-type": "application/x-www-form-urlencoded"}), 415, "Content-Type"),
+    ("a completion without a Content-Type", "post", C, dict(content=b'{"prompt": "a"}'), 415, "Content-Type"),
+    ("a completion as JSON in latin-1", "post", C, dict(content=b'{"prompt": "a"}', headers={
+        "content-type": "application/json; charset=latin-1"}), 415, "Content-Type"),
+    ("generate sent as XML", "post", G, dict(content=b"<max_tokens>2</max_tokens>", headers={
+        "content-type": "application/xml"}), 415, "Content-Type"),
+    ("tokenize sent as text/plain", "post", "/tokenize", dict(content=b'{"prompt": "a"}', headers={
+        "content-type": "text/plain"}), 415, "Content-Type"),
+    ("detokenize sent as a form", "post", "/detokenize", dict(content=b"tokens=1", headers={
+        "content-type": "application/x-www-form-urlencoded"}), 415, "Content-Type"),
+    ("create a session with a body sent as text/plain", "post", "/v1/sessions", dict(
+        content=b'{"memory": false}', headers={"content-type": "text/plain"}), 415, "Content-Type"),
+    ("text in a charset nobody knows", "post", T, dict(content=b"abc", headers={
+        "content-type": "text/plain; charset=klingon"}), 415, "Content-Type"),
+    ("text that is not the UTF-16 it declares", "post", T, dict(content=b"abc", headers={
+        "content-type": "text/plain; charset=utf-16-le"}), 400, "text"),
     ("JSON nested deeper than the decoder goes", "post", C, dict(
         content=b'{"prompt": "a", "stream_options": {"x": ' + b"[" * 1900,
         headers={"content-type": "application/json"}), 400, "body"),
@@ -250,3 +270,24 @@ def test_text_of_another_content_type_reads_nothing(client):
     assert client.get(f"/v1/sessions/{sid}").json()["tokens_read"] == 0
     r = client.post(f"/v1/sessions/{sid}/text", content=b"hello", headers={"content-type": "text/plain; charset=utf-8"})
     assert r.status_code == 200 and r.json()["tokens"] == 5
+
+
+def test_json_refused_as_another_type_names_the_type_expected(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["reason"]
+    assert "text/plain" in r.json()["error"]["reason"]
+
+
+def test_text_is_read_in_the_charset_it_declares(client):
+    """text/plain; charset=latin-1: the byte 0xe9 is 'é' (not an unfinished UTF-8 character that breaks the next
+    request); the session reads what the same text sent as UTF-8 reads."""
+    sid, twin = client.post("/v1/sessions").json()["id"], client.post("/v1/sessions").json()["id"]
+    r = client.post(f"/v1/sessions/{sid}/text", content="Café naïve".encode("latin-1"),
+                    headers={"content-type": "text/plain; charset=latin-1"})
+    assert r.status_code == 200, r.text
+    info = r.json()["session"]
+    assert r.json()["tokens"] == 10 and info["pending_bytes"] == 0 and info["chars"] == 10
+    same = client.post(f"/v1/sessions/{twin}/text", content="Café naïve".encode(), headers={
+        "content-type": "text/plain; charset=utf-8"}).json()
+    assert same["nll"] == pytest.approx(r.json()["nll"], abs=1e-6)
+    assert client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2}).status_code == 200

@@ -47,13 +47,33 @@ Owner = Annotated[str, Depends(owner)]
 Ready = Annotated[Engine, Depends(ready)]
 
 
+def media_type(request: Request) -> tuple[str, dict[str, str]]:
+    """The request's media type, lower case ('application/octet-stream' when it names none: RFC 9110 8.3), and
+    its parameters (``charset``: lower case, unquoted)."""
+    kind, *params = request.headers.get("content-type", "application/octet-stream").split(";")
+    found = {}
+    for param in params:
+        name, _, value = param.partition("=")
+        found[name.strip().lower()] = value.strip().strip('"').lower()
+    return kind.strip().lower(), found
+
+
+JSON_CHARSETS = ("utf-8", "utf8")
+
+
 async def read_json(request: Request, *, optional: bool = False) -> Any:
-    """The decoded JSON body ({} for an empty ``optional`` one), or a 400."""
+    """The decoded JSON body ({} for an empty ``optional`` one), or a 400; a body of another type than
+    ``application/json`` (UTF-8, RFC 8259) is a 415, the one rule of every endpoint that reads JSON."""
     body = await request.body()
     if not body.strip():
         if optional:
             return {}
         raise ClientError(400, "body", "a JSON body is required")
+    kind, params = media_type(request)
+    if kind != "application/json" or params.get("charset", "utf-8") not in JSON_CHARSETS:
+        given = kind + (f"; charset={params['charset']}" if "charset" in params else "")
+        raise ClientError(415, "Content-Type", f"{given} is not read here: send the body as JSON with "
+                          "Content-Type: application/json (UTF-8)")
     return decode_json(body)
 
 

@@ -64,7 +64,9 @@ class TextQuery(Query):
 
 TEXT_TYPES = ("application/json", "text/plain", "application/octet-stream")
 """The content types ``/text`` reads; a request without one is read as application/octet-stream (RFC 9110
-8.3); others (a form, XML) are refused with 415, since text once read cannot be taken back."""
+8.3); others (a form, XML) are refused with 415, since text once read cannot be taken back. A raw body is UTF-8
+(perhaps cut mid-character: the rest comes with the next piece), or text/plain in the charset it declares
+(``charset=latin-1``: read whole). JSON is application/json in UTF-8 at every endpoint (``deps.read_json``)."""
 
 
 # -- generation ----------------------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Annotated
 
 from fastapi import APIRouter, Request
 
-from txl.serve.deps import Owner, Ready, Srv, body, get_and_head, read_json
+from txl.serve.deps import Owner, Ready, Srv, body, get_and_head, media_type, read_json
 from txl.serve.engine import Engine
 from txl.serve.protocol import TEXT_TYPES, CreateSession, GenerateBody, TextBody, TextQuery, parse
 from txl.serve.responses import ERRORS, Deleted, Generation, GenerationChunk, SessionInfo, TextRead, stream_of
@@ -32,23 +33,43 @@ async def delete(sid: str, srv: Srv, owner: Owner):
                          changes=False, delete=True)
 
 
-def content_type(request: Request) -> str:
-    """The request's media type, lower case ('application/octet-stream' when it names none: RFC 9110 8.3)."""
-    return request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
+def is_utf8(charset: str) -> bool:
+    try:
+        return codecs.lookup(charset).name == "utf-8"
+    except LookupError:
+        return False
+
+
+def decode_charset(body: bytes, charset: str) -> str:
+    """A raw text body in a declared charset other than UTF-8 (``text/plain; charset=latin-1``), decoded whole: a
+    charset Python does not know is a 415, bytes that are not text in it a 400."""
+    try:
+        codec = codecs.lookup(charset)
+    except LookupError:
+        raise ClientError(415, "Content-Type", f"charset={charset} is not a known text encoding: send the text as "
+                          "UTF-8 (text/plain; charset=utf-8) or name its encoding (latin-1, cp1252, ...)") from None
+    try:
+        return codec.decode(body)[0]
+    except UnicodeDecodeError as err:
+        raise ClientError(400, "text", f"not {charset} text (byte {err.start}: {err.reason}); a body in a charset "
+                          "other than UTF-8 is read whole, so send whole characters") from None
 
 
 @router.post("/{sid}/text", response_model=TextRead, response_model_exclude_unset=True)
 async def text(sid: str, request: Request, srv: Srv, owner: Owner, engine: Ready):
-    kind = content_type(request)
+    kind, params = media_type(request)
     if kind not in TEXT_TYPES:
         raise ClientError(415, "Content-Type", f"{kind or 'none'} is not read: send application/json "
                           "({\"text\": ...}) or the text itself as text/plain or application/octet-stream")
     if kind == "application/json":
         req = parse(TextBody, await read_json(request))
         data: str | bytes = req.text
-    else:  # a raw body: UTF-8 possibly cut anywhere; the flags in the query
+    else:  # a raw body, the flags in the query: UTF-8 possibly cut anywhere, or text in the charset it declares
         req = parse(TextQuery, dict(request.query_params))
         data = await request.body()
+        charset = params.get("charset", "utf-8") if kind == "text/plain" else "utf-8"
+        if not is_utf8(charset):
+            data = decode_charset(data, charset)
     limit = srv.config.max_text_chars
     if len(data) > limit:
         raise ClientError(413, "text", f"longer than serve.max_text_chars={limit}")
