@@ -179,3 +179,60 @@ def test_a_killed_servers_temporaries_are_removed_at_start(tmp_path):
     store = SessionStore(tmp_path, max_in_memory=4, ttl=60)
     assert leftovers(tmp_path) == sorted([live.name, other.name])
     assert list(store.last_used) == []  # the killed write never published a session
+
+
+def test_another_models_sessions_are_refused_with_409_and_left_intact(model_dir, tmp_path, caplog):
+    """A state directory holding a char model's session, served with a word model: reading, generating, getting or
+    deleting that session is a 409 naming the mismatch (not a 500 with tracebacks), the file is left as it was, and
+    the char model serves it again afterwards."""
+    word_dir = make_model_dir(tmp_path / "word", level="word")
+    state = tmp_path / "state"
+    with running(create_app(ServeConfig(state_dir=str(state), durability="request"), loader(model_dir))) as url:
+        sid = httpx.post(url + "/v1/sessions").json()["id"]
+        assert httpx.post(f"{url}/v1/sessions/{sid}/text", json={"text": "The cat sat on the mat."}).status_code == 200
+        before = httpx.get(f"{url}/v1/sessions/{sid}").json()
+    written = (state / f"{sid}.safetensors").read_bytes()
+    with caplog.at_level(logging.WARNING, "txl.serve"), running(create_app(
+            ServeConfig(state_dir=str(state), durability="request", session_ttl=0.5), loader(word_dir))) as url:
+        for method, path, body in (("POST", "/text", {"text": "the cat"}), ("POST", "/generate", {"max_tokens": 2}),
+                                   ("GET", "", None), ("DELETE", "", None)):
+            r = httpx.request(method, f"{url}/v1/sessions/{sid}{path}", json=body)
+            assert r.status_code == 409, r.text
+            error = r.json()["error"]
+            assert error["field"] == "session" and "another model" in error["reason"]
+            assert "vocab_size" in error["reason"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1, "session": sid})
+        assert r.status_code == 409
+        time.sleep(1.0)  # past the TTL: another model's session is not this server's to expire
+        assert httpx.get(url + "/health").status_code == 200
+    assert "Traceback" not in caplog.text and "1 sessions in" in caplog.text
+    assert (state / f"{sid}.safetensors").read_bytes() == written
+    with running(create_app(ServeConfig(state_dir=str(state), durability="request"), loader(model_dir))) as url:
+        assert httpx.get(f"{url}/v1/sessions/{sid}").json()["tokens_read"] == before["tokens_read"]
+
+
+def test_a_session_written_before_fingerprints_is_judged_by_what_it_holds(tmp_path):
+    """A file without the model's fingerprint: refused when its memory's layers or width or its token ids do not
+    fit the model, read (and then fingerprinted) when they do."""
+    from txl.serve.session import model_mismatch
+
+    here = {"vocab_size": 6, "n_layer": 2, "d_model": 8, "architecture": "a", "tokenizer": "t"}
+    assert model_mismatch({"tokens": [1, 5]}, {"memory": [2, 3, 8]}, here) is None
+    assert "token id 122" in model_mismatch({"tokens": [1, 122]}, {"memory": [2, 3, 8]}, here)
+    assert "3 layers of width 8" in model_mismatch({"tokens": []}, {"memory": [3, 3, 8]}, here)
+    assert "width 16" in model_mismatch({"tokens": []}, {"compressed": [2, 1, 16]}, here)
+    assert model_mismatch({"model": {**here, "architecture": "b"}}, {}, here) == "architecture b there, a here"
+    assert model_mismatch({"model": dict(here)}, {}, here) is None
+
+    import torch
+
+    ok, bad = SessionState(id="o" * 32, tokens=[1, 2]), SessionState(id="b" * 32, tokens=[1, 122])
+    ok.memory = bad.memory = torch.zeros(2, 3, 8)
+    for s in (ok, bad):
+        s.to_file(tmp_path / f"{s.id}.safetensors")
+    store = SessionStore(tmp_path, max_in_memory=4, ttl=60, model=here)
+    assert set(store.foreign) == {bad.id} and set(store.last_used) == {ok.id}
+    assert store.get(ok.id, "").model == here
+    with pytest.raises(Exception) as err:
+        store.get(bad.id, "")
+    assert err.value.status == 409 and "token id 122" in err.value.reason

@@ -3,7 +3,8 @@ the body limit, the access log and the request metrics.
 
 Every client error is ``{"error": {"field", "reason", "message", "type", "param", "code"}}`` (the OpenAI
 shape, with the field at fault and why): 400 for a bad value, malformed or too deeply nested JSON, 401 for
-a missing or wrong key, 404 for an unknown session (or another key's), 413 for too large, 415 for a body
+a missing or wrong key, 404 for an unknown session (or another key's), 409 for a session another model made
+(a state directory shared by two models), 413 for too large, 415 for a body
 of a type the endpoint does not read, 422 for a wrong type or an unknown field, 429 when the queue is full,
 503 while the model loads. Nothing a client sends yields a 500, and no error body holds a traceback or a
 server path. A client that goes away before its body is read gets nothing (it is not there) and one access
@@ -33,7 +34,7 @@ access_log = logging.getLogger("txl.serve.access")
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before it was answered (no response is sent)."""
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
           405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable"}
 

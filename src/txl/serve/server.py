@@ -17,7 +17,7 @@ from txl.serve.config import ServeConfig
 from txl.serve.engine import Engine, Job, Model, QueueFull
 from txl.serve.metrics import Metrics
 from txl.serve.responses import StreamError
-from txl.serve.session import ID_PATTERN, ClientError, SessionStore
+from txl.serve.session import ID_PATTERN, ClientError, SessionStore, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class Server:
             self.name = s.model_name or self.name
             m = Model(model, segment_len=s.segment_len, context=s.context(model.config),  # resolved here, once
                       compile=s.compile)
-            store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl)
+            store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl,
+                                 model=model_fingerprint(model.config, tokenizer))
             engine = Engine(m, tokenizer, store, max_queue=s.max_queue, max_batch=s.max_batch,
                             durable=s.durability == "request", metrics=self.metrics, threads=s.threads)
             engine.start()

@@ -60,6 +60,47 @@ def owner_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
 
 
+NOT_ARCHITECTURE = ("dropout", "dropatt", "mem_len", "ext_len", "clamp_len", "same_length", "same_length_style",
+                    "init_std", "proj_init_std")
+"""ModelConfig fields a served session does not depend on (with ``txl.config.KERNEL_FIELDS``): training-only
+settings and the reading context, which `txl serve` may set otherwise for the same model."""
+
+
+def model_fingerprint(config, tokenizer) -> dict[str, Any]:
+    """What a session records of the model that made it: the sizes its state has (vocabulary, layers, width) and
+    hashes of the architecture (the config less ``NOT_ARCHITECTURE`` and the kernel fields) and of the tokenizer
+    (its spec and symbols), so that a state directory's sessions are never read by another model."""
+    from txl.config import KERNEL_FIELDS
+
+    arch = {k: v for k, v in config.to_dict().items() if k not in NOT_ARCHITECTURE + KERNEL_FIELDS}
+    vocab = getattr(tokenizer, "vocab", None)
+    tok = {"spec": tokenizer.spec, "symbols": list(vocab.symbols) if vocab is not None else tokenizer.vocab_size}
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return {"vocab_size": int(config.vocab_size), "n_layer": int(config.n_layer), "d_model": int(config.d_model),
+            "architecture": digest(arch), "tokenizer": digest(tok)}
+
+
+def model_mismatch(meta: dict[str, Any], shapes: dict[str, list[int]], model: dict[str, Any]) -> str | None:
+    """Why a session (its file's ``meta`` and tensor ``shapes``) belongs to another model than ``model`` (a
+    ``model_fingerprint``), or None. A session written before fingerprints were recorded is judged by what it
+    holds: its memory's layers and width, its token ids."""
+    recorded = meta.get("model")
+    if recorded is not None:
+        differ = [k for k in model if recorded.get(k) != model[k]]
+        return ", ".join(f"{k} {recorded.get(k)} there, {model[k]} here" for k in differ) or None
+    for name in ("memory", "compressed"):
+        if name in shapes and (shapes[name][0], shapes[name][-1]) != (model["n_layer"], model["d_model"]):
+            L, *_, d = shapes[name]
+            return f"its {name} has {L} layers of width {d}, this model {model['n_layer']} of {model['d_model']}"
+    bad = next((t for t in meta.get("tokens", []) if not 0 <= int(t) < model["vocab_size"]), None)
+    if bad is not None:
+        return f"it holds token id {bad}, out of range for this model's vocab_size {model['vocab_size']}"
+    return None
+
+
 @dataclass
 class SessionState:
     id: str
@@ -89,6 +130,8 @@ class SessionState:
     """Requests that changed the session."""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    model: dict[str, Any] | None = None
+    """The fingerprint of the model that made the session (``model_fingerprint``); None: not recorded."""
     generation: Any = None
     """RAM only, never written: the rows of the session's last generation (``engine.Kept``), so that a generation
     that follows it directly steps on from them instead of reading its tokens again; None otherwise."""
@@ -120,7 +163,7 @@ class SessionState:
         from safetensors.torch import save
 
         meta = {k: getattr(self, k) for k in ("id", "owner", "with_memory", "tokens", "tail", "n_tokens", "n_scored",
-                                             "nll", "chars", "generated", "requests", "created", "last_used")}
+                                             "nll", "chars", "generated", "requests", "created", "last_used", "model")}
         meta["raw"] = self.raw.hex()
         tensors = {"memory": self.memory.contiguous()} if self.memory is not None else {}
         if self.compressed is not None:
@@ -222,23 +265,49 @@ class SessionStore:
     RETRY_SECONDS = 2.0
     """How often eviction tries again while session files cannot be written."""
 
-    def __init__(self, state_dir: str | os.PathLike, *, max_in_memory: int, ttl: float) -> None:
+    def __init__(self, state_dir: str | os.PathLike, *, max_in_memory: int, ttl: float,
+                 model: dict[str, Any] | None = None) -> None:
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_in_memory, self.ttl = max_in_memory, ttl
+        self.max_in_memory, self.ttl, self.model = max_in_memory, ttl, model
         self.ram: OrderedDict[str, SessionState] = OrderedDict()
         self.dirty: set[str] = set()
         self.last_used: dict[str, float] = {}
         """Every known session, in RAM or on disk -> last use (for the TTL); on disk at start: the file's mtime."""
+        self.foreign: dict[str, str] = {}
+        """Sessions on disk that another model made (``model``: this one's fingerprint) -> why: never read, never
+        expired or deleted here; a request for one is a 409."""
         for p in self.dir.glob("*" + self.SUFFIX):
             if ID_PATTERN.match(p.stem):
-                self.last_used[p.stem] = p.stat().st_mtime
+                why = self._mismatch(p)
+                if why is None:
+                    self.last_used[p.stem] = p.stat().st_mtime
+                else:
+                    self.foreign[p.stem] = why
+        if self.foreign:
+            logger.warning("%d sessions in %s belong to another model (%s); they are left as they are, and a request "
+                           "for one is refused (409)", len(self.foreign), self.dir, next(iter(self.foreign.values())))
         self.evictions = 0
         self.retry_at = 0.0
         """While writes fail (a full disk): when eviction next tries (monotonic); 0 while they succeed."""
         n = self.remove_stale_temporaries()
         if n:
             logger.info("removed %d temporary session files left in %s by a server that was killed", n, self.dir)
+
+    def _mismatch(self, path: Path) -> str | None:
+        """Why the session file at ``path`` belongs to another model (its header only is read), or None (also for
+        an unreadable file: ``get`` reports it)."""
+        if self.model is None:
+            return None
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads(f.metadata()["txl_session"])
+                shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception:  # noqa: BLE001 - a damaged file is get's to report, once
+            return None
+        return model_mismatch(meta, shapes, self.model)
 
     def remove_stale_temporaries(self) -> int:
         """Remove what a writer killed mid-write left (``atomic_write``'s ``.tmp-ID.safetensors-PID-HEX``): those of
@@ -260,14 +329,20 @@ class SessionStore:
         return sum(1 for sid in self.last_used if sid not in self.ram or sid not in self.dirty)
 
     def create(self, owner: str, *, with_memory: bool = True, context: list[int] | None = None) -> SessionState:
-        state = SessionState(id=new_id(), owner=owner, with_memory=with_memory, tokens=list(context or []))
+        state = SessionState(id=new_id(), owner=owner, with_memory=with_memory, tokens=list(context or []),
+                             model=self.model)
         self.ram[state.id] = state
         self.last_used[state.id] = state.last_used
         self.dirty.add(state.id)
         return state
 
     def get(self, sid: str, owner: str) -> SessionState:
-        """The session, read back from disk if it was spilled; 404 when unknown or another key's."""
+        """The session, read back from disk if it was spilled; 404 when unknown or another key's, 409 when another
+        model made it."""
+        if sid in self.foreign:
+            raise ClientError(409, "session", f"the session was made by another model than the one served here "
+                              f"({self.foreign[sid]}): serve that model on {self.dir} to use it, or start this one "
+                              "with another serve.state_dir")
         state = self.ram.get(sid) if ID_PATTERN.match(sid) else None
         if state is None and ID_PATTERN.match(sid) and sid in self.last_used:
             try:
@@ -278,7 +353,14 @@ class SessionStore:
                 logger.error("session file %s is unreadable (%s); the session is dropped", self.path(sid), err)
                 self.last_used.pop(sid, None)
                 state = None
+            if state is not None and self.model is not None and state.model not in (None, self.model):
+                # Written after start-up by a server of another model on the same directory: left as it is.
+                self.foreign[sid] = model_mismatch({"model": state.model}, {}, self.model) or "another model"
+                self.last_used.pop(sid, None)
+                return self.get(sid, owner)
             if state is not None:
+                if state.model is None:  # written before fingerprints: it passed model_mismatch at start-up
+                    state.model = self.model
                 self.ram[sid] = state
         if state is None or state.owner != owner:  # another key's session does not exist for this key
             raise ClientError(404, "session", "no such session (it was deleted, expired, or belongs to another key)")
