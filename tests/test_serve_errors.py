@@ -291,3 +291,11 @@ def test_text_is_read_in_the_charset_it_declares(client):
         "content-type": "text/plain; charset=utf-8"}).json()
     assert same["nll"] == pytest.approx(r.json()["nll"], abs=1e-6)
     assert client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2}).status_code == 200
+
+
+def test_the_page_has_no_icon_to_miss(client):
+    """The page names an empty icon, and a browser that asks for /favicon.ico anyway gets 204, not a 404."""
+    assert '<link rel="icon" href="data:,">' in client.get("/").text
+    for method in ("GET", "HEAD"):
+        r = client.request(method, "/favicon.ico")
+        assert r.status_code == 204 and not r.content

@@ -20,6 +20,12 @@ async def page():
     return HTMLResponse(resources.files("txl.serve").joinpath("page.html").read_text(encoding="utf-8"))
 
 
+@router.api_route("/favicon.ico", include_in_schema=False, methods=["GET", "HEAD"])
+async def favicon():
+    """No icon (the page names an empty one, ``data:,``): a browser that asks anyway gets 204, not a logged 404."""
+    return Response(status_code=204)
+
+
 @get_and_head(router, "/health", response_model=Health, responses={503: {"model": Unavailable}})
 async def health(srv: Srv):
     if srv.engine is None:
