@@ -303,3 +303,19 @@ def test_score_shortcuts_are_the_eval_fields_and_the_run_sets_the_defaults(tmp_p
     assert rc == 2 and "eval.ext_len=2" in err and len(err.strip().splitlines()) == 1
     rc, _, err = run_cli(capsys, *base, "--model.d_model", 8)
     assert rc == 2 and "takes no --model.FIELD options" in err
+
+
+def test_cli_score_writes_totals_in_the_order_given(hf_dir, tmp_path, capsys):
+    """Documents read together finish shortest first; their totals (JSONL and summary lines) come out in the
+    order the files were given."""
+    files = []
+    for name, lines in (("long", 6), ("short", 1), ("mid", 3)):
+        files.append(tmp_path / f"{name}.txt")
+        files[-1].write_text("the cat sat on the mat .\n" * lines)
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4,
+                           "--totals-only", "-o", "-", *files)
+    assert rc == 0, err
+    assert [json.loads(line)["doc"] for line in out.splitlines()] == [str(f) for f in files]
+    assert [line.split(":")[0] for line in err.splitlines() if "tokens, ppl" in line] == [str(f) for f in files]
+    rc, out, err = run_cli(capsys, "score", "--checkpoint", hf_dir, "--pretokenized", "--segment-len", 4, *files)
+    assert [line.split(":")[0] for line in out.splitlines()] == [str(f) for f in files]

@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_args(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="documents to score, one per file")
     p.add_argument("--output", "-o", default=None, metavar="FILE",
-                   help="write JSONL of token scores and document totals to FILE ('-': standard output); "
+                   help="write JSONL of token scores and document totals (in the order the files are given) to FILE "
+                   "('-': standard output); "
                    "without it, one summary line per document is printed")
     p.add_argument("--totals-only", action="store_true", help="write only each document's totals")
     add_shortcut(p, "--batch-size", "eval.batch_size", metavar="N")
@@ -83,23 +84,30 @@ def run(args: argparse.Namespace) -> int:
     summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
 
     def score(out) -> None:
+        # Documents read together finish in any order (the shortest first): each one's totals (its summary line
+        # and its JSONL totals row) wait until those of every document given before it are out.
+        finished: dict[int, tuple[str, dict]] = {}
+        written = 0
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=e.batch_size,
                                 mem_len=ctx.mem_len, clamp_len=ctx.clamp_len, same_length=ctx.same_length,
                                 context_id=codec.context_id):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
                 if item.n_tokens == 0:  # nothing to score: no figure (a NaN is not a measurement)
-                    print(f"{name}: 0 tokens (empty after tokenisation; not scored)",
-                          file=summary, flush=True)
+                    line = f"{name}: 0 tokens (empty after tokenisation; not scored)"
                     total = {"doc": name, "tokens": 0, "nll": 0.0, unit: None, "bits_per_token": None}
                 else:
                     value = item.perplexity if unit == "ppl" else item.bits_per_token
-                    print(f"{name}: {item.n_tokens} tokens, {unit} {value:.4f} ({context})", file=summary,
-                          flush=True)
+                    line = f"{name}: {item.n_tokens} tokens, {unit} {value:.4f} ({context})"
                     total = {"doc": name, "tokens": item.n_tokens, "nll": item.nll, unit: value,
                              "bits_per_token": item.bits_per_token}
-                if out is not None:
-                    out.write(json.dumps(total) + "\n")
+                finished[item.doc] = (line, total)
+                while written in finished:
+                    line, total = finished.pop(written)
+                    print(line, file=summary, flush=True)
+                    if out is not None:
+                        out.write(json.dumps(total) + "\n")
+                    written += 1
             elif out is not None and not args.totals_only:
                 for pos, (tid, lp) in enumerate(zip(item.token_ids, item.logprobs), start=item.start):
                     out.write(json.dumps({"doc": name, "pos": pos, "token": codec.token_text(tid),
