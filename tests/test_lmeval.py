@@ -182,3 +182,42 @@ def test_registering_txl_keeps_lm_evals_own_models():
 
     assert get_model("txl") is TxlLM
     assert get_model("local-completions").__name__ == "LocalCompletionsAPI"
+
+
+def test_the_txl_lm_eval_command_is_installed_and_names_the_extra(monkeypatch, capsys):
+    """lm-eval 0.4 reads no entry points (its registry holds its own models and those registered in the process),
+    so `lm_eval --model txl` cannot work: the package installs `txl-lm-eval`, lm-eval's command line with the model
+    registered, which is what the module's docstring and the README show. Without lm-eval it says which extra."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import txl.lmeval
+
+    root = Path(__file__).resolve().parents[1]
+    [(module, name)] = re.findall(r'^txl-lm-eval = "([\w.]+):(\w+)"$', (root / "pyproject.toml").read_text(), re.M)
+    entry = getattr(importlib.import_module(module), name)
+    for text in (txl.lmeval.__doc__, (root / "README.md").read_text()):
+        assert "txl-lm-eval --model txl" in text
+        assert not re.search(r"^\s*lm_eval --model txl", text, re.M)  # a command that cannot find the model
+    monkeypatch.setitem(sys.modules, "txl.lmeval", None)  # as without the [lmeval] extra
+    assert entry() == 2
+    assert capsys.readouterr().err.strip().startswith("txl-lm-eval: ")
+
+
+@pytest.mark.slow
+def test_txl_lm_eval_runs_a_task_with_the_txl_model(tmp_path, monkeypatch):
+    """The `txl-lm-eval` command (its entry function, lm-eval's own argument parsing) finds `--model txl`."""
+    import sys
+
+    from txl.__main__ import lm_eval_entry
+
+    directory = make_model_dir(tmp_path / "model", level="char")
+    task = write_task(tmp_path / "task", [TEXT[:200]])
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["txl-lm-eval", "--model", "txl", "--model_args", f"pretrained={directory}",
+                                      "--tasks", "txl_text", "--include_path", str(task), "--device", "cpu",
+                                      "--output_path", str(out)])
+    assert lm_eval_entry() == 0
+    [result] = list(out.rglob("results_*.json"))
+    assert json.loads(result.read_text())["results"]["txl_text"]["bits_per_byte,none"] > 0

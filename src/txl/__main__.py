@@ -30,5 +30,18 @@ def entry() -> int:
         return exit_code(cut)
 
 
+def lm_eval_entry() -> int:
+    """The `txl-lm-eval` command ([project.scripts]): lm-eval's command line with the ``txl`` model registered
+    (``txl.lmeval.main``; lm-eval 0.4 reads no entry points, so its own ``lm_eval`` cannot find it). Without the
+    [lmeval] extra: one line naming it, exit 2."""
+    try:
+        from txl.lmeval import main
+    except ImportError as err:
+        print(f"txl-lm-eval: {err}", file=sys.stderr)
+        return 2
+    main()
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(entry())

@@ -1,10 +1,12 @@
-"""A txl model for lm-evaluation-harness (``pip install 'txl[lmeval]'``): ``lm_eval --model txl``.
+"""A txl model for lm-evaluation-harness (``pip install 'txl[lmeval]'``): ``txl-lm-eval --model txl``.
 
 Importing this module registers the model under the name ``txl`` (lm-eval's ``register_model``, the way its
-documentation adds a model from outside its package); ``python -m txl.lmeval ARGS`` is lm-eval's own command
-line with it registered::
+documentation adds a model from outside its package). lm-eval 0.4 finds a model by name only in its own table
+and among the classes registered in the running process: it reads no entry points, so its own ``lm_eval``
+command cannot know ``txl``. ``txl-lm-eval ARGS`` (the console script this package installs) and
+``python -m txl.lmeval ARGS`` are lm-eval's own command line with the model registered::
 
-    python -m txl.lmeval --model txl --model_args pretrained=runs/wt103 --tasks wikitext
+    txl-lm-eval --model txl --model_args pretrained=runs/wt103 --tasks wikitext
 
 or in Python: ``lm_eval.simple_evaluate(model=TxlLM(pretrained="runs/wt103"), tasks=[...])``.
 
@@ -207,7 +209,7 @@ def reading_context(directory, model, *, segment_len: int | None = None, **chang
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's command line, with the ``txl`` model registered."""
+    """lm-eval's command line, with the ``txl`` model registered (the ``txl-lm-eval`` command runs it)."""
     import sys
 
     from lm_eval.__main__ import cli_evaluate
