@@ -7,7 +7,12 @@ characters, so every later one ends on a segment boundary and costs one forward)
 sessions that arrive together run as one batched forward (dynamic batching): the figure to read is the
 aggregate tokens/s against N.
 
-    python -m benchmarks.serve_throughput [--sessions 1 2 4 8 16] [--seconds 10] [--threads 2]
+    python -m benchmarks.serve_throughput [--sessions 1 2 4 8 16] [--seconds 10] [--threads 1]
+
+The server's torch threads default to one (``THREADS``): the clients run on the same machine, and a forward's
+OpenMP threads that find their cores taken by the clients spin and wait for them (the collapse the benchmarks'
+README describes); on a shared 2-core machine ``--threads 2`` ran 7x slower than ``--threads 1``. Give more on a
+machine with cores to spare beyond the clients'.
 
 ``--baseline DIR`` also starts an older tree's server (DIR holds its ``txl`` copied as ``txl_old``: see
 benchmarks/serve_step.py) and alternates the two at every measurement, so the machine's noise hits both.
@@ -55,18 +60,28 @@ async def measure(url: str, n: int, seconds: float, text: str, S: int, mode: str
     return sum(counts) / elapsed
 
 
-def main() -> None:
+THREADS = 1
+"""The server's torch threads unless --threads says otherwise: one leaves the second core of the smallest machine
+to the clients (see the module's docstring)."""
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--seconds", type=float, default=10)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help="the server's torch threads (default 1: the clients share the machine)")
     p.add_argument("--durability", default="shutdown", choices=["request", "shutdown"])
     p.add_argument("--rounds", type=int, default=2, help="passes over --sessions (interleaved; the best is kept)")
     p.add_argument("--mode", default="read", choices=["read", "generate"],
                    help="read: tokens read, a segment per request; generate: tokens generated, 32 per request")
     p.add_argument("--model", default=None)
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     from benchmarks.serve_common import corpus_text, make_model_dir, start_server
 
     S = 128

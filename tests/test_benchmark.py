@@ -185,3 +185,13 @@ def test_counts_that_measure_nothing_are_refused(option, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "tiny", *option])
     assert message in capsys.readouterr().err
+
+
+def test_serve_throughput_gives_the_server_one_thread_by_default():
+    """The clients share the machine with the server: two forward threads on a shared 2-core machine ran 7x slower
+    than one (OpenMP threads spinning for cores the clients hold), so one is the default and the docstring says so."""
+    from benchmarks import serve_throughput
+
+    assert serve_throughput.parser().parse_args([]).threads == serve_throughput.THREADS == 1
+    assert "[--threads 1]" in serve_throughput.__doc__
+    assert serve_throughput.parser().parse_args(["--threads", "4"]).threads == 4
