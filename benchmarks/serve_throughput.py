@@ -1,8 +1,9 @@
 """`txl serve`: aggregate tokens read per second with 1, 2, 4, 8, 16 sessions read concurrently.
 
 A real `txl serve` process (a random small char model, memory 128, segments of 128) and N clients, each
-reading Tiny Shakespeare into a session of its own, a segment per request (the first request 129
-characters, so every later one ends on a segment boundary and costs one forward); or, with
+reading Tiny Shakespeare into a session of its own, a segment per request (the first request 128
+characters after the session's context token, the line break, so every later one ends on a segment boundary
+and costs one forward); or, with
 --mode generate, each generating 32 tokens per request. Requests of different
 sessions that arrive together run as one batched forward (dynamic batching): the figure to read is the
 aggregate tokens/s against N.
@@ -36,13 +37,15 @@ async def measure(url: str, n: int, seconds: float, text: str, S: int, mode: str
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=n + 2)) as c:
         ids = [(await c.post("/v1/sessions")).json()["id"] for _ in range(n)]
-        for k, sid in enumerate(ids):  # the context token and a first segment, untimed
-            await c.post(f"/v1/sessions/{sid}/text", json={"text": text[k * 1000:k * 1000 + S + 1]})
+        # A first segment, untimed: S + 1 tokens with the session's context token (the line break) when it has one.
+        first = S if (await c.get("/tokenizer_info")).json()["eos_token_id"] is not None else S + 1
+        for k, sid in enumerate(ids):
+            await c.post(f"/v1/sessions/{sid}/text", json={"text": text[k * 1000:k * 1000 + first]})
         counts = [0] * n
         deadline = time.monotonic() + seconds
 
         async def client(k: int) -> None:
-            at = k * 1000 + S + 1
+            at = k * 1000 + first
             while time.monotonic() < deadline:
                 if mode == "read":
                     r = await c.post(f"/v1/sessions/{ids[k]}/text", json={"text": text[at:at + S]})

@@ -215,7 +215,7 @@ def test_txl_checkpoint_with_byte_tokenizer_scores_bits_per_byte(tmp_path, capsy
     rc, out, err = run_cli(capsys, "score", "--checkpoint", tmp_path / "run", "--totals-only", "-o", "-", text)
     assert rc == 0, err
     [total] = [json.loads(line) for line in out.splitlines()]
-    assert total["tokens"] == len(text.read_bytes()) - 1 and total["bpc"] == pytest.approx(total["bits_per_token"])
+    assert total["tokens"] == len(text.read_bytes()) and total["bpc"] == pytest.approx(total["bits_per_token"])
     rc, out, err = run_cli(capsys, "generate", "--checkpoint", ckpt, "--prompt", "hel", "--max-new-tokens", 5,
                            "--seed", 0)
     assert rc == 0, err

@@ -76,9 +76,9 @@ def _offline(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["word", "char"])
 def test_in_process_bits_per_byte_equal_txl_score(tmp_path, capsys, level):
-    """`lm_eval --model txl` reads each document with memory, segment by segment (TEXT is several segments long
-    and the model's memory only 8), exactly as `txl score` reads the file: at word level the same text (the
-    prefix lm-eval reads first is txl score's own <eos>), at char level the text after its line-break prefix."""
+    """`txl-lm-eval --model txl` reads each document with memory, segment by segment (TEXT is several segments long
+    and the model's memory only 8), exactly as `txl score` reads the same text: the prefix lm-eval reads first is
+    txl score's own context token (<eos>, the line break)."""
     from txl.lmeval import TxlLM
 
     directory = make_model_dir(tmp_path / "model", level=level)
@@ -86,7 +86,7 @@ def test_in_process_bits_per_byte_equal_txl_score(tmp_path, capsys, level):
     assert lm.segment_len == 128 and len(lm.tok_encode(TEXT)) > 2 * 8  # more than the memory holds
     result = run_task(lm, write_task(tmp_path / "task", [TEXT]))
     text = tmp_path / "doc.txt"
-    text.write_text(TEXT if level == "word" else "\n" + TEXT, encoding="utf-8")
+    text.write_text(TEXT, encoding="utf-8")
     nll = txl_score_nll(capsys, directory, text)
     n_bytes = len(TEXT.encode("utf-8"))
     assert result["bits_per_byte,none"] == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-9)
@@ -158,12 +158,42 @@ def test_local_completions_against_txl_serve_equal_txl_score(tmp_path, capsys, l
     assert [lp for lp, _ in remote] == pytest.approx([lp for lp, _ in local], abs=1e-5)
     result = out["results"]["txl_text"]
     text = tmp_path / "doc.txt"
-    text.write_text(TEXT if level == "word" else "\n" + TEXT, encoding="utf-8")
+    text.write_text(TEXT, encoding="utf-8")
     nll = txl_score_nll(capsys, directory, text)
     n_bytes = len(TEXT.encode("utf-8"))
     assert result["bits_per_byte,none"] == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-6)
     words = len(re.split(r"\s+", TEXT))  # as lm-eval counts them
     assert result["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-6)
+
+
+@pytest.mark.parametrize("level", ["word", "char", "byte"])
+def test_lm_eval_and_txl_score_agree_on_the_same_documents(tmp_path, capsys, level):
+    """One rule for a document (``Tokenizer.context_id``): it is read after the context token (word: <eos>; char,
+    byte: the line break), so its first token is scored, and its tokens are its text's, no <eos> added after a
+    last line without a line break. lm-eval's rolling log-likelihood (what its perplexity tasks ask the txl model
+    for) is then minus `txl score`'s total NLL on the same files: with a final line break, without, one line."""
+    from lm_eval.api.instance import Instance
+
+    from txl.lmeval import TxlLM
+
+    directory = make_model_dir(tmp_path / "model", level=level)
+    docs = [TEXT, TEXT.rstrip("\n"), "The cat sat on the mat."]
+    files = []
+    for i, doc in enumerate(docs):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(doc, encoding="utf-8")
+    capsys.readouterr()
+    assert txl_main(["score", "--checkpoint", str(directory), "--totals-only", "-o", "-", *map(str, files)]) == 0
+    totals = {row["doc"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    lm = TxlLM(pretrained=str(directory), batch_size=2)
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)])
+    for doc, path, ll in zip(docs, files, rolling):
+        total = totals[str(path)]
+        assert ll == pytest.approx(-total["nll"], rel=1e-6, abs=1e-6)
+        if level == "word":  # a word or <eos> for each line break, and nothing after the last word
+            assert total["tokens"] == len(doc.split()) + doc.count("\n")
+        else:  # every character, or byte, the first too
+            assert total["tokens"] == len(doc if level == "char" else doc.encode("utf-8"))
 
 
 def test_unknown_model_args_are_refused_in_one_line(tmp_path):

@@ -73,14 +73,15 @@ def cut(data, n):
 
 @pytest.mark.parametrize("pieces", ["whole", "7 chars", "1 char", "5 bytes (UTF-8 cut)"])
 def test_chunking_is_invisible(server, expected, pieces):
-    """Any cut of the document gives `txl score`'s per-token log-probs on the whole (1e-5)."""
+    """Any cut of the document gives `txl score`'s per-token log-probs on the whole (1e-5), every character scored
+    (read after the line break, the char model's context token)."""
     raw = pieces.startswith("5 bytes")
     data = {"whole": [TEXT], "7 chars": cut(TEXT, 7), "1 char": list(TEXT[:100]) + [TEXT[100:]],
             "5 bytes (UTF-8 cut)": cut(TEXT.encode("utf-8")[:200], 5) + [TEXT.encode("utf-8")[200:]]}[pieces]
     if raw:  # some cuts do fall inside a multi-byte character
         assert any(not (p[:1][0] & 0xC0 != 0x80) for p in data[1:])
     got = read(server, new_session(server), data, raw=raw)
-    assert len(got) == len(expected) == len(TEXT) - 1
+    assert len(got) == len(expected) == len(TEXT)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
 
@@ -167,7 +168,7 @@ def test_generated_tokens_join_the_session_as_if_read(model_dir, tmp_path, new_t
     m = Model(model, segment_len=8, mem_len=8, same_length=same_length, clamp_len=0)
     engine = Engine(m, tokenizer, SessionStore(tmp_path, max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
                     durable=False)
-    text = [int(i) for i in tokenizer.encode_prompt(TEXT[:13])]
+    text = [int(i) for i in tokenizer.encode_prompt(TEXT[:12])]  # after the context token (a line break): 13
     state = SessionState(id="", tokens=list(engine.context_ids), with_memory=with_memory)
     _drive(m, engine.read_ids(state, text))
     assert len(state.tokens) == 5
@@ -284,7 +285,7 @@ def test_metrics_health_and_generation_joins_the_session(server):
     server.post(f"/v1/sessions/{sid}/text", json={"text": "The cat sat on the mat."})
     r = server.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "seed": 3})
     info = r.json()["session"]
-    assert info["tokens_read"] == 23 + 5 and info["tokens_generated"] == 5 and info["tokens_scored"] == 22 + 5
+    assert info["tokens_read"] == 23 + 5 and info["tokens_generated"] == 5 and info["tokens_scored"] == 23 + 5
     assert info["memory"]["shape"] == [2, 8, 32] and info["memory"]["bytes"] == 2 * 8 * 32 * 4
     assert server.get("/health").json()["status"] == "ok"
     text = server.get("/metrics").text

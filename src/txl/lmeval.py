@@ -13,10 +13,11 @@ or in Python: ``lm_eval.simple_evaluate(model=TxlLM(pretrained="runs/wt103"), ta
 ``loglikelihood_rolling`` reads each document as ``txl score`` reads a file: from its start to its end, one
 segment at a time, the memory carrying the context across segments (Dai et al. 2019, section 3.2), never
 restarting a window, with the token lm-eval calls the prefix (``Tokenizer.prefix_id``: ``<eos>`` at word
-level, the line break at char or byte level) read first so that the first token is scored too. At word
-level the prefix is ``txl score``'s own context token, so a document's log-likelihood is exactly the
-negative of ``txl score``'s total NLL on the same text; at char or byte level it is ``txl score``'s on the
-text after a line break. The reading context (segment length, mem_len, same_length, clamp_len) is
+level, the line break at char or byte level) read first so that the first token is scored too. The prefix is
+``txl score``'s own context token and a document's tokens are its text's (no ``<eos>`` after a last line
+without a line break, at word level as in ``txl score``: ``Tokenizer.context_id`` states the one rule), so a
+document's log-likelihood is exactly the negative of ``txl score``'s total NLL on the same text. The reading
+context (segment length, mem_len, same_length, clamp_len) is
 ``txl score``'s: a run's ``[eval]`` section, else the model's, each field overridable in ``--model_args``.
 
 ``loglikelihood`` reads the context and the continuation the same way (the prefix before an empty context,

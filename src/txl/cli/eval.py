@@ -87,7 +87,7 @@ def _pretrained_tokens(directory, corpus: str, data_dir: str | None, split: str,
     ids: list[int] = []
     for source in resolve_sources(spec, folder)[split]:
         with open(source.path, encoding="utf-8") as f:
-            ids.extend(codec.encode_lines(f))
+            ids.extend(codec.encode_lines(f, final_eos=True))  # a corpus file, as training reads one
     tokens = np.asarray(ids, dtype=np.int64)
     unk = getattr(getattr(codec, "vocab", None), "unk_id", None)
     n_unk = int((tokens == unk).sum()) if unk is not None else 0

@@ -202,7 +202,8 @@ def take_text(state: SessionState, data: str | bytes, tokenizer, *, final: bool)
 
     Nothing in ``state`` is changed (the caller commits once the model has read the ids). Newlines are
     read as a text file is (universal newlines: '\\r\\n' and '\\r' are '\\n'), so a session equals
-    `txl score` on the same bytes. ``final``: the document ends here (its last line is complete).
+    `txl score` on the same bytes. ``final``: the document ends here (its last line is read as it stands: at word
+level without an ``<eos>`` unless the text ends with a line break, as `txl score` reads a file).
     """
     raw = state.raw
     if isinstance(data, bytes):

@@ -107,8 +107,11 @@ class Tokenizer:
         """Ids of a prompt to continue (word level: no ``<eos>`` after its last words, so the line goes on)."""
         return [int(i) for i in self.encode(text)]
 
-    def encode_lines(self, lines: Iterable[str]) -> Iterator[int]:
-        """Ids of a document given as lines (each ending in '\\n' but perhaps the last), one line at a time."""
+    def encode_lines(self, lines: Iterable[str], *, final_eos: bool = False) -> Iterator[int]:
+        """Ids of a document given as lines (each ending in '\\n' but perhaps the last), one line at a time: the
+        text's tokens and nothing more (word level: a line break is ``<eos>``, and a last line without one gets
+        none, as a prompt's; see ``context_id`` for the document rule). ``final_eos``: word level ends that last
+        line with ``<eos>`` too, as ``encode`` reads a corpus file for training (other levels add nothing)."""
         for line in lines:
             yield from (int(i) for i in self.encode(line))
 
@@ -118,22 +121,26 @@ class Tokenizer:
 
     @property
     def context_id(self) -> int | None:
-        """The token read before a document so its first token is scored too (word level: ``<eos>``)."""
-        return None
+        """The token read before a document so that its first token is scored too, as if the document followed a
+        line: the end of a line, ``<eos>`` at word level, else the line break where the vocabulary holds it as one
+        token (char, byte, BPE); None otherwise (a byte vocabulary that never saw one: the first token is then
+        unscored).
 
-    @property
-    def prefix_id(self) -> int | None:
-        """The token a client reads before a document so that its first token is scored (lm-evaluation-harness's
-        prefix token, the ``eos_token`` of the exported ``tokenizer_config.json``): the context token where the
-        level has one (word: ``<eos>``, which ends every line, so a document reads as following a line), else
-        the line break where the vocabulary holds it as one token (char, byte, BPE); None otherwise."""
-        if self.context_id is not None:
-            return int(self.context_id)
+        The one rule of every reader of documents (`txl score`, a `txl serve` session or completion, the lm-eval
+        model in process and over HTTP, whose prefix token this is): the document is read after this token, and
+        its tokens are its text's, a line break ``<eos>`` at word level and no ``<eos>`` added after a last line
+        without one. So they all give the same log-likelihood for the same text."""
         try:
             ids = [int(i) for i in self.encode("\n")]
         except ValueError:  # a byte vocabulary that never saw a line break
             return None
         return ids[0] if len(ids) == 1 and ids[0] != self.unk_id else None
+
+    @property
+    def prefix_id(self) -> int | None:
+        """The token a client reads before a document so that its first token is scored (lm-evaluation-harness's
+        prefix token, the ``eos_token`` of the exported ``tokenizer_config.json``): ``context_id``."""
+        return self.context_id
 
     @property
     def unk_id(self) -> int | None:
@@ -380,8 +387,8 @@ class WordTokenizer(Tokenizer):
             logger.warning("%d prompt word(s) not in the vocabulary became <unk>: %s", len(unknown), shown)
         return ids
 
-    def encode_lines(self, lines: Iterable[str]) -> Iterator[int]:
-        return self._ids(self._words(lines, final_eos=True), unknown=None)
+    def encode_lines(self, lines: Iterable[str], *, final_eos: bool = False) -> Iterator[int]:
+        return self._ids(self._words(lines, final_eos=final_eos), unknown=None)
 
     def decode(self, ids: Iterable[int]) -> str:
         words = self.vocab.decode(ids)

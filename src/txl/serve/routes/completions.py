@@ -3,9 +3,9 @@
 A prompt is a text, or token ids (llama.cpp's and vLLM's extension, what lm-evaluation-harness sends); a list
 of them is a batch, one choice each (index in the order given), each prompt a temporary session of its own,
 so the engine reads them in one batched forward. A text prompt is read as a document is (after the tokenizer's
-context token, word level's ``<eos>``: its first token is scored); token ids are read exactly as given (the
-first is the context of the rest, its log-prob None), so a client that puts a prefix token first (lm-eval's
-``<eos>``) gets what `txl score` gives for the document after that token.
+context token, ``<eos>`` or the line break: its first token is scored); token ids are read exactly as given (the
+first is the context of the rest, its log-prob None), so a client that puts the prefix token first (lm-eval's
+``eos_token``) gets what `txl score` gives for the document.
 """
 
 from __future__ import annotations
