@@ -187,28 +187,33 @@ def test_another_models_sessions_are_refused_with_409_and_left_intact(model_dir,
     the char model serves it again afterwards."""
     word_dir = make_model_dir(tmp_path / "word", level="word")
     state = tmp_path / "state"
-    with running(create_app(ServeConfig(state_dir=str(state), durability="request"), loader(model_dir))) as url:
-        sid = httpx.post(url + "/v1/sessions").json()["id"]
-        assert httpx.post(f"{url}/v1/sessions/{sid}/text", json={"text": "The cat sat on the mat."}).status_code == 200
-        before = httpx.get(f"{url}/v1/sessions/{sid}").json()
+
+    def served(directory, **config):
+        app = create_app(ServeConfig(state_dir=str(state), durability="request", **config), loader(directory))
+        return running(app)
+
+    with served(model_dir) as url, httpx.Client(base_url=url, timeout=60) as c:
+        sid = c.post("/v1/sessions").json()["id"]
+        assert c.post(f"/v1/sessions/{sid}/text", json={"text": "The cat sat on the mat."}).status_code == 200
+        before = c.get(f"/v1/sessions/{sid}").json()
     written = (state / f"{sid}.safetensors").read_bytes()
-    with caplog.at_level(logging.WARNING, "txl.serve"), running(create_app(
-            ServeConfig(state_dir=str(state), durability="request", session_ttl=0.5), loader(word_dir))) as url:
+    with caplog.at_level(logging.WARNING, "txl.serve"), served(word_dir, session_ttl=0.5) as url, httpx.Client(
+            base_url=url, timeout=60) as c:
         for method, path, body in (("POST", "/text", {"text": "the cat"}), ("POST", "/generate", {"max_tokens": 2}),
                                    ("GET", "", None), ("DELETE", "", None)):
-            r = httpx.request(method, f"{url}/v1/sessions/{sid}{path}", json=body)
+            r = c.request(method, f"/v1/sessions/{sid}{path}", json=body)
             assert r.status_code == 409, r.text
             error = r.json()["error"]
             assert error["field"] == "session" and "another model" in error["reason"]
             assert "vocab_size" in error["reason"]
-        r = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1, "session": sid})
+        r = c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 1, "session": sid})
         assert r.status_code == 409
         time.sleep(1.0)  # past the TTL: another model's session is not this server's to expire
-        assert httpx.get(url + "/health").status_code == 200
+        assert c.get("/health").status_code == 200
     assert "Traceback" not in caplog.text and "1 sessions in" in caplog.text
     assert (state / f"{sid}.safetensors").read_bytes() == written
-    with running(create_app(ServeConfig(state_dir=str(state), durability="request"), loader(model_dir))) as url:
-        assert httpx.get(f"{url}/v1/sessions/{sid}").json()["tokens_read"] == before["tokens_read"]
+    with served(model_dir) as url, httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get(f"/v1/sessions/{sid}").json()["tokens_read"] == before["tokens_read"]
 
 
 def test_a_session_written_before_fingerprints_is_judged_by_what_it_holds(tmp_path):
