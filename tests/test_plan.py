@@ -53,6 +53,8 @@ def test_the_forward_reads_the_same_table(device_type):
     assert on_device == (config.dropout_impl == "torch")
     assert plan.resolve_precision("auto", device_type) == ("bf16" if device_type == "cuda" else "fp32")
     assert plan.resolve_precision("fp16", device_type) == "fp16"
+    assert plan.fsdp_mixed_precision("bf16", device_type) == (device_type == "cuda")
+    assert not plan.fsdp_mixed_precision("fp32", device_type)
 
 
 def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
@@ -64,7 +66,7 @@ def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
     assert autos - decided_elsewhere <= table, autos - table
     assert "softmax_pad" in table  # its 'auto' is 0
     for choice in plan.CHOICES:  # each resolution is a valid value of its field
-        if choice.field != "precision":
+        if choice.field in autos | {"softmax_pad", "dropout_impl"}:
             for value in (choice.cpu, choice.cuda, choice.other):
                 tiny_config(**{choice.field: value})
 
