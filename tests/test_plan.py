@@ -71,6 +71,18 @@ def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
                 tiny_config(**{choice.field: value})
 
 
+def test_the_runs_precision_is_the_tables(monkeypatch):
+    """txl.runtime.resolve_precision (below txl.model, so it cannot read the table) resolves 'auto' as the table
+    does on every device type, on a GPU that supports bf16."""
+    from txl.runtime import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    for device_type in plan.DEVICE_TYPES:
+        for precision in ("auto", "fp32", "bf16", "fp16"):
+            assert resolve_precision(precision, torch.device(device_type)) == plan.resolve_precision(
+                precision, device_type), (device_type, precision)
+
+
 def test_an_unknown_device_type_is_refused_with_the_known_ones():
     with pytest.raises(ValueError, match="'gpu' is unknown; choose one of cpu, cuda, mps, xpu"):
         plan.resolve(tiny_config(), "gpu")
