@@ -73,7 +73,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
     bf16 autocast needs no gradient scaler (its exponent range is fp32's) and on Ampere and later GPUs runs
     the matmuls on the bf16 tensor cores; on a CPU fp32 is the safe default (bf16 pays only with
-    AVX512_BF16 or AMX, see ``cpu_has_native_bf16``), so "auto" never picks it there.
+    AVX512_BF16 or AMX, see ``cpu_has_native_bf16``), so "auto" never picks it there. The precision row of
+    ``txl.model.plan.CHOICES`` (which this module sits below) says the same; tests/test_plan.py holds them equal.
     """
     if precision != "auto":
         return precision

@@ -41,7 +41,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting
+from txl.model import casting, plan
 from txl.model.kernels import compute_dtype
 
 
@@ -65,16 +65,13 @@ def rows_mode(setting: str, device: torch.device) -> str:
     """
     if torch.compiler.is_compiling():
         return "all"
-    if setting == "auto":
-        return "selected" if device.type == "cpu" else "all"
-    return setting
+    return plan.resolved("cluster_rows", setting, device.type)
 
 
 def pad_multiple(setting: int, device: torch.device) -> int:
-    """``ModelConfig.softmax_pad`` resolved on ``device``: the multiple each softmax width is padded to."""
-    if setting:
-        return setting
-    return 64 if device.type == "cuda" else 1
+    """``ModelConfig.softmax_pad`` resolved on ``device``: the multiple each softmax width is padded to
+    (``txl.model.plan``)."""
+    return plan.resolved("softmax_pad", setting, device.type)
 
 
 def cluster_of(target: torch.Tensor, cutoffs: list[int]) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
+from txl.model import plan
 
 
 def rare_positions(n: int, q: float, device: torch.device, *, first: int | None = None) -> torch.Tensor:
@@ -175,9 +176,10 @@ class _Sampler:
 
     def torch_kernel(self, x: torch.Tensor) -> bool:
         """``F.dropout`` instead: under torch.compile (which fuses it), at p = 1 (everything dropped, as
-        ``nn.Dropout`` does it), and for the gaps off the CPU (torch's fused kernel is fast there)."""
+        ``nn.Dropout`` does it), and for the gaps off the CPU (torch's fused kernel is fast there:
+        ``txl.model.plan``)."""
         return (torch.compiler.is_compiling() or self.p >= 1.0
-                or (self.sampler == "gaps" and x.device.type != "cpu"))
+                or (self.sampler == "gaps" and plan.resolved("dropout_impl", "fast", x.device.type) == "torch"))
 
     def draw(self, x: torch.Tensor, *, relu: bool) -> torch.Tensor:
         """dropout(x), or dropout(relu(x)), in training with this module's sampler."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, kernels
+from txl.model import casting, kernels, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
@@ -34,10 +34,8 @@ from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_fre
 
 
 def residual_mode(setting: str, device: torch.device) -> str:
-    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params'."""
-    if setting == "auto":
-        return "compute" if device.type == "cuda" else "params"
-    return setting
+    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params' (``txl.model.plan``)."""
+    return plan.resolved("residual_dtype", setting, device.type)
 
 
 class FeedForward(nn.Module):
