@@ -150,7 +150,9 @@ class Requests:
 
         Tokens are chosen as `txl generate` chooses them (``txl.decoding.Picker``: a seed is row 0's, the
         repetition penalty counts the tokens since the session's last segment boundary, the memory's are not
-        kept); ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
+        kept), on the model's device by the runner (``txl.serve.runner.draw``): the host reads each token's id and
+        log-prob with one small copy a step, and the next step's input never leaves the device;
+        ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
         ``on_token(id, log-prob, top alternatives, end)`` sees each token as it is drawn, before the text its push
         releases goes out (``end``: the length of the text then, held text included), and
         ``on_token(None, None, None, end)`` once the text stream has finished.
@@ -162,10 +164,10 @@ class Requests:
         try:
             pick = Picker(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                           seeds=None if seed is None else [seed], stop_tokens=stop_tokens, top_logprobs=top_logprobs,
-                          vocab_size=self.m.model.config.vocab_size)
+                          vocab_size=self.m.model.config.vocab_size, device=self.m.device)
         except ValueError as err:
             raise ClientError(400, "stop_token_ids", str(err)) from None
-        pick.see(torch.tensor([state.tokens]))
+        pick.see(torch.tensor([state.tokens], device=self.m.device))  # drawn on the device, by the runner
         stream = TextStream(self.tokenizer, context=state.tokens)
         texts = StopText(stop)
         produced: list[int] = []
@@ -178,30 +180,31 @@ class Requests:
                     and kept.inputs == len(state.tokens) - 1):
                 # The last generation's rows read every token but its last one, with the same memory and the same
                 # context a prefill would give them: one step from them, batched with the others' steps.
-                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv, compressed=state.compressed)
+                r = yield Unit("step", state.tokens[-1:], kept.memory, kv=kept.kv, compressed=state.compressed,
+                               pick=pick)
             else:
-                r = yield Unit("prefill", state.tokens, state.memory, compressed=state.compressed)
+                r = yield Unit("prefill", state.tokens, state.memory, compressed=state.compressed, pick=pick)
         for i in range(max_tokens):
             if job.cancelled:
                 finish = "cancelled"
                 break
-            step = pick(r.next_log_probs[None])  # (V,) -> one row
-            token = int(step.tokens[0])
+            drawn, b = r.drawn  # drawn on the device by the runner; the host reads the id and its log-prob
+            token, logprob, top = drawn.get(b)
             produced.append(token)
-            chosen.append(float(step.logprobs[0]))
-            if step.top is not None:
-                tops.append({self.tokenizer.token_text(t): v for t, v in step.top[0]})
+            chosen.append(logprob)
+            if top is not None:
+                tops.append({self.tokenizer.token_text(t): v for t, v in top})
             stopped = texts.push(stream.push(token))
             if on_token is not None:  # before its text goes out; ``end``: where the text pushed so far ends
-                on_token(token, chosen[-1], tops[-1] if step.top is not None else {}, len(texts.text))
-            if stopped or bool(step.stopped[0]):
+                on_token(token, chosen[-1], tops[-1] if top is not None else {}, len(texts.text))
+            if stopped or token in pick.stop_set:
                 finish = "stop"
                 break
             piece = texts.show()
             if piece and on_text is not None:
                 on_text(piece)
             if i + 1 < max_tokens:
-                r = yield Unit("step", [token], row=r.row)
+                r = yield Unit("step", [token], row=r.row, pick=pick, after=r.drawn)  # its input stays on the device
         if not texts.stopped:  # the last token's text (a stop token's too)
             if texts.push(stream.finish()):
                 finish = "stop"

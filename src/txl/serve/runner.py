@@ -27,9 +27,9 @@ import torch
 
 from txl.compiled_step import compiled_step_error
 from txl.config import Context
-from txl.decoding import Decoder, Rows, read
+from txl.decoding import Decoder, Picker, Rows, read
 
-__all__ = ["Model", "Result", "Unit"]
+__all__ = ["Drawn", "Model", "Result", "Unit", "draw"]
 
 
 @dataclass
@@ -50,6 +50,12 @@ class Unit:
     """'score': also the ``top`` most likely tokens at each position (a completion's echoed prompt)."""
     compressed: torch.Tensor | None = None
     """A compressive model's (cmem_len > 0) compressed memory (L, C, d) beside ``memory`` (None: empty)."""
+    pick: Picker | None = None
+    """'prefill' and 'step': the generation's sampler (on the model's device): the runner draws the next token with
+    it on the device (``Result.drawn``); None: only the log-probabilities (``Result.next_log_probs``)."""
+    after: tuple[Drawn, int] | None = None
+    """'step': where its input token was drawn (the last step's ``Result.drawn``): read there, on the device, rather
+    than copied from ``inputs`` (which holds the same id)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -62,7 +68,7 @@ class Result:
     logprobs: list[float] | None = None
     """'score': log p(labels[t]) for each t."""
     next_log_probs: torch.Tensor | None = None
-    """'prefill' and 'step': (V,) log-probabilities of the next token."""
+    """'prefill' and 'step': (V,) log-probabilities of the next token, on the model's device."""
     memory: torch.Tensor | None = None
     """'score': the row's new memory (L, m', d)."""
     compressed: torch.Tensor | None = None
@@ -71,6 +77,54 @@ class Result:
     """'prefill' and 'step': the row in the generation batch (``Rows.take`` gives its memory, keys, values)."""
     top: list[tuple[list[int], list[float]]] | None = None
     """'score' with ``Unit.top``: at each position, the most likely next tokens' ids and log-probs."""
+    drawn: tuple[Drawn, int] | None = None
+    """'prefill' and 'step' with ``Unit.pick``: the batch's drawn tokens and this row's index in them."""
+
+
+class Drawn:
+    """The tokens a generation batch drew: on the device, where the next step reads them as its input, and on
+    their way to the host, with one small copy (ids and their log-probabilities, (2, B)) that the host waits for
+    only when it reads them (``get``): on CUDA a non-blocking copy into pinned memory and an event, so the device
+    runs on while the host learns the tokens."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor,
+                 tops: list[list[tuple[int, float]] | None]) -> None:
+        self.tokens = tokens  # (B,) int64 on the device
+        self.tops = tops
+        packed = torch.stack([tokens.double(), logprobs.double()])  # (2, B): ids below 2**53 are exact in float64
+        self._event = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)  # (2, B)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._values: tuple[list[int], list[float]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tops)
+
+    def get(self, b: int) -> tuple[int, float, list[tuple[int, float]] | None]:
+        """Row b's token, its log-probability under the model, and its top alternatives (None: not asked)."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()  # this step's copy alone, not the device's whole queue
+            ids, lps = self._host.tolist()
+            self._values = [int(i) for i in ids], lps
+        return self._values[0][b], self._values[1][b], self.tops[b]
+
+
+def draw(log_probs: torch.Tensor, picks: list[Picker]) -> Drawn:
+    """Each row's next token from (B, V) ``log_probs`` by its own ``Picker``, on their device. Greedy rows without
+    a penalty or alternatives to report (the common case) are one argmax together; the others as `txl generate`
+    draws them, row by row (a row's seed is its own)."""
+    if all(p.temperature == 0 and p.penalty == 1.0 and not p.top_logprobs for p in picks):
+        tokens = log_probs.argmax(-1)  # (B,): what each row's picker would choose
+        return Drawn(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), [None] * len(picks))
+    parts = [p(log_probs[b:b + 1]) for b, p in enumerate(picks)]  # (1, V) each
+    return Drawn(torch.cat([p.tokens for p in parts]), torch.cat([p.logprobs for p in parts]),
+                 [None if p.top is None else p.top[0] for p in parts])
 
 
 class Model:
@@ -112,7 +166,7 @@ class Model:
         if self.cmem_len:
             return self._run_compressive(kind, units)
         T = len(units[0].inputs)
-        x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
+        x = self._inputs(units)  # (B, T)
         if kind == "score":
             rows = self.decoder.rows([(u.memory, None) for u in units], cached=False)  # left-padded memories
             y = torch.tensor([u.labels for u in units], dtype=torch.long, device=self.device)  # (B, T)
@@ -133,9 +187,33 @@ class Model:
                 top = [(i[:u.top], v[:u.top]) for i, v in zip(ids[b], values[b])] if u.top else None
                 results.append(Result(logprobs=lp[b].tolist(), memory=mem, top=top))
             return results
-        next_lp, new = self.decoder.run(x, self._rows(kind, units))
-        next_lp = next_lp.cpu()  # (B, V): sampled on the host
-        return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
+        next_lp, new = self.decoder.run(x, self._rows(kind, units))  # (B, V) on the device
+        return self._drawn(units, next_lp, [(new, b) for b in range(len(units))])
+
+    def _inputs(self, units: list[Unit]) -> torch.Tensor:
+        """The units' (B, T) input ids on the device: a step's from the tokens the last step drew there (one
+        gather when only some of its rows go on), else copied from the host."""
+        first = units[0].after
+        if first is not None and all(u.after is not None and u.after[0] is first[0] for u in units):
+            idx = [u.after[1] for u in units]
+            tokens = first[0].tokens  # (B',)
+            if idx != list(range(len(first[0]))):
+                tokens = tokens.index_select(0, torch.tensor(idx, device=tokens.device))  # (B,)
+            return tokens[:, None]  # (B, 1)
+        return torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
+
+    @staticmethod
+    def _drawn(units: list[Unit], next_lp: torch.Tensor, rows: list) -> list[Result]:
+        """The results of a generation unit group: each row's next log-probs (B, V) and its row, and, when the units
+        carry their samplers, the tokens drawn on the device."""
+        picks = [u.pick for u in units]
+        drawn = None
+        if any(p is not None for p in picks):
+            if any(p is None for p in picks):
+                raise ValueError("a generation unit group mixes units with and without a sampler (Unit.pick)")
+            drawn = draw(next_lp, picks)
+        return [Result(next_log_probs=next_lp[b], row=row, drawn=None if drawn is None else (drawn, b))
+                for b, row in enumerate(rows)]
 
     def _rows(self, kind: str, units: list[Unit]) -> Rows:
         """The batch a generation unit group runs on: prefill's memories, one batch's rows as they are (or a
@@ -209,10 +287,8 @@ class Model:
     def _generate(self, units: list[Unit], rows: Rows) -> list[Result]:
         """Prefill or step ``units`` after ``rows`` (no pads) through the decoder: the rows it returns hold the
         model's state (every token read kept uncompressed) and the keys and values of its window."""
-        x = torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
-        next_lp, new = self.decoder.run(x, rows)
-        next_lp = next_lp.cpu()  # (B, V)
-        return [Result(next_log_probs=next_lp[b], row=(new, b)) for b in range(len(units))]
+        next_lp, new = self.decoder.run(self._inputs(units), rows)  # (B, V) on the device
+        return self._drawn(units, next_lp, [(new, b) for b in range(len(units))])
 
     def _score(self, units: list[Unit], state) -> list[Result]:
         """Read one group of score units of equal state lengths as `txl score` reads: both memories after it are
