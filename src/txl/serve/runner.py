@@ -21,13 +21,17 @@ rows on the model's device).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from txl.captured_step import StepGraphs
 from txl.compiled_step import compiled_step_error
 from txl.config import Context
 from txl.decoding import Decoder, Picker, Rows, read
+from txl.serve.slots import Seat, Slots
 
 __all__ = ["Drawn", "Model", "Result", "Unit", "draw"]
 
@@ -115,12 +119,12 @@ class Drawn:
         return self._values[0][b], self._values[1][b], self.tops[b]
 
 
-def draw(log_probs: torch.Tensor, picks: list[Picker]) -> Drawn:
+def draw(log_probs: torch.Tensor, picks: list[Picker], greedy: torch.Tensor | None = None) -> Drawn:
     """Each row's next token from (B, V) ``log_probs`` by its own ``Picker``, on their device. Greedy rows without
-    a penalty or alternatives to report (the common case) are one argmax together; the others as `txl generate`
-    draws them, row by row (a row's seed is its own)."""
+    a penalty or alternatives to report (the common case) are one argmax together (``greedy``: (B,) taken already,
+    by the captured step); the others as `txl generate` draws them, row by row (a row's seed is its own)."""
     if all(p.temperature == 0 and p.penalty == 1.0 and not p.top_logprobs for p in picks):
-        tokens = log_probs.argmax(-1)  # (B,): what each row's picker would choose
+        tokens = log_probs.argmax(-1) if greedy is None else greedy  # (B,): what each row's picker would choose
         return Drawn(tokens, log_probs.gather(1, tokens[:, None]).squeeze(1), [None] * len(picks))
     parts = [p(log_probs[b:b + 1]) for b, p in enumerate(picks)]  # (1, V) each
     return Drawn(torch.cat([p.tokens for p in parts]), torch.cat([p.logprobs for p in parts]),
@@ -133,9 +137,14 @@ class Model:
     (as `txl generate` generates)."""
 
     def __init__(self, model, *, segment_len: int, context: Context | None = None, mem_len: int | None = None,
-                 same_length: bool | None = None, clamp_len: int | None = None, compile: bool = False) -> None:
+                 same_length: bool | None = None, clamp_len: int | None = None, compile: bool = False,
+                 graphs: Literal["auto", "on", "off"] = "auto", graph_backend: str | Callable | None = None) -> None:
         """``context``: the reading context (``ServeConfig.context``); or its fields, None being the model's.
-        ``compile``: generation steps through one compiled graph (``Decoder``'s ``compile``)."""
+        ``compile``: generation steps through one compiled graph (``Decoder``'s ``compile``; with ``graphs``: the
+        captured step compiled by inductor before capture). ``graphs``: generation steps in the preallocated slots
+        (``txl.serve.slots``), captured as CUDA graphs: 'auto' on CUDA where the model allows it, 'on' wherever the
+        model allows it (on a CPU the same step uncaptured: what the tests check), 'off' never.
+        ``graph_backend``: torch.compile's backend for that step (None: inductor with ``compile``, else eager)."""
         c = model.config
         self.model = model.eval()
         self.n_layer, self.d_model, self.n_head, self.d_head = c.n_layer, c.d_model, c.n_head, c.d_head
@@ -152,19 +161,49 @@ class Model:
                              f"(got {context.same_length})")
         # Generation: the memory keeps every row (BIG), keys and values cached where the attention allows; a
         # server never changes its weights.
-        if compile and (why := compiled_step_error(model)) is not None:
+        why = compiled_step_error(model)
+        if compile and why is not None:
             raise ValueError(f"serve.compile: {why}; serve this model without --serve.compile")
-        self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False, compile=compile)
+        p = next(model.parameters())
+        if graphs == "on" and why is not None:
+            raise ValueError(f"serve.graphs on: {why}; serve this model with --serve.graphs auto or off")
+        use_slots = why is None and (graphs == "on" or (graphs == "auto" and p.device.type == "cuda"))
+        self.decoder = Decoder(model, clamp_len=context.clamp_len, check_weights=False,
+                               compile=compile and not use_slots)
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
+        self.slots: Slots | None = None
+        if use_slots:
+            capture = self.device.type == "cuda"
+            backend = graph_backend or ("inductor" if compile else None)
+            steps = StepGraphs(model, window=self.decoder.context.mem_len, capture=capture, backend=backend)
+            self.slots = Slots(model, steps, table=self._table, window=self.decoder.context.mem_len,
+                               device=self.device, dtype=self.dtype)
+            how = "captured as CUDA graphs" if capture else "not captured (no CUDA)"
+            self.steps = f"generation steps: the static-buffer decode step, {how}, one per batch bucket" + (
+                f", compiled ({backend})" if backend else "")
+        else:
+            reason = why or ("--serve.graphs off" if graphs == "off" else "no CUDA device")
+            self.steps = f"generation steps: {'compiled' if compile else 'eager'}, not captured ({reason})"
+        """What runs the generation steps, in one line (the server logs it at start-up)."""
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
         self.generation_reads_alike = not context.same_length
 
+    def _table(self, need: int, model) -> tuple[torch.Tensor, ...]:
+        """The positional table for ``need`` distances (grown in the decoder, which its eager steps share)."""
+        d = self.decoder
+        d.table = model.encoding.grow_table([layer.attn for layer in model.layers], d.table, need,
+                                            d.context.clamp_len, d_model=model.config.d_model, dtype=self.dtype,
+                                            device=self.device)
+        return d.table
+
     @torch.no_grad()
     def run(self, kind: str, units: list[Unit]) -> list[Result]:
         if self.cmem_len:
             return self._run_compressive(kind, units)
+        if kind == "step" and self.slots is not None:
+            return self._run_slots(units)
         T = len(units[0].inputs)
         x = self._inputs(units)  # (B, T)
         if kind == "score":
@@ -190,6 +229,24 @@ class Model:
         next_lp, new = self.decoder.run(x, self._rows(kind, units))  # (B, V) on the device
         return self._drawn(units, next_lp, [(new, b) for b in range(len(units))])
 
+    def _run_slots(self, units: list[Unit]) -> list[Result]:
+        """Step ``units`` in the preallocated slots (``Slots.step``): a row that stepped last round is there already;
+        another (just prefilled, kept in its session, or out of the slots a while) is seated first."""
+        seats, parts = [], []
+        for u in units:
+            if u.row is not None and isinstance(u.row[0], Seat) and u.row[0].slots is self.slots:
+                seat = u.row[0]
+                part = seat.saved  # None while seated
+            else:
+                seat = Seat(self.slots)
+                part = u.row[0].take(u.row[1]) if u.row is not None else (u.memory, u.kv)
+                if part[0] is None:  # nothing read yet: no rows
+                    part = (torch.zeros(self.n_layer, 0, self.d_model, device=self.device, dtype=self.dtype), None)
+            seats.append(seat)
+            parts.append(part)
+        log_probs, greedy = self.slots.step(seats, parts, self._inputs(units))  # (B, V), (B,)
+        return self._drawn(units, log_probs, [(s, 0) for s in seats], greedy)
+
     def _inputs(self, units: list[Unit]) -> torch.Tensor:
         """The units' (B, T) input ids on the device: a step's from the tokens the last step drew there (one
         gather when only some of its rows go on), else copied from the host."""
@@ -203,7 +260,8 @@ class Model:
         return torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
 
     @staticmethod
-    def _drawn(units: list[Unit], next_lp: torch.Tensor, rows: list) -> list[Result]:
+    def _drawn(units: list[Unit], next_lp: torch.Tensor, rows: list, greedy: torch.Tensor | None = None
+               ) -> list[Result]:
         """The results of a generation unit group: each row's next log-probs (B, V) and its row, and, when the units
         carry their samplers, the tokens drawn on the device."""
         picks = [u.pick for u in units]
@@ -211,7 +269,7 @@ class Model:
         if any(p is not None for p in picks):
             if any(p is None for p in picks):
                 raise ValueError("a generation unit group mixes units with and without a sampler (Unit.pick)")
-            drawn = draw(next_lp, picks)
+            drawn = draw(next_lp, picks, greedy)
         return [Result(next_log_probs=next_lp[b], row=row, drawn=None if drawn is None else (drawn, b))
                 for b, row in enumerate(rows)]
 
