@@ -92,7 +92,6 @@ class StepGraphs:
         fn = self._step
         self.fn = fn if backend is None else torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = None  # the graphs' shared memory pool (CUDA)
 
     def _step(self, ids, memory, keys, values, table, lens, col):
         return ring_step(self.model, ids, memory, keys, values, table, lens, col, self.window)
@@ -129,9 +128,11 @@ class StepGraphs:
                 col.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Each bucket's graph in a memory pool of its own: buckets replay in any order, and a shared pool is safe
+        # only when graphs replay in the order they were captured. thread_local: the session writer's threads may
+        # copy tensors meanwhile, which a global capture would refuse.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self.fn(*args)
-        self.pool = graph.pool()
         lens.copy_(saved[0])  # capture recorded the step without running it: nothing moved, but to be plain
         col.copy_(saved[1])
         return graph, out
