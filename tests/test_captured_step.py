@@ -205,3 +205,53 @@ def test_the_runner_says_which_step_generates():
     assert "attn_type='absolute'" in Model(absolute, **ctx).steps
     with pytest.raises(ValueError, match=r"serve.graphs on: attn_type='absolute'.*--serve.graphs auto or off"):
         Model(absolute, graphs="on", **ctx)
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tmp_path, monkeypatch, graphs):
+    """A request with no stop text, stop token or stream lets its steps run on without the host reading a token
+    (each step reads the last one's on the device); it reads them all after the last step, and generates what a
+    streamed request generates (greedy and seeded), token for token."""
+    from serve_util import loader, make_model_dir
+
+    from txl.serve.engine import Engine
+    from txl.serve.runner import Drawn
+    from txl.serve.session import SessionState, SessionStore
+
+    model, tokenizer, _ = loader(make_model_dir(tmp_path / "m"))()
+    m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs=graphs)
+    engine = Engine(m, tokenizer, SessionStore(tmp_path / "s", max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
+                    durable=False)
+    job = type("Job", (), {"cancelled": False})()
+    events: list[str] = []
+    get = Drawn.get
+    monkeypatch.setattr(Drawn, "get", lambda self, b: (events.append("read"), get(self, b))[1])
+    outs = []
+    for seed, streamed in ((None, False), (None, True), (5, False), (5, True)):
+        state = SessionState(id="", tokens=list(engine.context_ids))
+        work = engine.read_ids(state, [int(i) for i in tokenizer.encode_prompt("The cat sat")])
+        try:
+            unit = next(work)
+            while True:
+                unit = work.send(m.run(unit.kind, [unit])[0])
+        except StopIteration:
+            pass
+        events.clear()
+        work = engine.generate(state, max_tokens=12, temperature=0.0 if seed is None else 1.0, top_k=0, top_p=1.0,
+                               seed=seed, stop=[], job=job, on_text=(lambda piece: None) if streamed else None)
+        try:
+            unit = next(work)
+            while True:
+                if unit.kind in ("prefill", "step"):
+                    events.append(unit.kind)
+                unit = work.send(m.run(unit.kind, [unit])[0])
+        except StopIteration as stop:
+            outs.append(stop.value)
+        steps = events.count("step") + events.count("prefill")
+        if streamed:
+            assert events.index("read") < events.index("step")
+        else:
+            assert events[:steps] == ["prefill"] + ["step"] * 11 and events[steps:] == ["read"] * 12
+    assert outs[0]["ids"] == outs[1]["ids"] and outs[2]["ids"] == outs[3]["ids"] and outs[0]["ids"] != outs[2]["ids"]
+    assert outs[0]["text"] == outs[1]["text"] and outs[2]["text"] == outs[3]["text"]
+    assert outs[0]["logprobs"] == pytest.approx(outs[1]["logprobs"], abs=1e-6)

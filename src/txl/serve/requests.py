@@ -151,7 +151,8 @@ class Requests:
         Tokens are chosen as `txl generate` chooses them (``txl.decoding.Picker``: a seed is row 0's, the
         repetition penalty counts the tokens since the session's last segment boundary, the memory's are not
         kept), on the model's device by the runner (``txl.serve.runner.draw``): the host reads each token's id and
-        log-prob with one small copy a step, and the next step's input never leaves the device;
+        log-prob with one small copy a step (all after the last step when no stop rule or stream needs them
+        sooner), and the next step's input never leaves the device;
         ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
         ``on_token(id, log-prob, top alternatives, end)`` sees each token as it is drawn, before the text its push
         releases goes out (``end``: the length of the text then, held text included), and
@@ -184,16 +185,31 @@ class Requests:
                                pick=pick)
             else:
                 r = yield Unit("prefill", state.tokens, state.memory, compressed=state.compressed, pick=pick)
-        for i in range(max_tokens):
-            if job.cancelled:
-                finish = "cancelled"
-                break
-            drawn, b = r.drawn  # drawn on the device by the runner; the host reads the id and its log-prob
-            token, logprob, top = drawn.get(b)
+
+        def take(drawn: tuple) -> tuple[int, list | None]:
+            """The host reads a drawn token (its id, its log-prob, its alternatives) into the generation's lists."""
+            token, logprob, top = drawn[0].get(drawn[1])
             produced.append(token)
             chosen.append(logprob)
             if top is not None:
                 tops.append({self.tokenizer.token_text(t): v for t, v in top})
+            return token, top
+
+        # Without a stop rule or a stream nothing needs a token before the generation ends: the steps run on, each
+        # reading the last one's token on the device (``Unit.after``; its ``inputs`` unknown here, -1), and the host
+        # reads them all after the last step, never waiting for the device between steps.
+        deferred = not stop and not pick.stop_set and on_text is None and on_token is None
+        pending: list[tuple] = []
+        for i in range(max_tokens):
+            if job.cancelled:
+                finish = "cancelled"
+                break
+            if deferred:
+                pending.append(r.drawn)
+                if i + 1 < max_tokens:
+                    r = yield Unit("step", [-1], row=r.row, pick=pick, after=r.drawn)
+                continue
+            token, top = take(r.drawn)  # drawn on the device by the runner; the host reads the id and its log-prob
             stopped = texts.push(stream.push(token))
             if on_token is not None:  # before its text goes out; ``end``: where the text pushed so far ends
                 on_token(token, chosen[-1], tops[-1] if top is not None else {}, len(texts.text))
@@ -205,6 +221,8 @@ class Requests:
                 on_text(piece)
             if i + 1 < max_tokens:
                 r = yield Unit("step", [token], row=r.row, pick=pick, after=r.drawn)  # its input stays on the device
+        for drawn in pending:  # deferred: no stop text nor token, so nothing stops them
+            texts.push(stream.push(take(drawn)[0]))
         if not texts.stopped:  # the last token's text (a stop token's too)
             if texts.push(stream.finish()):
                 finish = "stop"

@@ -59,7 +59,7 @@ class Unit:
     it on the device (``Result.drawn``); None: only the log-probabilities (``Result.next_log_probs``)."""
     after: tuple[Drawn, int] | None = None
     """'step': where its input token was drawn (the last step's ``Result.drawn``): read there, on the device, rather
-    than copied from ``inputs`` (which holds the same id)."""
+    than copied from ``inputs`` (which holds the same id, or -1 when the host has not read it)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -257,6 +257,9 @@ class Model:
             if idx != list(range(len(first[0]))):
                 tokens = tokens.index_select(0, torch.tensor(idx, device=tokens.device))  # (B,)
             return tokens[:, None]  # (B, 1)
+        if any(u.after is not None for u in units):  # rows of several batches: each token where it was drawn
+            return torch.cat([u.after[0].tokens[u.after[1]:u.after[1] + 1] if u.after is not None else
+                              torch.tensor(u.inputs, dtype=torch.long, device=self.device) for u in units])[:, None]
         return torch.tensor([u.inputs for u in units], dtype=torch.long, device=self.device)  # (B, T)
 
     @staticmethod
