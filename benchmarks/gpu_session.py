@@ -128,7 +128,7 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         Step("serve-captured", "serving: the captured decode step (a CUDA graph per batch bucket) beside eager and "
                                "compiled, the small and the wt103-shaped model",
              (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch, "--captured",
-              "--shapes", "small", "wt103",
+              "--at-end", "--shapes", "small", "wt103",
               *(["--repeats", "1", "--steps", "2", "--segment-len", "16", "--wt103-mem-len", "16"] if smoke else
                 ["--compile", "--repeats", "3", "--steps", "32"])), 480, 120),
         Step("launches", "launched ops, copies and host syncs of one NVIDIA-structured step, counted on the device "

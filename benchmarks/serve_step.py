@@ -8,7 +8,9 @@ copies back, as its server did); batch sizes are interleaved, repeated, and the 
 with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation steps
 (``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--captured`` adds the
 static-buffer decode step (``txl.captured_step``: captured as a CUDA graph per batch bucket on CUDA, the same step
-uncaptured on a CPU), and with ``--compile`` that step compiled by inductor before capture. ``--profile`` prints
+uncaptured on a CPU), and with ``--compile`` that step compiled by inductor before capture; ``--at-end`` also
+times this tree's generation with the host reading the tokens after the last step (a request with no stop rule or
+stream: no wait for the device between steps). ``--profile`` prints
 torch.profiler's top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate of a
 read per batch size against a large matmul's (whether batching can still pay).
 
@@ -105,6 +107,8 @@ def main() -> None:
                    "steps (txl.compiled_step), interleaved with its eager engine; a first untimed round compiles")
     p.add_argument("--captured", action="store_true", help="also this tree's engine with the static-buffer decode "
                    "step (txl.captured_step; CUDA graphs on CUDA), and with --compile that step compiled")
+    p.add_argument("--at-end", action="store_true", help="also this tree's generation with the host reading the "
+                   "tokens after the last step (a request with no stop rule or stream), beside every step")
     p.add_argument("--shapes", nargs="+", choices=("small", "wt103"), default=["small"])
     p.add_argument("--wt103-mem-len", type=int, default=1600, help="the wt103 shape's memory rows per session")
     p.add_argument("--flops", action="store_true", help="also the FLOP of one read per batch size "
@@ -166,9 +170,9 @@ def measure(args, shape: str) -> None:
         m.run("score", units)
         return B * S
 
-    def generate(tree: str, B: int) -> tuple[int, float]:
+    def generate(tree: str, B: int, at_end: bool = False) -> tuple[int, float]:
         # Prefill alone per session (their lengths differ in the server), then the steps batched, greedy; the host
-        # reads every token (the server's stop rules and streaming need it).
+        # reads every token (the server's stop rules and streaming need it), or all after the last step (at_end).
         m, Unit, Picker = engines[tree]
         on_device = "pick" in Unit.__dataclass_fields__  # this tree: drawn on the device, the input left there
         pick = Picker(temperature=0.0, vocab_size=V, **({"device": m.device} if on_device else {}))
@@ -176,8 +180,12 @@ def measure(args, shape: str) -> None:
         rows = [m.run("prefill", [Unit("prefill", torch.randint(0, V, (S,), generator=g).tolist(),
                                        memory(m), **drawn)])[0] for _ in range(B)]
         start = clock()
+        pending = []
         for _ in range(args.steps):
-            if on_device:
+            if on_device and at_end:
+                pending.append([r.drawn for r in rows])
+                rows = m.run("step", [Unit("step", [-1], row=r.row, pick=pick, after=r.drawn) for r in rows])
+            elif on_device:
                 tokens = [r.drawn[0].get(r.drawn[1])[0] for r in rows]
                 rows = m.run("step", [Unit("step", [t], row=r.row, pick=pick, after=r.drawn)
                                       for t, r in zip(tokens, rows)])
@@ -185,7 +193,8 @@ def measure(args, shape: str) -> None:
                 tokens = [int(pick(r.next_log_probs[None]).tokens[0]) for r in rows]
                 rows = m.run("step", [Unit("step", [t], row=r.row) for t, r in zip(tokens, rows)])
         if on_device:
-            [r.drawn[0].get(r.drawn[1]) for r in rows]  # the last step's tokens reach the host: its time counts
+            for drawn in [*pending, [r.drawn for r in rows]]:  # the tokens reach the host: their time counts
+                [d.get(b) for d, b in drawn]
         return B * args.steps, clock() - start
 
     if args.compile or args.captured:  # compiled graphs are made (CUDA graphs captured) on first use: not timed
@@ -202,14 +211,17 @@ def measure(args, shape: str) -> None:
                     times.setdefault((tree, "read", B), []).append(n / (clock() - start))
                 n, seconds = generate(tree, B)
                 times.setdefault((tree, "generate steps", B), []).append(n / seconds)
+                if args.at_end and not tree.startswith("old"):  # an older engine reads every token
+                    n, seconds = generate(tree, B, at_end=True)
+                    times.setdefault((tree, "steps, read at end", B), []).append(n / seconds)
     for tree in trees:
-        for what in ("read", "generate steps"):
+        for what in ("read", "generate steps", "steps, read at end"):
             if (tree, what, args.batch[0]) not in times:
                 continue
             one = statistics.median(times[(tree, what, args.batch[0])])
             for B in args.batch:
                 rate = statistics.median(times[(tree, what, B)])
-                print(f"{tree}{what:>15} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
+                print(f"{tree}{what:>18} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
     if args.flops:  # is a read compute-bound? its FLOP rate against the core's matmul rate
         from torch.utils.flop_counter import FlopCounterMode
 
