@@ -87,8 +87,9 @@ def generate(m: Model, steps: int, away: range = range(0)) -> tuple[list[list[in
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3, 7)]
     memories = [None, torch.randn(2, 4, 32, generator=g), torch.randn(2, 8, 32, generator=g)]
-    picks = [Picker(temperature=0.0, vocab_size=V), Picker(temperature=1.0, seeds=[3], vocab_size=V),
-             Picker(temperature=0.0, repetition_penalty=1.3, vocab_size=V)]
+    picks = [Picker(temperature=0.0, vocab_size=V, device=m.device),
+             Picker(temperature=1.0, seeds=[3], vocab_size=V, device=m.device),
+             Picker(temperature=0.0, repetition_penalty=1.3, vocab_size=V, device=m.device)]
     results = [m.run("prefill", [Unit("prefill", p, mem, pick=k)])[0] for p, mem, k in zip(prompts, memories, picks)]
     tokens = [[r.drawn[0].get(r.drawn[1])[0]] for r in results]
     log_probs = []
@@ -255,3 +256,27 @@ def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tm
     assert outs[0]["ids"] == outs[1]["ids"] and outs[2]["ids"] == outs[3]["ids"] and outs[0]["ids"] != outs[2]["ids"]
     assert outs[0]["text"] == outs[1]["text"] and outs[2]["text"] == outs[3]["text"]
     assert outs[0]["logprobs"] == pytest.approx(outs[1]["logprobs"], abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile", [False, True])
+def test_on_cuda_the_captured_graphs_generate_what_the_eager_engine_generates(compile):
+    """On a GPU: the steps replayed as CUDA graphs (each bucket captured once; compiled by inductor first with
+    ``compile``) give the eager engine's tokens (greedy, seeded, penalised) with rows leaving and coming back and
+    the ring outgrowing its first buffers, log-probs within float tolerance; one graph per bucket used (4, and 2
+    while row 1 is away)."""
+    model = model_of().cuda()
+    ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=0)
+    eager = generate(Model(model, graphs="off", **ctx), 150, away=range(40, 60))
+    captured_model = Model(model, graphs="auto", compile=compile, **ctx)
+    assert "captured as CUDA graphs" in captured_model.steps
+    captured = generate(captured_model, 150, away=range(40, 60))
+    assert sorted(captured_model.slots.graphs.graphs) == [2, 4]
+    assert captured[0] == eager[0]
+    tol = dict(atol=1e-4, rtol=1e-4) if compile else dict(atol=1e-5, rtol=1e-5)
+    for a, b in zip(captured[1], eager[1]):
+        torch.testing.assert_close(a, b, **tol)
+    for (mem_a, kv_a), (mem_b, kv_b) in zip(captured[2], eager[2]):
+        torch.testing.assert_close(mem_a, mem_b, **tol)
+        torch.testing.assert_close(kv_a, kv_b, **tol)
