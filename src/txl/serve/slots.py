@@ -54,7 +54,7 @@ class Slots:
         self.R = self.C = 0
         self.col = 0  # the column the next step writes (the device's ``cols`` holds the same)
         self.seats: list[Seat | None] = []
-        self.index: dict[tuple[int, ...], torch.Tensor] = {}  # slot lists on the device, while the rows last
+        self.index: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)  # the last step's slots, on the device
 
     # -- the buffers -------------------------------------------------------------------------------------------
     def _allocate(self, R: int, C: int) -> None:
@@ -70,7 +70,7 @@ class Slots:
         self.table = self.grow_table(C, self.model)
         self.R, self.C, self.col = R, C, 0
         self.seats = [None] * R
-        self.index.clear()
+        self.index = ((), None)
         self.graphs.clear()
 
     def _fit(self, rows: int, longest: int) -> None:
@@ -145,9 +145,9 @@ class Slots:
         for s, (memory, kv) in incoming:
             self.seat(s, memory, kv)
         slots = tuple(s.slot for s in seats)  # all below B
-        if slots not in self.index:  # made when the rows change, not every step (a host copy)
-            self.index[slots] = torch.tensor(slots, device=self.device)
-        idx = self.index[slots]
+        if self.index[0] != slots:  # made when the rows change, not every step (a host copy)
+            self.index = (slots, torch.tensor(slots, device=self.device))
+        idx = self.index[1]
         self.ids.index_copy_(0, idx, ids)  # the rows' inputs into their slots (on the device)
         log_probs, greedy = self.graphs(B, self.ids, self.memory.unbind(0), self.keys.unbind(0),
                                         self.values.unbind(0), self.table, self.lens, self.cols)
