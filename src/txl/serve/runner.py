@@ -184,7 +184,7 @@ class Model:
         else:
             reason = why or ("--serve.graphs off" if graphs == "off" else "no CUDA device")
             self.steps = f"generation steps: {'compiled' if compile else 'eager'}, not captured ({reason})"
-        """What runs the generation steps, in one line (the server logs it at start-up)."""
+        # self.steps: what runs the generation steps, in one line (the server logs it at start-up)
         # Without same_length, a token the generation samples inside the session's unfinished segment sees what
         # reading it would show it: the boundary's memory and the tokens since, causally, at the same distances
         # (clamp_len alike). Its log-prob and its hidden states are then the reading's (Engine.read_ids).
