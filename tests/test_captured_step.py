@@ -208,6 +208,19 @@ def test_the_runner_says_which_step_generates():
         Model(absolute, graphs="on", **ctx)
 
 
+@pytest.mark.slow  # inductor's code generation: ~30 s on a CPU
+def test_the_static_step_compiled_by_inductor_generates_what_the_eager_engine_generates():
+    """The step as a GPU compiles it before capture (``--serve.compile`` with graphs): inductor's kernels, here for
+    the CPU, give the eager engine's tokens (greedy, seeded, penalised) with log-probs within 1e-4."""
+    model = model_of()
+    ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=0)
+    eager = generate(Model(model, graphs="off", **ctx), 20, away=range(8, 12))
+    compiled = generate(Model(model, graphs="on", compile=True, **ctx), 20, away=range(8, 12))
+    assert compiled[0] == eager[0]
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("graphs", ["off", "on"])
 def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tmp_path, monkeypatch, graphs):
     """A request with no stop text, stop token or stream lets its steps run on without the host reading a token
