@@ -293,3 +293,23 @@ def test_on_cuda_the_captured_graphs_generate_what_the_eager_engine_generates(co
     for (mem_a, kv_a), (mem_b, kv_b) in zip(captured[2], eager[2]):
         torch.testing.assert_close(mem_a, mem_b, **tol)
         torch.testing.assert_close(kv_a, kv_b, **tol)
+
+
+@pytest.mark.parametrize("graphs, line", [
+    ("auto", "generation steps: eager, not captured (no CUDA device)"),
+    ("on", "generation steps: the static-buffer decode step, not captured (no CUDA), one per batch bucket"),
+])
+def test_the_server_says_at_start_up_which_step_generates(tmp_path, caplog, graphs, line):
+    from serve_util import loader, make_model_dir
+
+    from txl.serve.config import ServeConfig
+    from txl.serve.server import Server
+
+    server = Server(ServeConfig(state_dir=str(tmp_path / "s"), segment_len=8, graphs=graphs),
+                    loader(make_model_dir(tmp_path / "m")))
+    with caplog.at_level("INFO", logger="txl.serve.server"):
+        server.load_model()
+    try:
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation steps")] == [line]
+    finally:
+        server.engine.stop(5)
