@@ -62,8 +62,8 @@ class ServeConfig:
     """Generation steps in preallocated buffers, each batch size's step captured once as a CUDA graph and replayed
     (``txl.captured_step``): 'auto' on CUDA for relative attention without a compressed memory, 'on' wherever the
     model allows it (a CPU runs the same step uncaptured; another model is refused at start), 'off' never (the
-    eager or compiled step). With ``compile`` the captured step is compiled by inductor first. The server says
-    which at start-up."""
+    eager or compiled step). With ``compile`` the captured step is compiled by inductor first (a compilation per
+    batch bucket, which the first generation at that batch size waits for). The server says which at start-up."""
     threads: int = 0
     """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
     model_name: str = ""

@@ -3,7 +3,9 @@
 Three parts, each a module of its own:
 
 * ``txl.serve.runner``: the model runner (``Model``): the batched forward passes of units of model work (read a
-  segment, start a generation, one generation step), the rows a generation keeps between its steps;
+  segment, start a generation, one generation step), the rows a generation keeps between its steps, the tokens
+  drawn on the device; on CUDA its steps run in preallocated slots (``txl.serve.slots``), each batch bucket's step
+  captured as a CUDA graph (``txl.captured_step``);
 * ``txl.serve.scheduler``: the worker thread and its queue (``Scheduler``, ``Job``): at most one active job per
   session, the units of the active jobs grouped by kind and length, the group ready longest run first;
 * ``txl.serve.requests``: what a request does to its session (``Requests``: read text, generate), as generators
