@@ -122,6 +122,15 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
         Step("serve-engine", "serving, the engine's batched read and generation",
              (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch,
               "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 90, 20),
+        # Issue 47: the captured decode step beside eager and compiled, the small model and transfo-xl-wt103's shape
+        # (random weights). On the GPU each engine's graphs are compiled (inductor) and captured in an untimed round
+        # first; the smoke runs the machinery on a CPU without inductor, at a short memory.
+        Step("serve-captured", "serving: the captured decode step (a CUDA graph per batch bucket) beside eager and "
+                               "compiled, the small and the wt103-shaped model",
+             (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch, "--captured",
+              "--at-end", "--shapes", "small", "wt103",
+              *(["--repeats", "1", "--steps", "2", "--segment-len", "16", "--wt103-mem-len", "16"] if smoke else
+                ["--compile", "--repeats", "3", "--steps", "32"])), 480, 120),
         Step("launches", "launched ops, copies and host syncs of one NVIDIA-structured step, counted on the device "
                          "(tests/test_launches.py holds the CPU's count of the same step)",
              (py, "-m", "benchmarks.launches", "--device", device), 120, 30),

@@ -1,15 +1,26 @@
 r"""`txl serve`'s engine without HTTP: a batched read step and a batched generation, per batch size.
 
-Runs the engine's ``Model`` directly (no server, no sampling): B sessions with memories of mem_len rows
-read one segment each as one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1)
-generation steps on the kept batch ('generate'); batch sizes are interleaved, repeated, and the median
-tokens/s of each printed with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation
-steps (``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--profile``
-prints torch.profiler's top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate
-of a read per batch size against a large matmul's (whether batching can still pay).
+Runs the engine's ``Model`` directly (no server): B sessions with memories of mem_len rows read one segment each
+as one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1) greedy generation steps on the
+kept batch ('generate'), the host reading every token as the server does (this tree: drawn on the device, the
+next step's input left there, one small copy a step; an older engine: drawn on the host from the (V,) log-probs it
+copies back, as its server did); batch sizes are interleaved, repeated, and the median tokens/s of each printed
+with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation steps
+(``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--captured`` adds the
+static-buffer decode step (``txl.captured_step``: captured as a CUDA graph per batch bucket on CUDA, the same step
+uncaptured on a CPU), and with ``--compile`` that step compiled by inductor before capture; ``--at-end`` also
+times this tree's generation with the host reading the tokens after the last step (a request with no stop rule or
+stream: no wait for the device between steps). ``--profile`` prints
+torch.profiler's top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate of a
+read per batch size against a large matmul's (whether batching can still pay).
+
+``--shapes``: 'small' (4 layers, d_model 256, the character model of the serving tests) and/or 'wt103'
+(transfo-xl-wt103's shape: 18 layers, d_model 1,024, 16 heads of 64, d_inner 4,096, the adaptive softmax with
+cutoffs 20,000 / 40,000 / 200,000 and div_val 4 over 267,735 words; random weights; ``--wt103-mem-len`` rows of
+memory per session, 1,600 as its evaluation reads).
 
     OMP_NUM_THREADS=1 python -m benchmarks.serve_step [--batch 1 8] [--repeats 5] [--threads 1] [--clock cpu]
-                                              [--compile] [--flops] [--profile]
+                                              [--compile] [--captured] [--shapes small wt103] [--flops] [--profile]
     python -m benchmarks.serve_step --device cuda --batch 1 8 32     # on a GPU (the results come back to the host)
 
 ``--baseline DIR`` interleaves, in the same process, the engine and model of an older tree: DIR holds that
@@ -52,6 +63,34 @@ def baseline_model(package, directory: Path):
     return model
 
 
+WT103 = dict(vocab_size=267735, n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096,
+             cutoffs=[20000, 40000, 200000], div_val=4, dropout=0.0)
+"""transfo-xl-wt103's shape (configs/wt103_large.toml's model, without dropout)."""
+
+
+def shape_models(shape: str, tmp: Path, trees: dict[str, str], device: str, wt103_mem_len: int) -> dict:
+    """Each tree's model of ``shape``, the same weights: 'small' saved and loaded (an older tree reads the fields it
+    knows), 'wt103' built at random (seeded) and its weights loaded into each tree's."""
+    import importlib
+
+    import txl
+
+    if shape == "small":
+        directory = make_model_dir(tmp / "model")
+        return {name: baseline_model(importlib.import_module(package), directory).to(device)
+                for name, package in trees.items()}
+    torch.manual_seed(0)
+    made = txl.TransformerXL(txl.ModelConfig(**WT103, mem_len=wt103_mem_len)).eval()
+    models = {}
+    for name, package in trees.items():
+        pkg = importlib.import_module(package)
+        model = made if pkg is txl else pkg.TransformerXL(pkg.ModelConfig(**WT103, mem_len=wt103_mem_len))
+        if model is not made:
+            model.load_state_dict(made.state_dict())
+        models[name] = model.to(device)
+    return models
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -66,12 +105,26 @@ def main() -> None:
                    "shared machine leaves out the time other processes held the core (on a GPU only 'wall' is fair)")
     p.add_argument("--compile", action="store_true", help="also run this tree's engine with compiled generation "
                    "steps (txl.compiled_step), interleaved with its eager engine; a first untimed round compiles")
+    p.add_argument("--captured", action="store_true", help="also this tree's engine with the static-buffer decode "
+                   "step (txl.captured_step; CUDA graphs on CUDA), and with --compile that step compiled")
+    p.add_argument("--at-end", action="store_true", help="also this tree's generation with the host reading the "
+                   "tokens after the last step (a request with no stop rule or stream), beside every step")
+    p.add_argument("--shapes", nargs="+", choices=("small", "wt103"), default=["small"])
+    p.add_argument("--wt103-mem-len", type=int, default=1600, help="the wt103 shape's memory rows per session")
     p.add_argument("--flops", action="store_true", help="also the FLOP of one read per batch size "
                    "(torch.utils.flop_counter) and the rate its median time makes, against one 1024^3 matmul's")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--baseline", default=None, help="a directory holding an older tree's txl as txl_old (above)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    for shape in args.shapes:
+        if len(args.shapes) > 1:
+            print(f"-- {shape}")
+        measure(args, shape)
+
+
+def measure(args, shape: str) -> None:
+    """The interleaved measurements of one model shape, printed."""
     clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     import importlib
@@ -79,23 +132,29 @@ def main() -> None:
 
     trees = {"": "txl"}
     if args.baseline:
-        sys.path.insert(0, args.baseline)
+        if args.baseline not in sys.path:
+            sys.path.insert(0, args.baseline)
         trees = {"old ": "txl_old", "new ": "txl"}
     S = args.segment_len
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        directory = make_model_dir(Path(tmp) / "model")
-        engines = {}
-        for name, package in trees.items():
-            model = baseline_model(importlib.import_module(package), directory).to(args.device)
-            engine = importlib.import_module(f"{package}.serve.engine")
-            engines[name] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len, same_length=False,
-                                          clamp_len=0), engine.Unit)
-            if args.compile and package == "txl":
-                engines[name + "compiled "] = (engine.Model(model, segment_len=S, mem_len=model.config.mem_len,
-                                                            same_length=False, clamp_len=0, compile=True),
-                                               engine.Unit)
-        trees = {name: None for name in engines}
+        models = shape_models(shape, Path(tmp), trees, args.device, args.wt103_mem_len)
+    engines = {}
+    for name, package in trees.items():
+        model = models[name]
+        engine = importlib.import_module(f"{package}.serve.engine")
+        picker = importlib.import_module(f"{package}.decoding").Picker
+        ctx = dict(segment_len=S, mem_len=model.config.mem_len, same_length=False, clamp_len=0)
+        graphs = {"graphs": "off"} if package == "txl" else {}  # the eager engine, whatever the device
+        engines[name] = (engine.Model(model, **ctx, **graphs), engine.Unit, picker)
+        if args.compile and package == "txl":
+            engines[name + "compiled "] = (engine.Model(model, **ctx, compile=True, graphs="off"), engine.Unit, picker)
+        if args.captured and package == "txl":
+            engines[name + "captured "] = (engine.Model(model, **ctx, graphs="on"), engine.Unit, picker)
+            if args.compile:
+                engines[name + "captured compiled "] = (engine.Model(model, **ctx, graphs="on", compile=True),
+                                                        engine.Unit, picker)
+    trees = {name: None for name in engines}
     c = model.config
     L, d, V = c.n_layer, c.d_model, c.vocab_size
 
@@ -105,23 +164,40 @@ def main() -> None:
         return torch.randn(L, m.mem_len, d, generator=g).to(device=args.device, dtype=m.dtype)
 
     def read(tree: str, B: int) -> int:
-        m, Unit = engines[tree]
+        m, Unit, _ = engines[tree]
         units = [Unit("score", torch.randint(0, V, (S,), generator=g).tolist(), memory(m),
                       torch.randint(0, V, (S,), generator=g).tolist()) for _ in range(B)]
         m.run("score", units)
         return B * S
 
-    def generate(tree: str, B: int) -> tuple[int, float]:
-        # Prefill alone per session (their lengths differ in the server), then the steps batched.
-        m, Unit = engines[tree]
+    def generate(tree: str, B: int, at_end: bool = False) -> tuple[int, float]:
+        # Prefill alone per session (their lengths differ in the server), then the steps batched, greedy; the host
+        # reads every token (the server's stop rules and streaming need it), or all after the last step (at_end).
+        m, Unit, Picker = engines[tree]
+        on_device = "pick" in Unit.__dataclass_fields__  # this tree: drawn on the device, the input left there
+        pick = Picker(temperature=0.0, vocab_size=V, **({"device": m.device} if on_device else {}))
+        drawn = {"pick": pick} if on_device else {}
         rows = [m.run("prefill", [Unit("prefill", torch.randint(0, V, (S,), generator=g).tolist(),
-                                       memory(m))])[0] for _ in range(B)]
+                                       memory(m), **drawn)])[0] for _ in range(B)]
         start = clock()
+        pending = []
         for _ in range(args.steps):
-            rows = m.run("step", [Unit("step", [1], row=r.row) for r in rows])
+            if on_device and at_end:
+                pending.append([r.drawn for r in rows])
+                rows = m.run("step", [Unit("step", [-1], row=r.row, pick=pick, after=r.drawn) for r in rows])
+            elif on_device:
+                tokens = [r.drawn[0].get(r.drawn[1])[0] for r in rows]
+                rows = m.run("step", [Unit("step", [t], row=r.row, pick=pick, after=r.drawn)
+                                      for t, r in zip(tokens, rows)])
+            else:  # an older engine: the (V,) log-probs on the host, drawn there, the token copied back in
+                tokens = [int(pick(r.next_log_probs[None]).tokens[0]) for r in rows]
+                rows = m.run("step", [Unit("step", [t], row=r.row) for t, r in zip(tokens, rows)])
+        if on_device:
+            for drawn in [*pending, [r.drawn for r in rows]]:  # the tokens reach the host: their time counts
+                [d.get(b) for d, b in drawn]
         return B * args.steps, clock() - start
 
-    if args.compile:  # compiled graphs are made on first use, per batch size: not timed
+    if args.compile or args.captured:  # compiled graphs are made (CUDA graphs captured) on first use: not timed
         for B in args.batch:
             for tree in trees:
                 generate(tree, B)
@@ -129,20 +205,23 @@ def main() -> None:
     for _ in range(args.repeats):
         for B in args.batch:
             for tree in trees:
-                if "compiled" not in tree:  # a compiled engine reads as its eager twin does
+                if "compiled" not in tree and "captured" not in tree:  # those read as their eager twin does
                     start = clock()
                     n = read(tree, B)
                     times.setdefault((tree, "read", B), []).append(n / (clock() - start))
                 n, seconds = generate(tree, B)
                 times.setdefault((tree, "generate steps", B), []).append(n / seconds)
+                if args.at_end and not tree.startswith("old"):  # an older engine reads every token
+                    n, seconds = generate(tree, B, at_end=True)
+                    times.setdefault((tree, "steps, read at end", B), []).append(n / seconds)
     for tree in trees:
-        for what in ("read", "generate steps"):
+        for what in ("read", "generate steps", "steps, read at end"):
             if (tree, what, args.batch[0]) not in times:
                 continue
             one = statistics.median(times[(tree, what, args.batch[0])])
             for B in args.batch:
                 rate = statistics.median(times[(tree, what, B)])
-                print(f"{tree}{what:>15} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
+                print(f"{tree}{what:>18} B={B:>2}: {rate:9.0f} tokens/s ({rate / one:.2f}x B={args.batch[0]})")
     if args.flops:  # is a read compute-bound? its FLOP rate against the core's matmul rate
         from torch.utils.flop_counter import FlopCounterMode
 
@@ -154,7 +233,7 @@ def main() -> None:
         peak = 10 * 2 * 1024**3 / (clock() - start)
         print(f"a 1024^3 fp32 matmul: {peak / 1e9:.0f} GFLOP/s")
         for tree in trees:
-            if "compiled" in tree:
+            if "compiled" in tree or "captured" in tree:
                 continue
             for B in args.batch:
                 with FlopCounterMode(display=False) as counter:

@@ -101,7 +101,8 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
                           "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
     assert "benchmarks.flex --device cuda" in by["flex"]
-    assert names[6] == "launches" and "benchmarks.launches --device cuda" in by["launches"]
+    assert names[6] == "serve-captured" and "--captured --at-end --shapes small wt103 --compile" in by["serve-captured"]
+    assert names[7] == "launches" and "benchmarks.launches --device cuda" in by["launches"]
     assert "-m gpu --continue-on-collection-errors tests" in by["gpu-tests"]
     for name in ("bench-eager", "bench-graphs", "bench-before"):
         assert "--shapes nvidia --dtypes bf16 --phases train eval" in by[name]

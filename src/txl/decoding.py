@@ -298,6 +298,7 @@ class Picker:
         if stops and (stops[0] < 0 or stops[-1] >= vocab_size):
             raise ValueError(f"stop_tokens {stops} must be ids in 0..{vocab_size - 1}")
         self.stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        self.stop_set = frozenset(stops)  # the host's copy: a token the host has read is checked without the device
         self.vocab_size, self.device = vocab_size, device
         self.seen: torch.Tensor | None = None
 

@@ -58,6 +58,12 @@ class ServeConfig:
     compressed memory, any other model is refused at start): the same tokens, less per-step cost (1.6x eager's
     tokens/s at one session, 1.25x at 8 on a CPU), for a compilation of tens of seconds that the first generation
     of one session, and the first of several, wait for."""
+    graphs: Literal["auto", "on", "off"] = "auto"
+    """Generation steps in preallocated buffers, each batch size's step captured once as a CUDA graph and replayed
+    (``txl.captured_step``): 'auto' on CUDA for relative attention without a compressed memory, 'on' wherever the
+    model allows it (a CPU runs the same step uncaptured; another model is refused at start), 'off' never (the
+    eager or compiled step). With ``compile`` the captured step is compiled by inductor first (a compilation per
+    batch bucket, which the first generation at that batch size waits for). The server says which at start-up."""
     threads: int = 0
     """Torch threads for the forward passes (0: the command's, --threads: OMP_NUM_THREADS, else 1)."""
     model_name: str = ""
@@ -77,6 +83,7 @@ class ServeConfig:
         _check("session_ttl", self.session_ttl > 0, "must be > 0 seconds", self.session_ttl)
         _check("drain_seconds", self.drain_seconds >= 0, "must be >= 0 seconds", self.drain_seconds)
         _check("threads", self.threads >= 0, "must be >= 0", self.threads)
+        _check("graphs", self.graphs in ("auto", "on", "off"), "must be 'auto', 'on' or 'off'", self.graphs)
         _check("durability", self.durability in ("request", "shutdown"), "must be 'request' or 'shutdown'",
                self.durability)
 

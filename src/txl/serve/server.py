@@ -54,7 +54,8 @@ class Server:
             s = self.config
             self.name = s.model_name or self.name
             m = Model(model, segment_len=s.segment_len, context=s.context(model.config),  # resolved here, once
-                      compile=s.compile)
+                      compile=s.compile, graphs=s.graphs)
+            logger.info("%s", m.steps)  # which step generates: captured, compiled or eager, and why
             store = SessionStore(s.state_dir, max_in_memory=s.max_sessions_in_memory, ttl=s.session_ttl,
                                  model=model_fingerprint(model.config, tokenizer))
             engine = Engine(m, tokenizer, store, max_queue=s.max_queue, max_batch=s.max_batch,
