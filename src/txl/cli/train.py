@@ -62,16 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def list_presets() -> list[str]:
-    """One line per preset: name, parameters (built on the meta device: no memory, no time), what it is."""
-    import torch
-
-    from txl.model import TransformerXL
-    from txl.presets import preset_expected_time, preset_names, preset_summary, run_config
+    """One line per preset: name, parameters (counted from the config: no torch imported), what it is."""
+    from txl.presets import parameter_count, preset_expected_time, preset_names, preset_summary, run_config
 
     lines = []
     for name in preset_names():
-        with torch.device("meta"):
-            n = sum(p.numel() for p in TransformerXL(run_config(name).model).parameters())
+        n = parameter_count(run_config(name).model)
         size = f"{n / 1e6:.1f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
         lines.append(f"{name:<12} {size:>7} params  {preset_expected_time(name):<38} {preset_summary(name)}")
     return lines
