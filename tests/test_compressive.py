@@ -38,6 +38,9 @@ def tokens(n_segments: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
     (dict(cmem_len=4, mem_len=0), r"mem_len=0 keeps none: set mem_len >= 1, or cmem_len 0"),
     (dict(cmem_len=4, same_length=True), r"same_length .* set same_length false with cmem_len > 0"),
     (dict(cmem_len=4, ext_len=2), r"ext_len .* set ext_len 0 with cmem_len > 0"),
+    (dict(cmem_len=100_000_000), r"mem_len=6 \+ cmem_len=100000000 keeps 100,000,006 rows per layer, each attended "
+                                 r"by every query: at most 1,048,576; choose cmem_len of the order of mem_len"),
+    (dict(mem_len=2 ** 20 + 1), r"keeps 1,048,577 rows per layer"),
 ])
 def test_config_rejects_what_the_compressed_memory_cannot_do(bad, match):
     with pytest.raises(ValueError, match=match):

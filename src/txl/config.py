@@ -31,6 +31,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+MAX_MEMORY_ROWS = 1 << 20
+"""The most rows a layer keeps (mem_len + cmem_len): 1,048,576, thousands of times the paper's longest memory
+(3,800 rows, enwik8 evaluation) and far beyond what a training run fills."""
+
 KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype",
                  "cast_weights", "residual_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
@@ -259,6 +263,13 @@ class ModelConfig:
         if self.cmem_fn not in typing.get_args(CompressFn):
             raise ValueError(f"ModelConfig.cmem_fn={self.cmem_fn!r} is unknown; choose one of "
                              f"{', '.join(map(repr, typing.get_args(CompressFn)))}")
+        if self.mem_len + self.cmem_len > MAX_MEMORY_ROWS:
+            # Every query attends over every kept row: a (B, H, T, K) score tensor per layer and segment, and a
+            # compressed memory far past what a run can fill grows (and slows every step) without end.
+            raise ValueError(f"ModelConfig.mem_len={self.mem_len} + cmem_len={self.cmem_len} keeps "
+                             f"{self.mem_len + self.cmem_len:,} rows per layer, each attended by every query: at most "
+                             f"{MAX_MEMORY_ROWS:,}; choose cmem_len of the order of mem_len (each slot stands for "
+                             f"cmem_rate={self.cmem_rate} states already)")
         if not self.cmem_len:
             return
         if self.mem_len == 0:

@@ -21,6 +21,7 @@ from txl.config import SECTIONS
 from txl.presets import load_preset
 
 if TYPE_CHECKING:
+    from txl.config import RunConfig
     from txl.finetune import Init
 
 DEFAULT_PRESET = "default"
@@ -127,8 +128,20 @@ def build_config(args: argparse.Namespace, init: Init | None = None):
         if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
             from txl.finetune import run_config
 
-            return run_config(base, overrides, init)
-    return RunConfig.from_dict(apply_overrides(base, overrides))
+            return compression_as_asked(run_config(base, overrides, init), overrides)
+    return compression_as_asked(RunConfig.from_dict(apply_overrides(base, overrides)), overrides)
+
+
+def compression_as_asked(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
+    """``cfg``, unless the command line sets the compressed memory's rate or function while cmem_len is 0, which
+    switches it off: the plain model would train and nothing would say so (issue 44)."""
+    asked = [key for key in ("model.cmem_rate", "model.cmem_fn") if key in overrides]
+    if asked and not cfg.model.cmem_len:
+        given = " ".join(f"--{key} {overrides[key]}" for key in asked)
+        raise ValueError(f"{given} configures the compressed memory, which model.cmem_len 0 switches off (the "
+                         "plain Transformer-XL would train): add --model.cmem_len N, the compressed slots per layer "
+                         f"(e.g. --model.cmem_len {cfg.model.mem_len or 64}), or drop {given}")
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
