@@ -47,6 +47,23 @@ def test_config_rejects_what_the_compressed_memory_cannot_do(bad, match):
         tiny_config(**bad)
 
 
+def test_a_compressive_model_refuses_a_context_without_memory():
+    """mem_len 0 keeps no row to compress from: the forward refuses it (as ModelConfig does), whatever called it."""
+    model = compressive()
+    with pytest.raises(ValueError, match=r"reads with mem_len >= 1, same_length false and ext_len 0"):
+        model(tokens(1)[:, :T], context=model.config.context(mem_len=0))
+
+
+def test_settings_lines_name_the_compressed_memory():
+    from txl.cli.eval import keys_per_query
+
+    config = tiny_config(mem_len=MEM, cmem_len=CMEM, cmem_rate=RATE, cmem_fn="max")
+    assert config.context().describe(model=config) == "mem_len 4, cmem_len 3 at rate 2 (max)"
+    assert config.context().describe(model=tiny_config()) == config.context().describe() == "mem_len 4"
+    assert keys_per_query(16, 32, False, "pytorch", cmem_len=8) == "25-56"  # [compressed; memory; segment]
+    assert keys_per_query(16, 32, False, "pytorch") == "17-48"
+
+
 def test_no_compressor_at_cmem_len_0_and_the_same_weights_from_the_same_seed():
     """cmem_len 0 builds today's model (no parameter added, whatever cmem_rate / cmem_fn say); cmem_len > 0 adds
     the compression parameters only, and draws nothing: every other weight is the plain model's from that seed."""

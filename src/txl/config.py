@@ -349,11 +349,14 @@ class Context:
             raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: use a memory "
                              "of at least 1, or same_length false")
 
-    def describe(self, *, mem_len: str | None = None) -> str:
+    def describe(self, *, mem_len: str | None = None, model: ModelConfig | None = None) -> str:
         """The context as printed beside a figure: 'mem_len 192, clamp_len 128, same_length' (a longer memory
         lowers the loss, Dai et al. 2019 section 4.3, so a figure without its context is not comparable).
-        ``mem_len``: shown instead of the field (a sweep's lengths)."""
+        ``mem_len``: shown instead of the field (a sweep's lengths). ``model``: the model read in this context;
+        a compressive one's second memory is named too ('cmem_len 16 at rate 4 (max)'), which every query reads."""
         parts = [f"mem_len {self.mem_len if mem_len is None else mem_len}"]
+        if model is not None and model.cmem_len:
+            parts.append(f"cmem_len {model.cmem_len} at rate {model.cmem_rate} ({model.cmem_fn})")
         if self.clamp_len > 0:
             parts.append(f"clamp_len {self.clamp_len}")
         if self.same_length:
