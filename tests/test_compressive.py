@@ -266,7 +266,7 @@ def test_bad_state_and_unsupported_options_are_named():
         model(x, memory=memory, padding=pads)
     with pytest.raises(ValueError, match=r"needs an empty compressed memory"):  # 8 rows kept: none leaves, but slots
         model(x, memory=full, padding=pads, context=model.config.context(mem_len=8))
-    with pytest.raises(ValueError, match=r"reads with same_length false and ext_len 0"):
+    with pytest.raises(ValueError, match=r"reads with mem_len >= 1, same_length false and ext_len 0"):
         model(x, context=model.config.context(same_length=True))
 
 

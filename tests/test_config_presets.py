@@ -169,13 +169,15 @@ def _train_args(argv):
 
 @pytest.mark.parametrize("argv", [["--model.cmem_rate", "4", "--model.cmem_fn", "max"], ["--model.cmem_rate", "4"]])
 def test_a_compression_setting_without_cmem_len_is_refused_not_ignored(argv):
-    """cmem_rate / cmem_fn on the command line with cmem_len 0 (the default) would train the plain model: refused,
-    naming the fix (issue 44); with cmem_len they build the compressive model."""
+    """cmem_rate / cmem_fn on the command line without cmem_len (0 by default) would train the plain model: refused,
+    naming the fix (issue 44); with cmem_len they build the compressive model, and an explicit cmem_len 0 is a
+    choice (tests/test_compressive.py trains the golden run so)."""
     given = " ".join(argv)
     with pytest.raises(ValueError, match=f"^{given} configures the compressed memory, which model.cmem_len 0 "
                                          rf"switches off .*add --model.cmem_len N.*or drop {given}$"):
         _train_args(argv)
     assert _train_args([*argv, "--model.cmem_len", "16"]).model.cmem_len == 16
+    assert _train_args([*argv, "--model.cmem_len", "0"]).model.cmem_len == 0
     assert _train_args(["--config", "tiny"]).model.cmem_len == 0  # the defaults alone are not a request
 
 

@@ -133,10 +133,11 @@ def build_config(args: argparse.Namespace, init: Init | None = None):
 
 
 def compression_as_asked(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
-    """``cfg``, unless the command line sets the compressed memory's rate or function while cmem_len is 0, which
-    switches it off: the plain model would train and nothing would say so (issue 44)."""
+    """``cfg``, unless the command line sets the compressed memory's rate or function without cmem_len, whose 0
+    switches it off: the plain model would train and nothing would say so (issue 44). An explicit
+    ``--model.cmem_len 0`` beside them is a choice (a sweep's plain baseline) and passes."""
     asked = [key for key in ("model.cmem_rate", "model.cmem_fn") if key in overrides]
-    if asked and not cfg.model.cmem_len:
+    if asked and not cfg.model.cmem_len and "model.cmem_len" not in overrides:
         given = " ".join(f"--{key} {overrides[key]}" for key in asked)
         raise ValueError(f"{given} configures the compressed memory, which model.cmem_len 0 switches off (the "
                          "plain Transformer-XL would train): add --model.cmem_len N, the compressed slots per layer "
