@@ -134,6 +134,26 @@ def test_train_help_lists_every_field_with_its_docstring_and_default():
     assert "on the TEST split by default" in _help(["eval", "--help"])
 
 
+def test_every_option_of_every_command_has_help():
+    """`txl COMMAND --help` explains every option (`txl export --format` and `txl eval --device` had none, issue 44)."""
+    import argparse
+
+    from txl.cli import build_parser
+
+    def silent(parser: argparse.ArgumentParser, command: str) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += silent(sub, f"{command} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                found.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+        return found
+
+    assert silent(build_parser(), "txl") == []
+    assert "onnx: an ONNX graph for onnxruntime" in " ".join(_help(["export", "--help"]).split())
+
+
 @pytest.mark.slow  # a real subprocess
 def test_help_and_the_preset_listing_do_not_import_torch():
     """`txl --help`, `txl train --help` and `txl train --list-presets` answer without importing torch (it costs
