@@ -693,3 +693,26 @@ def test_ddp_stop_prints_the_torchrun_command_that_resumes(corpus, tmp_path):
     assert [r["step"] for r in rows(out) if r["kind"] == "train"][-1] == step + 1
 
 
+
+
+@pytest.mark.parametrize("keys", ["mem_len + 1 .. mem_len + 512", "4 + mem_len + 1 .. 4 + mem_len + 512", "64"])
+def test_the_sweep_plots_axis_labels_lie_inside_the_figure(keys, tmp_path, monkeypatch):
+    """mem_sweep.png: the x-axis label, keys per query of a long segment included, is drawn inside the saved figure
+    (one line cut it off, issue 44)."""
+    pytest.importorskip("matplotlib")
+    import txl.metrics
+
+    extents = []
+
+    def measure(fig, png):
+        fig.canvas.draw()  # the labels are placed when drawn
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            for label in (ax.xaxis.label, ax.yaxis.label, ax.title):
+                extents.append((label.get_text(), label.get_window_extent(renderer), fig.bbox))
+
+    monkeypatch.setattr(txl.metrics, "_save_figure", measure)
+    assert txl.metrics.plot_memory_sweep([0, 64, 512], [2.1, 2.0, 1.95], "bpc", keys, tmp_path / "sweep.png")
+    assert any(keys in text for text, _, _ in extents)
+    for text, box, figure in extents:
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1, text
