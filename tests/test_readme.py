@@ -354,3 +354,16 @@ def test_what_the_readmes_commands_write_is_ignored_by_git():
                            text=True)
     assert found.returncode in (0, 1), found.stderr
     assert set(found.stdout.split()) == paths, f"not ignored: {sorted(paths - set(found.stdout.split()))}"
+
+
+def test_the_readme_names_the_vocabulary_file_the_published_repository_holds():
+    """Where the README lists a Hugging Face transfo-xl model's files, the vocabulary it names first is one the
+    published layout holds (the golden copy of it: vocab.pkl, no vocab.txt; the README said `vocab.txt`, issue 44)."""
+    held = {p.name for p in GOLDEN.iterdir()}
+    assert "vocab.pkl" in held and "vocab.txt" not in held
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    mentions = re.findall(r"directory of its files \(with ([^;)]*)", text)
+    assert mentions, "the README no longer introduces a transfo-xl model's directory of files"
+    for mention in mentions:
+        first = re.search(r"`(vocab\.\w+)`", mention)
+        assert first and first.group(1) in held, mention
