@@ -287,6 +287,34 @@ def test_ctrl_c_in_any_command_is_one_line_rc_130(corpus, tmp_path, monkeypatch,
     assert err.startswith(f"txl {command}: interrupted by SIGINT; ") and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("after", [0, 4])
+def test_an_interrupted_generate_says_whether_it_generated_anything(tmp_path, monkeypatch, capsys, sig, after):
+    """Interrupted before its first token, `txl generate` says nothing was generated (it said "the text above is all
+    that was generated" above no text, issue 44); after some, that the text above is all, on a line of its own."""
+    from serve_util import make_model_dir
+
+    import txl.generation
+    from txl.signals import Interrupted
+
+    real = txl.generation.generate_stream
+
+    def cut(*a, **k):
+        for i, token in enumerate(real(*a, **k)):
+            if i == after:
+                raise Interrupted(sig)
+            yield token
+
+    monkeypatch.setattr(txl.generation, "generate_stream", cut)
+    directory = make_model_dir(tmp_path / "char")
+    argv = ["generate", "--checkpoint", str(directory), "--prompt", "The cat", "--max-new-tokens", "9", "--seed", "1"]
+    assert main(argv) == 128 + int(sig)
+    out, err = capsys.readouterr()
+    intact = "the text above is all that was generated" if after else "nothing was generated"
+    assert err == f"txl generate: interrupted by {sig.name}; {intact}; nothing was written\n"
+    assert (out.strip() != "" and out.endswith("\n")) if after else out == ""
+
+
 def test_resume_command_under_torchrun(monkeypatch):
     from txl.signals import Stopped, resume_command
 
@@ -646,8 +674,7 @@ def test_signal_at_start_up_or_in_generate_is_one_line(corpus, tmp_path, trained
         script = WAIT_AT.format(module="txl.decoding", name="sample_next",  # where txl.generate draws a token
                                 argv=["generate", "--checkpoint", str(trained), "--prompt", "def", "--max-new-tokens",
                                       "5"])
-        expected = (f"txl generate: interrupted by {sig.name}; the text above is all that was generated; nothing "
-                    "was written")
+        expected = f"txl generate: interrupted by {sig.name}; nothing was generated; nothing was written"  # 1st token
     proc = _spawn(script, tmp_path)
     _wait_ready(proc)
     proc.send_signal(sig)
