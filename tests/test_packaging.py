@@ -50,4 +50,4 @@ def test_the_readme_says_what_the_lmeval_extra_downgrades():
     section = readme[readme.index("### lm-evaluation-harness"):]
     assert section.startswith('### lm-evaluation-harness `pip install -e ".[lmeval]"` (it downgrades python-dateutil '
                               "4 to 2.9: lm-eval 0.4.13 needs pytablewriter, whose `typepy[datetime]` requires "
-                              "`python-dateutil<3`;")
+                              "`python-dateutil<3`")
