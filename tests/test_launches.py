@@ -169,9 +169,10 @@ def test_the_layout_kernels_give_the_numbers_of_the_ops_they_replace_bit_for_bit
     # (the fused q/k/v weights') differ by that rounding alone, on every CPU. The W_kR gradients (W_kR R of every
     # layer in one matmul, where the plain path makes one per layer) are equal where the CPU has bf16 matrix
     # instructions (AVX512_BF16, AMX: oneDNN's bf16 kernels), but not on an AVX2-only CPU, whose bf16 matmuls take
-    # another kernel that rounds by the operands' shapes: measured there (and on this AVX-512 machine under
-    # ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), layer 0's W_kR gradient 1.2e-10 apart on |g| <= 3.7e-4
-    # (issue 44). Both stay within the stated tolerance of bf16 rounding; everything else is equal on every CPU.
+    # another kernel that rounds by the operands' shapes: layer 0's W_kR gradient differed on an AVX2-only EPYC
+    # (issue 44), and 1.2e-10 apart on |g| <= 3.7e-4 on an AVX-512 EPYC under ONEDNN_MAX_CPU_ISA=AVX2
+    # ATEN_CPU_CAPABILITY=avx2, which reproduces it (ATEN_CPU_CAPABILITY alone does not: oneDNN picks its kernels by
+    # its own ISA check). Both stay within the stated tolerance of bf16 rounding; the rest is equal on every CPU.
     names = [n for n, p in model.named_parameters() if p.grad is not None]
     first = len(fast) - 2 - len(names)  # the gradients follow the nll and memories; two log-probs end the list
     rounded = {first + j for j, n in enumerate(names) if n.endswith(("attn.qkv.weight", "attn.r_proj.weight"))}
@@ -689,8 +690,9 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
 
     Except a tail token's under 'selected' rows: there ``nll`` scores a tail cluster over its own tokens' rows
     (``hidden[idx]``, N_i rows) where ``log_prob`` scores all N rows, and a float32 matmul's rounding of one row may
-    depend on how many rows it is given: equal on AVX-512 CPUs, 1 ulp apart on an AVX2-only CPU (target 87, the
-    only token of its cluster: 4.8e-7 on 7.7, issue 44). Those tokens are compared within 4 float32 ulps; the head's
+    depend on how many rows it is given: equal on AVX-512 CPUs, apart on an AVX2-only CPU (issue 44; under
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU, target 87, the only token of its cluster:
+    4.8e-7 on 7.7, 1 ulp). Those tokens are compared within 4 float32 ulps; the head's
     tokens (one matmul of all rows on both sides) and every token under 'all' rows and without cutoffs stay
     bit for bit on every CPU."""
     softmax = word_model(**change).softmax
