@@ -325,6 +325,7 @@ def test_horizons():
                                                                                       "n_layer_hops": 512}
 
 
+@pytest.mark.slow  # real training
 def test_cmem_len_0_reproduces_the_golden_losses(tmp_path, monkeypatch):
     """cmem_len 0 is today's model exactly, whatever the other compression fields say: the tiny preset's recorded
     losses (tests/golden/tiny_losses.json) with cmem_rate and cmem_fn changed."""
@@ -453,6 +454,7 @@ def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float
     return float(hit[band].mean()), int(band.sum())
 
 
+@pytest.mark.slow  # trains two models (38 s on a loaded 2-core machine)
 def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch, one_thread):
     """Recall (txl.data.recall: 4 keys, 4 values, chance 25%, distances 3-24) with the same 8 slots per layer:
     memory 4 + 4 mean-pooled slots at rate 4 reaches 4 + 4 + 16 = 24 tokens in its one layer, plain memory 8 only
@@ -511,6 +513,7 @@ def test_bf16_autocast_trains_close_to_float32(one_thread):
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow  # torch.compile (35 s loaded)
 def test_compiled_training_step_equals_eager_in_one_graph(one_thread):
     """torch.compile (fullgraph: no graph break at all; aot_eager: dynamo's and autograd's graphs, without inductor's
     code generation) of five training segments from a full state (memory 4, 3 slots): the LM and reconstruction

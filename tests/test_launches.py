@@ -57,6 +57,7 @@ def cuda_mode() -> txl.ModelConfig:
     return config.replace(**launches.cuda_fields(config))
 
 
+@pytest.mark.slow  # a counted 16-layer step (7-10 s loaded)
 def test_training_step_makes_no_host_sync_as_on_cuda():
     """Forward, backward, clipping and the fused Adam step of ``txl.train.train_step``: no ``.item()``,
     ``int(tensor)``, ``nonzero`` (nor a bool-mask index, which runs one) anywhere in it."""
@@ -92,6 +93,7 @@ def test_one_nvidia_structured_bf16_evaluation_segment_stays_under_the_launch_ce
     assert {k: row[k] for k in EVAL_CEILINGS} == {k: min(row[k], EVAL_CEILINGS[k]) for k in EVAL_CEILINGS}, row
 
 
+@pytest.mark.slow  # two counted 16-layer steps (7-22 s loaded)
 def test_cuda_mode_counts_dropout_as_the_one_fused_kernel_cuda_runs():
     """``as_on_cuda`` swaps F.dropout's CPU decomposition (bernoulli_, div_, mul) for ``native_dropout``, what
     ``at::dropout`` runs on a CUDA tensor: 2 fewer launches per dropout in forward, the same in backward."""
@@ -351,6 +353,7 @@ def test_bf16_autocast_keeps_the_memory_in_the_compute_dtype_and_close_to_before
     assert abs(losses["compute"] - losses["residual"]) < 2e-2, losses
 
 
+@pytest.mark.slow  # torch.compile at two shapes (19-25 s loaded)
 def test_adaptive_softmax_graph_has_no_bucketize_and_compiles_at_two_shapes():
     """Dynamic shapes through the compiler (aot_eager keeps it fast on a CPU): the graph the compiler traces has
     no bucketize (the Triton failure on a GPU), and both shapes equal eager."""

@@ -264,6 +264,7 @@ def importable_without_extra(name: str) -> bool:
                    for m, (_, package) in NEEDS_EXTRA.items())
 
 
+@pytest.mark.slow  # a subprocess importing every module the README names (28 s loaded)
 def test_readme_api_names_exist():
     """Every `txl.a.b` the README names exists after `import txl` alone, as a reader writes it (a fresh process:
     this one has imported the submodules already): txl.generation.FINISHED, txl.checkpoint.latest, ... A name in a
