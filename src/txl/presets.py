@@ -53,8 +53,9 @@ def parameter_count(model: ModelConfig) -> int:
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]  # tokens per cluster (0 = the head's shortlist)
     C = len(model.cutoffs)
     widths = [e] * (C + 1) if model.div_val == 1 else [e // model.div_val ** i for i in range(C + 1)]
-    # Adaptive input (Baevski & Auli 2019): one (V, e) table and a projection if e != d, else a table and a
-    # (d, e_i) projection per cluster.
+    # Adaptive input and softmax (Baevski & Auli 2019; Grave et al. 2017): at div_val 1 one (V, e) table, and
+    # (d, e) projections only if e != d (the softmax one per cluster); else a (V_i, e_i) table and a (d, e_i)
+    # projection per cluster. The softmax's tables have biases.
     if model.div_val == 1:
         embed_tables, embed_projs = [V * e], [d * e] if e != d else []
         soft_tables, soft_projs = [V * e + V], [d * e] * (C + 1) if e != d else []
@@ -64,9 +65,8 @@ def parameter_count(model: ModelConfig) -> int:
         soft_tables = [n * w + n for n, w in zip(sizes, widths)]
         soft_projs = [d * w for w in widths]
     # The softmax's tables and projections shared with the input's (tie_weight, tie_projs) are counted once.
-    soft_weights = [n * w for n, w in zip(sizes, widths)] if model.div_val != 1 else [V * e]
-    if model.tie_weight:
-        soft_tables = [t - w for t, w in zip(soft_tables, soft_weights)]
+    if model.tie_weight:  # the softmax's tables are the embedding's: only their biases are its own
+        soft_tables = [t - w for t, w in zip(soft_tables, embed_tables)]
     tied = [i for i, tie in enumerate(model.tie_projs) if tie and soft_projs]
     soft_projs = [p for i, p in enumerate(soft_projs) if i not in tied]
     clusters = C * e + C  # the head's logit per tail cluster: weight and bias
