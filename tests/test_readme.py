@@ -368,3 +368,22 @@ def test_the_readme_names_the_vocabulary_file_the_published_repository_holds():
     for mention in mentions:
         first = re.search(r"`(vocab\.\w+)`", mention)
         assert first and first.group(1) in held, mention
+
+
+def test_the_default_jobs_printed_figures_are_its_tables_default_row():
+    """The output the README shows for `txl train` is the table's `txl train` (AVX512, 1 thread) row: valid and test
+    bpc and the best step (the block kept figures from before issue 34's arithmetic when the table moved on, issue
+    44), and every row of the table is either of the current code or marked stale."""
+    text = README.read_text(encoding="utf-8")
+    block = text[text.index("What it prints at the end"):text.index("**What reproduces, and where.**")]
+    valid = re.search(r"^valid \(best checkpoint, step (\d+);.*bpc (\d\.\d{4}),", block, re.M)
+    test = re.search(r"^test \(best checkpoint, step (\d+);.*bpc (\d\.\d{4}),", block, re.M)
+    assert valid and test and valid.group(1) == test.group(1)
+    rows = [r.split("|")[1:-1] for r in text.splitlines() if re.match(r"\| AVX(512|2)\b", r)]
+    assert len(rows) == 4
+    default = next(r for r in rows if "`txl train` (the default)" in r[5])
+    assert [c.strip() for c in default[2:5]] == [valid.group(2), test.group(2), valid.group(1)]
+    for row in rows:
+        stale = [c for c in row[2:5] if "(2)" in c]
+        assert len(stale) in (0, 3), row  # a row is measured again whole, or marked stale whole
+    assert "(2) Stale:" in text
