@@ -139,6 +139,17 @@ def offline(monkeypatch):
     monkeypatch.setattr(txl.data.download.urllib.request, "urlopen", refuse)
 
 
+def no_temporary_directory(monkeypatch):
+    """mkdtemp fails as it does under /proc (root may write there by os.access, nothing can be made): the error
+    names the temporary it tried, which is no file of the user's (issue 44)."""
+    import tempfile
+
+    def refuse(prefix="", dir=None, **_):
+        raise FileNotFoundError(2, "No such file or directory", f"{dir}/{prefix}p377zk7v")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+
+
 def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
@@ -430,6 +441,9 @@ CASES = [
      "-o {root}/nope/step.pt2: the directory {root}/nope does not exist; create it first", 2),
     ("export-output-parent-is-file", ["export", *R, "-o", "{text}/step.pt2"],
      "-o {text}/step.pt2: the directory {text} is a file, not a directory; create it first", 2),
+    ("export-onnx-no-temporary", ["export", *R, "--format", "onnx", "-o", "{root}/step.onnx"],
+     "could not write {root}/step.onnx (No such file or directory); nothing was written there", 1,
+     no_temporary_directory),
     ("data-prepare-missing", ["data", "prepare", "{root}/nope.txt"],
      "{root}/nope.txt does not exist; pass an existing text file, a directory with train/valid/test files (e.g. "
      "train.txt), or one of: enwik8, text8, wt103, wt2, ptb, pennchar, lm1b, stdlib, recall", 2),

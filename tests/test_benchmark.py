@@ -98,6 +98,7 @@ def test_zipf_tokens_stay_in_the_vocabulary_and_favour_the_head():
     assert torch.equal(x[:, 1:], y[:, :-1])  # labels are the next tokens
 
 
+@pytest.mark.slow  # a 16-layer model's evaluation (59 s loaded)
 def test_nvidia_shape_evaluates_at_a_reduced_batch(one_thread):
     """The WikiText-103 base shape (16 layers, 267,735-word adaptive softmax) runs one evaluation segment."""
     shape = bench.SHAPES["nvidia"].resized(batch=1, tgt_len=2, mem_len=2)

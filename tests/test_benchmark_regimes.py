@@ -100,6 +100,7 @@ def test_a_switch_puts_the_earlier_code_back_inside_its_block_only():
     assert switches.model_fields(["sdpa-pin"]) == {}
 
 
+@pytest.mark.slow  # benchmark workers (34 s loaded)
 def test_the_benchmark_runs_graphs_and_a_switch_side_by_side(tmp_path, capsys):
     """The driver end to end on the tiny shape: eager and graphs (aot_eager), with and without the SDPA pin."""
     bench.main(["--shapes", "tiny", "--dtypes", "fp32", "--phases", "eval", "--modes", "eager", "graphs",

@@ -69,6 +69,7 @@ def test_compiled_training_equals_eager(div_val):
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.slow  # torch.compile (8-10 s each loaded)
 @pytest.mark.parametrize("div_val", [1, 4])
 def test_compiled_evaluation_equals_eager(div_val):
     """Segments read with memory and the key/value cache carried, as txl.evaluate reads a split: from the same

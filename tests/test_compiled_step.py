@@ -72,6 +72,7 @@ def greedy(decoder: Decoder, steps: int = STEPS, leave_at: int | None = None) ->
     return log_probs, tokens
 
 
+@pytest.mark.slow  # torch.compile, three graphs (7-20 s each loaded)
 @pytest.mark.parametrize("mem_len, clamp_len, overrides, leave_at, graphs", [
     # the memory keeps every row; from step 14 on (K = 22) distances beyond 20 share a row: the table, read as a
     # view until then, is gathered by clamped distance, a second graph
@@ -94,6 +95,7 @@ def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides, 
     assert backend.graphs == graphs  # one graph served all of them (two across the clamp): none as the memory grows
 
 
+@pytest.mark.slow  # torch.compile (16 s loaded)
 def test_the_compiled_step_writes_into_the_rows_buffers():
     """The memory, keys and values the step returns are views of buffers it wrote in place: no per-token copy."""
     model = model_of()

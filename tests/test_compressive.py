@@ -38,10 +38,30 @@ def tokens(n_segments: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
     (dict(cmem_len=4, mem_len=0), r"mem_len=0 keeps none: set mem_len >= 1, or cmem_len 0"),
     (dict(cmem_len=4, same_length=True), r"same_length .* set same_length false with cmem_len > 0"),
     (dict(cmem_len=4, ext_len=2), r"ext_len .* set ext_len 0 with cmem_len > 0"),
+    (dict(cmem_len=100_000_000), r"mem_len=6 \+ cmem_len=100000000 keeps 100,000,006 rows per layer, each attended "
+                                 r"by every query: at most 1,048,576; choose cmem_len of the order of mem_len"),
+    (dict(mem_len=2 ** 20 + 1), r"keeps 1,048,577 rows per layer"),
 ])
 def test_config_rejects_what_the_compressed_memory_cannot_do(bad, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**bad)
+
+
+def test_a_compressive_model_refuses_a_context_without_memory():
+    """mem_len 0 keeps no row to compress from: the forward refuses it (as ModelConfig does), whatever called it."""
+    model = compressive()
+    with pytest.raises(ValueError, match=r"reads with mem_len >= 1, same_length false and ext_len 0"):
+        model(tokens(1)[:, :T], context=model.config.context(mem_len=0))
+
+
+def test_settings_lines_name_the_compressed_memory():
+    from txl.cli.eval import keys_per_query
+
+    config = tiny_config(mem_len=MEM, cmem_len=CMEM, cmem_rate=RATE, cmem_fn="max")
+    assert config.context().describe(model=config) == "mem_len 4, cmem_len 3 at rate 2 (max)"
+    assert config.context().describe(model=tiny_config()) == config.context().describe() == "mem_len 4"
+    assert keys_per_query(16, 32, False, "pytorch", cmem_len=8) == "25-56"  # [compressed; memory; segment]
+    assert keys_per_query(16, 32, False, "pytorch") == "17-48"
 
 
 def test_no_compressor_at_cmem_len_0_and_the_same_weights_from_the_same_seed():
@@ -246,7 +266,7 @@ def test_bad_state_and_unsupported_options_are_named():
         model(x, memory=memory, padding=pads)
     with pytest.raises(ValueError, match=r"needs an empty compressed memory"):  # 8 rows kept: none leaves, but slots
         model(x, memory=full, padding=pads, context=model.config.context(mem_len=8))
-    with pytest.raises(ValueError, match=r"reads with same_length false and ext_len 0"):
+    with pytest.raises(ValueError, match=r"reads with mem_len >= 1, same_length false and ext_len 0"):
         model(x, context=model.config.context(same_length=True))
 
 
@@ -305,6 +325,7 @@ def test_horizons():
                                                                                       "n_layer_hops": 512}
 
 
+@pytest.mark.slow  # real training
 def test_cmem_len_0_reproduces_the_golden_losses(tmp_path, monkeypatch):
     """cmem_len 0 is today's model exactly, whatever the other compression fields say: the tiny preset's recorded
     losses (tests/golden/tiny_losses.json) with cmem_rate and cmem_fn changed."""
@@ -433,6 +454,7 @@ def recall_run(corpus, *, mem_len: int, cmem_len: int, seed: int) -> tuple[float
     return float(hit[band].mean()), int(band.sum())
 
 
+@pytest.mark.slow  # trains two models (38 s on a loaded 2-core machine)
 def test_a_compressed_memory_answers_past_the_plain_horizon_at_the_same_slots(tmp_path, monkeypatch, one_thread):
     """Recall (txl.data.recall: 4 keys, 4 values, chance 25%, distances 3-24) with the same 8 slots per layer:
     memory 4 + 4 mean-pooled slots at rate 4 reaches 4 + 4 + 16 = 24 tokens in its one layer, plain memory 8 only
@@ -491,6 +513,7 @@ def test_bf16_autocast_trains_close_to_float32(one_thread):
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow  # torch.compile (35 s loaded)
 def test_compiled_training_step_equals_eager_in_one_graph(one_thread):
     """torch.compile (fullgraph: no graph break at all; aot_eager: dynamo's and autograd's graphs, without inductor's
     code generation) of five training segments from a full state (memory 4, 3 slots): the LM and reconstruction

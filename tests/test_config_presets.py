@@ -3,7 +3,7 @@ import torch
 
 from txl.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from txl.model import TransformerXL
-from txl.presets import apply_overrides, load_preset, preset_names, run_config
+from txl.presets import apply_overrides, load_preset, parameter_count, preset_names, run_config
 
 # Parameter counts: Dai et al. 2019 Tables 1-3 where the paper's count matches its own hyper-parameters.
 # wt103_large: the paper reports 257M, but its hyper-parameters (and the released checkpoint that Hugging
@@ -22,8 +22,27 @@ def test_every_preset_loads_and_builds_on_meta(name):
     with torch.device("meta"):
         model = TransformerXL(cfg.model)
     n = n_params(model)
+    assert parameter_count(cfg.model) == n  # what `txl train --list-presets` prints, counted without torch
     if name in PAPER_PARAMS:
         assert abs(n - PAPER_PARAMS[name]) / PAPER_PARAMS[name] < 0.03, (name, n)
+
+
+@pytest.mark.parametrize("change", [dict(cutoffs=[50, 100]), dict(cutoffs=[50, 100], div_val=2),
+                                    dict(cutoffs=[50, 100], div_val=2, tie_weight=False,
+                                         tie_projs=[False, True, False]),
+                                    dict(cutoffs=[50, 100], d_embed=48, tie_projs=[False, True, True]),
+                                    dict(cutoffs=[50, 100], d_embed=48, tie_projs=[False, False, False]),
+                                    dict(d_embed=48), dict(tie_weight=False), dict(untie_r=True, pre_ln=True),
+                                    dict(cmem_len=8, cmem_rate=2, cmem_fn="conv"),
+                                    dict(cmem_len=8, cmem_rate=2, cmem_fn="max")])
+def test_parameter_count_from_the_config_is_the_models(change):
+    """``parameter_count`` (the listing's count, no torch) against the model's own parameters, tied ones once."""
+    config = ModelConfig(vocab_size=200, d_model=32, n_head=2, d_head=16, d_inner=64, n_layer=2, mem_len=8,
+                         **change)
+    with torch.device("meta"):
+        assert parameter_count(config) == n_params(TransformerXL(config))
+    with pytest.raises(ValueError, match="relative attention only"):
+        parameter_count(config.replace(attn_type="shaw", cmem_len=0))
 
 
 def test_presets_listed():
@@ -115,14 +134,36 @@ def test_train_help_lists_every_field_with_its_docstring_and_default():
     assert "on the TEST split by default" in _help(["eval", "--help"])
 
 
+def test_every_option_of_every_command_has_help():
+    """`txl COMMAND --help` explains every option (`txl export --format` and `txl eval --device` had none, issue 44)."""
+    import argparse
+
+    from txl.cli import build_parser
+
+    def silent(parser: argparse.ArgumentParser, command: str) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += silent(sub, f"{command} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                found.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+        return found
+
+    assert silent(build_parser(), "txl") == []
+    assert "onnx: an ONNX graph for onnxruntime" in " ".join(_help(["export", "--help"]).split())
+
+
 @pytest.mark.slow  # a real subprocess
-def test_help_does_not_import_torch():
-    """`txl --help` and `txl train --help` parse without importing torch (it costs over a second)."""
+def test_help_and_the_preset_listing_do_not_import_torch():
+    """`txl --help`, `txl train --help` and `txl train --list-presets` answer without importing torch (it costs
+    seconds and 200 MB: the listing took 5-18 s and 309 MB where it now takes 0.2 s and 19 MB, issue 44)."""
     import subprocess
     import sys
 
     code = ("import sys\nfrom txl.cli import main\nfor argv in (['--help'], ['train', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert main(['train', '--list-presets']) == 0\n"
             "print('torch imported' if 'torch' in sys.modules else 'torch not imported')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "torch not imported", proc.stderr[-2000:]
@@ -144,6 +185,20 @@ def _train_args(argv):
     from txl.cli.train import build_config
 
     return build_config(build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("argv", [["--model.cmem_rate", "4", "--model.cmem_fn", "max"], ["--model.cmem_rate", "4"]])
+def test_a_compression_setting_without_cmem_len_is_refused_not_ignored(argv):
+    """cmem_rate / cmem_fn on the command line without cmem_len (0 by default) would train the plain model: refused,
+    naming the fix (issue 44); with cmem_len they build the compressive model, and an explicit cmem_len 0 is a
+    choice (tests/test_compressive.py trains the golden run so)."""
+    given = " ".join(argv)
+    with pytest.raises(ValueError, match=f"^{given} configures the compressed memory, which model.cmem_len 0 "
+                                         rf"switches off .*add --model.cmem_len N.*or drop {given}$"):
+        _train_args(argv)
+    assert _train_args([*argv, "--model.cmem_len", "16"]).model.cmem_len == 16
+    assert _train_args([*argv, "--model.cmem_len", "0"]).model.cmem_len == 0
+    assert _train_args(["--config", "tiny"]).model.cmem_len == 0  # the defaults alone are not a request
 
 
 def test_explicit_max_steps_beats_a_presets_time_budget():

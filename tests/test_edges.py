@@ -81,6 +81,7 @@ def test_torn_last_row_is_dropped_and_reported_a_bad_middle_row_is_refused(tmp_p
         txl.fileio.read_jsonl(path)
 
 
+@pytest.mark.slow  # real training, twice (11 s loaded)
 def test_resume_after_a_torn_row_drops_it_and_says_so(corpus, tmp_path, caplog):
     out = tmp_path / "r"
     assert main(args(corpus, out, "--max-steps", "3")) == 0
@@ -177,6 +178,7 @@ def test_tensorboard_failing_at_its_first_event_is_one_line(corpus, tmp_path, mo
                                        "--overwrite\n")
 
 
+@pytest.mark.slow  # real training (10 s loaded)
 def test_failed_plot_is_a_warning_and_leaves_no_empty_png(corpus, tmp_path, monkeypatch, capsys, caplog):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
@@ -287,6 +289,34 @@ def test_ctrl_c_in_any_command_is_one_line_rc_130(corpus, tmp_path, monkeypatch,
     assert err.startswith(f"txl {command}: interrupted by SIGINT; ") and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("after", [0, 4])
+def test_an_interrupted_generate_says_whether_it_generated_anything(tmp_path, monkeypatch, capsys, sig, after):
+    """Interrupted before its first token, `txl generate` says nothing was generated (it said "the text above is all
+    that was generated" above no text, issue 44); after some, that the text above is all, on a line of its own."""
+    from serve_util import make_model_dir
+
+    import txl.generation
+    from txl.signals import Interrupted
+
+    real = txl.generation.generate_stream
+
+    def cut(*a, **k):
+        for i, token in enumerate(real(*a, **k)):
+            if i == after:
+                raise Interrupted(sig)
+            yield token
+
+    monkeypatch.setattr(txl.generation, "generate_stream", cut)
+    directory = make_model_dir(tmp_path / "char")
+    argv = ["generate", "--checkpoint", str(directory), "--prompt", "The cat", "--max-new-tokens", "9", "--seed", "1"]
+    assert main(argv) == 128 + int(sig)
+    out, err = capsys.readouterr()
+    intact = "the text above is all that was generated" if after else "nothing was generated"
+    assert err == f"txl generate: interrupted by {sig.name}; {intact}; nothing was written\n"
+    assert (out.strip() != "" and out.endswith("\n")) if after else out == ""
+
+
 def test_resume_command_under_torchrun(monkeypatch):
     from txl.signals import Stopped, resume_command
 
@@ -342,6 +372,7 @@ def test_export_missing_parent_is_refused_not_created(trained, tmp_path, capsys)
                                        "exist; create it first\n")
 
 
+@pytest.mark.slow  # torch.export (11 s loaded)
 def test_export_write_failure_is_one_line(trained, tmp_path, capsys, monkeypatch):
     import txl.export
 
@@ -496,14 +527,14 @@ def _generation_module():
 def test_whole_context_generation_beyond_free_memory_is_refused(monkeypatch):
     gen = _generation_module()
     model = txl.TransformerXL(tiny_config())
-    free = gen.context_bytes(model.config, 1, 1000)
+    free = gen.context_bytes(model.config, 1, 100)  # room for 100 positions: the fitting run below is short
     monkeypatch.setattr(gen, "available_bytes", lambda device: free)
     with pytest.raises(ValueError, match=r"max_new_tokens=100,000,000 with the whole context kept \(mem_len none\) "
                                          r"would hold 100,000,003 positions of memory"):
         gen.generate(model, [1, 2, 3], max_new_tokens=100_000_000)
     # A memory length bounds it whatever the number of tokens (the state holds mem_len positions).
     assert gen.generate(model, [1, 2, 3], max_new_tokens=5, mem_len=8, seed=0).shape == (1, 5)
-    assert gen.generate(model, [1, 2, 3], max_new_tokens=990, seed=0).shape == (1, 990)  # it fits
+    assert gen.generate(model, [1, 2, 3], max_new_tokens=90, seed=0).shape == (1, 90)  # it fits
 
 
 def test_context_bytes_counts_memory_and_key_value_cache():
@@ -646,8 +677,7 @@ def test_signal_at_start_up_or_in_generate_is_one_line(corpus, tmp_path, trained
         script = WAIT_AT.format(module="txl.decoding", name="sample_next",  # where txl.generate draws a token
                                 argv=["generate", "--checkpoint", str(trained), "--prompt", "def", "--max-new-tokens",
                                       "5"])
-        expected = (f"txl generate: interrupted by {sig.name}; the text above is all that was generated; nothing "
-                    "was written")
+        expected = f"txl generate: interrupted by {sig.name}; nothing was generated; nothing was written"  # 1st token
     proc = _spawn(script, tmp_path)
     _wait_ready(proc)
     proc.send_signal(sig)
@@ -693,3 +723,26 @@ def test_ddp_stop_prints_the_torchrun_command_that_resumes(corpus, tmp_path):
     assert [r["step"] for r in rows(out) if r["kind"] == "train"][-1] == step + 1
 
 
+
+
+@pytest.mark.parametrize("keys", ["mem_len + 1 .. mem_len + 512", "4 + mem_len + 1 .. 4 + mem_len + 512", "64"])
+def test_the_sweep_plots_axis_labels_lie_inside_the_figure(keys, tmp_path, monkeypatch):
+    """mem_sweep.png: the x-axis label, keys per query of a long segment included, is drawn inside the saved figure
+    (one line cut it off, issue 44)."""
+    pytest.importorskip("matplotlib")
+    import txl.metrics
+
+    extents = []
+
+    def measure(fig, png):
+        fig.canvas.draw()  # the labels are placed when drawn
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            for label in (ax.xaxis.label, ax.yaxis.label, ax.title):
+                extents.append((label.get_text(), label.get_window_extent(renderer), fig.bbox))
+
+    monkeypatch.setattr(txl.metrics, "_save_figure", measure)
+    assert txl.metrics.plot_memory_sweep([0, 64, 512], [2.1, 2.0, 1.95], "bpc", keys, tmp_path / "sweep.png")
+    assert any(keys in text for text, _, _ in extents)
+    for text, box, figure in extents:
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1, text

@@ -101,6 +101,7 @@ def test_position_losses_rejects_too_few_tokens():
         common.position_losses(model, np.zeros(20, dtype=np.int64), context=4, n_streams=4, seg_len=4, skip=8)
 
 
+@pytest.mark.slow  # whole training runs (15 s loaded)
 def test_ablation_recl_and_report_end_to_end(ptb_dir, tmp_path, monkeypatch):
     assert ablation.main(ablation_args(ptb_dir, tmp_path)) == 0
     res = tmp_path / "results"
@@ -149,6 +150,7 @@ def test_ablation_rejects_grid_without_training_lengths(ptb_dir, tmp_path):
         ablation.main(ablation_args(ptb_dir, tmp_path, "--contexts", "4,12"))
 
 
+@pytest.mark.slow  # whole training runs (10 s loaded)
 def test_changed_config_is_not_silently_reused(ptb_dir, tmp_path):
     args = ablation_args(ptb_dir, tmp_path, "--variants", "relative-rec")
     assert ablation.main(args) == 0
@@ -156,6 +158,7 @@ def test_changed_config_is_not_silently_reused(ptb_dir, tmp_path):
         ablation.main([*args, "--lr", "0.002"])
 
 
+@pytest.mark.slow  # whole training runs (16 s loaded)
 def test_a_run_with_other_kernels_is_the_same_run(ptb_dir, tmp_path):
     """A finished row trained with other kernel choices (here the defaults of before: nn.Dropout, recomputed
     attention) is skipped, not refused; a real change of config still is."""
@@ -169,6 +172,7 @@ def test_a_run_with_other_kernels_is_the_same_run(ptb_dir, tmp_path):
         ablation.main([*args, "--lr", "0.002"])
 
 
+@pytest.mark.slow  # whole training runs (10 s loaded)
 def test_char_driver(char_dir, tmp_path):
     args = ["--data-dir", str(char_dir), "--steps", "2", "--tgt-len", "4", "--mem-len", "4", "--contexts", "4,8,16",
             *TINY_MODEL, "--out", str(tmp_path / "char"), "--results", str(tmp_path / "results")]
@@ -235,6 +239,7 @@ def wt2_dir(tmp_path, monkeypatch):
     return d
 
 
+@pytest.mark.slow  # whole training runs (10 s loaded)
 def test_wt2_grid_workers_half_loss_noise_and_report(wt2_dir, tmp_path, monkeypatch):
     """The WikiText-2 path end to end: two workers share the grid, the Half row trains with the last-half
     loss and the noise row with the next seed, results are rewritten from whatever is finished, and

@@ -22,6 +22,7 @@ def small_recall(monkeypatch):
     return params
 
 
+@pytest.mark.slow  # whole training runs (60 s loaded)
 def test_longrange_writes_accuracy_by_distance_and_reuses_runs(small_recall, tmp_path, capsys):
     argv = ["--steps", "3", "--batch-size", "4", "--tgt-len", "4", "--mem-len", "4", "--n-layer", "1", "--d-model",
             "16", "--n-head", "2", "--d-inner", "32", "--eval-mems", "4,8", "--recl-contexts", "4,8,16",
@@ -48,6 +49,7 @@ def test_longrange_writes_accuracy_by_distance_and_reuses_runs(small_recall, tmp
     assert "Long-range recall" in doc.read_text()
 
 
+@pytest.mark.slow  # whole training runs (16 s loaded)
 def test_compressive_writes_accuracy_by_distance_with_each_models_horizons(small_recall, tmp_path, capsys):
     """experiments.compressive on a tiny budget: the compressed memory and the plain one of the same slots, their
     horizons, the table, the plot, the reading of the trained compressive model three ways; finished runs reused."""
@@ -127,6 +129,7 @@ def test_rotary_row_beside_the_wikitext2_grid(tmp_path, monkeypatch):
         rotary.main(["--corpus", "ptb"])
 
 
+@pytest.mark.slow  # whole training runs (23 s loaded)
 def test_compressed_rows_beside_relative_rec_on_wikitext2(tmp_path, monkeypatch):
     """The compressed rows hold the plain row's 64 slots (memory 32 + 32 compressed) and are scored where their
     slots leave room for a memory, on the plain rows' positions, each compared with the plain row of its seed

@@ -52,6 +52,7 @@ def check_against_eager(model, step) -> None:
             torch.testing.assert_close(memory[layer][:, M - filled:], out.memory[layer], atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # torch.export (53 s loaded)
 def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, capsys):
     warned = []  # torch's own loggers do not propagate to the root (caplog): listen on torch.export's
     listener = logging.Handler(logging.WARNING)
@@ -76,6 +77,7 @@ def test_torch_export_equals_eager_over_three_segments(model_dir, tmp_path, caps
     check_against_eager(model, lambda *a: SegmentStep(model)(*a))
 
 
+@pytest.mark.slow  # an ONNX export (109 s loaded)
 def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capfd):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
@@ -96,6 +98,7 @@ def test_onnx_equals_eager_over_three_segments(model_dir, tmp_path, capfd):
     check_against_eager(txl.from_pretrained(model_dir), run)
 
 
+@pytest.mark.slow  # an ONNX export (84 s loaded)
 def test_onnx_of_a_large_model_names_its_weights_file(model_dir, tmp_path, capsys, monkeypatch):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
@@ -108,6 +111,7 @@ def test_onnx_of_a_large_model_names_its_weights_file(model_dir, tmp_path, capsy
         "s.onnx" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # torch.export (40 s loaded)
 def test_rotary_segment_step_exports_and_equals_eager(tmp_path):
     """Rotary positions rotate by the index in [memory; segment]: the padded memory of the exported step shifts
     those indices, which relative scores do not see, so the exported program equals eager from memory=None."""
@@ -213,6 +217,7 @@ def test_the_compressive_segment_step_equals_the_eager_model(attn_type):
     check_compressive_against_eager(model, lambda *a: segment_step(model)(*a))
 
 
+@pytest.mark.slow  # torch.export (41 s loaded)
 def test_torch_export_of_a_compressive_model_equals_eager(tmp_path, capsys):
     model = compressive_model()
     directory = txl.save_pretrained(model, tmp_path / "model")
@@ -231,6 +236,7 @@ def test_torch_export_of_a_compressive_model_equals_eager(tmp_path, capsys):
     check_compressive_against_eager(txl.from_pretrained(directory), run)
 
 
+@pytest.mark.slow  # an ONNX export (65 s loaded)
 def test_onnx_of_a_compressive_model_equals_eager(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

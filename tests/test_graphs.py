@@ -131,6 +131,7 @@ def test_a_longer_evaluation_memory_is_the_static_length():
     assert memory_s[0].size(1) == 10
 
 
+@pytest.mark.slow  # torch.compile (14 s loaded)
 def test_compiled_static_steps_trace_one_graph_and_equal_eager():
     """Training then evaluation through torch.compile at static shapes: each compiles once although the
     memory grows (0, 3, 6, 7 rows), and the numbers are eager's."""

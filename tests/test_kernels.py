@@ -141,6 +141,7 @@ def test_forward_has_no_graph_break(attn_type, train, one_thread):
     assert explanation.graph_count == 1
 
 
+@pytest.mark.slow  # torch.compile (4-10 s loaded)
 def test_compiled_loss_and_gradients_equal_eager(one_thread):
     """fp32, dropout 0: the compiled training step (aot_eager: the graphs autograd and the compiler make) gives the
     eager loss within 1e-5, and the same gradients."""

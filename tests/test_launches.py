@@ -57,6 +57,7 @@ def cuda_mode() -> txl.ModelConfig:
     return config.replace(**launches.cuda_fields(config))
 
 
+@pytest.mark.slow  # a counted 16-layer step (7-10 s loaded)
 def test_training_step_makes_no_host_sync_as_on_cuda():
     """Forward, backward, clipping and the fused Adam step of ``txl.train.train_step``: no ``.item()``,
     ``int(tensor)``, ``nonzero`` (nor a bool-mask index, which runs one) anywhere in it."""
@@ -92,6 +93,7 @@ def test_one_nvidia_structured_bf16_evaluation_segment_stays_under_the_launch_ce
     assert {k: row[k] for k in EVAL_CEILINGS} == {k: min(row[k], EVAL_CEILINGS[k]) for k in EVAL_CEILINGS}, row
 
 
+@pytest.mark.slow  # two counted 16-layer steps (7-22 s loaded)
 def test_cuda_mode_counts_dropout_as_the_one_fused_kernel_cuda_runs():
     """``as_on_cuda`` swaps F.dropout's CPU decomposition (bernoulli_, div_, mul) for ``native_dropout``, what
     ``at::dropout`` runs on a CUDA tensor: 2 fewer launches per dropout in forward, the same in backward."""
@@ -166,11 +168,17 @@ def test_the_layout_kernels_give_the_numbers_of_the_ops_they_replace_bit_for_bit
         return
     # Under bf16 the memory rows' W_kE, W_v gradient is accumulated into the segment's by the matmul (addmm_, beta
     # 1: summed in float32, rounded once), where the plain ops round the product to bf16 and add: those gradients
-    # (the fused q/k/v weights') differ by that rounding alone; everything else is equal.
+    # (the fused q/k/v weights') differ by that rounding alone, on every CPU. The W_kR gradients (W_kR R of every
+    # layer in one matmul, where the plain path makes one per layer) are equal where the CPU has bf16 matrix
+    # instructions (AVX512_BF16, AMX: oneDNN's bf16 kernels), but not on an AVX2-only CPU, whose bf16 matmuls take
+    # another kernel that rounds by the operands' shapes: layer 0's W_kR gradient differed on an AVX2-only EPYC
+    # (issue 44), and 1.2e-10 apart on |g| <= 3.7e-4 on an AVX-512 EPYC under ONEDNN_MAX_CPU_ISA=AVX2
+    # ATEN_CPU_CAPABILITY=avx2, which reproduces it (ATEN_CPU_CAPABILITY alone does not: oneDNN picks its kernels by
+    # its own ISA check). Both stay within the stated tolerance of bf16 rounding; the rest is equal on every CPU.
     names = [n for n, p in model.named_parameters() if p.grad is not None]
     first = len(fast) - 2 - len(names)  # the gradients follow the nll and memories; two log-probs end the list
-    qkv = {first + j for j, n in enumerate(names) if n.endswith("attn.qkv.weight")}
-    assert differ <= qkv, sorted(differ - qkv)
+    rounded = {first + j for j, n in enumerate(names) if n.endswith(("attn.qkv.weight", "attn.r_proj.weight"))}
+    assert differ <= rounded, [names[i - first] if i >= first else i for i in sorted(differ - rounded)]
     for i in differ:
         torch.testing.assert_close(fast[i], plain[i], rtol=0, atol=2 ** -7 * plain[i].abs().max().item())  # 2 ulps
 
@@ -345,6 +353,7 @@ def test_bf16_autocast_keeps_the_memory_in_the_compute_dtype_and_close_to_before
     assert abs(losses["compute"] - losses["residual"]) < 2e-2, losses
 
 
+@pytest.mark.slow  # torch.compile at two shapes (19-25 s loaded)
 def test_adaptive_softmax_graph_has_no_bucketize_and_compiles_at_two_shapes():
     """Dynamic shapes through the compiler (aot_eager keeps it fast on a CPU): the graph the compiler traces has
     no bucketize (the Triton failure on a GPU), and both shapes equal eager."""
@@ -680,7 +689,15 @@ def test_an_unclipped_step_only_measures_the_gradient_norm():
                          ids=["selected", "all-rows", "all-div2-pad", "no-cutoffs"])
 def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
     """``nll`` (the head's term by F.nll_loss, a tail's subtracted: -h - t) against ``log_prob`` (h + t, the full
-    distribution), read at the target: equal bit for bit, and 0 at an ignored target."""
+    distribution), read at the target: equal bit for bit, and 0 at an ignored target.
+
+    Except a tail token's under 'selected' rows: there ``nll`` scores a tail cluster over its own tokens' rows
+    (``hidden[idx]``, N_i rows) where ``log_prob`` scores all N rows, and a float32 matmul's rounding of one row may
+    depend on how many rows it is given: equal on AVX-512 CPUs, apart on an AVX2-only CPU (issue 44; under
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU, target 87, the only token of its cluster:
+    4.8e-7 on 7.7, 1 ulp). Those tokens are compared within 4 float32 ulps; the head's
+    tokens (one matmul of all rows on both sides) and every token under 'all' rows and without cutoffs stay
+    bit for bit on every CPU."""
     softmax = word_model(**change).softmax
     hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(4))
     target = zipf((3, 7), seed=2).reshape(-1)
@@ -689,8 +706,12 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         nll = softmax.nll(hidden, target)
         log_prob = softmax.log_prob(hidden)
+    expected = -log_prob.gather(1, target.clamp(min=0)[:, None]).squeeze(1)  # (N,)
     kept = target != -100
-    assert torch.equal(nll[kept], -log_prob[kept].gather(1, target[kept, None]).squeeze(1))
+    rounded = kept & (target >= 20) if change.get("cluster_rows") == "selected" else torch.zeros_like(kept)
+    exact = kept & ~rounded
+    assert exact.sum() >= 9 and torch.equal(nll[exact], expected[exact])  # 9 head tokens under 'selected'
+    torch.testing.assert_close(nll[rounded], expected[rounded], rtol=4 * 2 ** -23, atol=0)
     assert torch.equal(nll[~kept], torch.zeros(2))
 
 

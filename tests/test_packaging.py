@@ -36,3 +36,18 @@ def test_license_is_mit():
     text = (ROOT / "LICENSE").read_text()
     assert text.startswith("MIT License") and "the txl authors" in text
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == {"text": "MIT"}
+
+
+def test_the_readme_says_what_the_lmeval_extra_downgrades():
+    """[lmeval] pulls lm-eval 0.4, whose pytablewriter needs typepy[datetime], capping python-dateutil below 3: pip
+    downgrades a dateutil 4 (issue 44). txl pins nothing around it (its own dependencies name no dateutil), and the
+    README says so where it installs the extra."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = project["project"]["optional-dependencies"]
+    assert any(req.startswith("lm-eval") and "<0.5" in req for req in extras["lmeval"])
+    assert not any("dateutil" in req for reqs in [project["project"]["dependencies"], *extras.values()] for req in reqs)
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    section = readme[readme.index("### lm-evaluation-harness"):]
+    assert section.startswith('### lm-evaluation-harness `pip install -e ".[lmeval]"` (it downgrades python-dateutil '
+                              "4 to 2.9: lm-eval 0.4.13 needs pytablewriter, whose `typepy[datetime]` requires "
+                              "`python-dateutil<3`")

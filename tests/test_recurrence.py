@@ -10,6 +10,7 @@ import experiments  # noqa: F401  (puts this checkout's src first on sys.path)
 from experiments import recurrence
 
 
+@pytest.mark.slow  # trains two models (31 s on a 2-core machine)
 def test_the_memory_carries_the_answer_past_the_segment(capsys):
     assert recurrence.main(["--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -147,6 +147,32 @@ def test_eval_cli_and_sweep(corpus, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow  # real training
+def test_eval_of_a_compressive_run_counts_and_names_the_compressed_slots(corpus, tmp_path, capsys):
+    """A compressive run (cmem_len 4 at rate 2): every settings line names its second memory, keys/query counts the
+    compressed slots every query reads (issue 44: `1-32` with mem_len 0, `17-48` at mem_len 16, tgt_len 32), and
+    eval refuses mem_len 0 as training does."""
+    out = tmp_path / "run"
+    compressive = ["--model.cmem_len", "4", "--model.cmem_rate", "2", "--model.cmem_fn", "max"]
+    assert main(["train", *args(corpus, out, "--max-steps", "2", *compressive)]) == 0
+    printed = capsys.readouterr().out
+    assert "valid (best checkpoint, step 2; tgt_len 8, mem_len 8, cmem_len 4 at rate 2 (max), 2 streams" in printed
+    assert "test (best checkpoint, step 2; tgt_len 8, mem_len 16, cmem_len 4 at rate 2 (max)," in printed
+    assert main(["eval", str(out), "--max-batches", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "test (first 2 segments, 2 streams, tgt_len 8, mem_len 16, cmem_len 4 at rate 2 (max);" in printed
+    assert "mem_len 16, cmem_len 4, tgt_len 8, keys/query 21-28: loss" in printed  # 4 + 16 + 1 .. 4 + 16 + 8
+    assert main(["eval", str(out), "--sweep-mem", "2,8", "--max-batches", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    rows = [r.split("\t")[:2] for r in (out / "mem_sweep.tsv").read_text().splitlines()[1:]]
+    assert rows == [["2", "7-14"], ["8", "13-20"]]
+    for bad in (["--eval.mem_len", "0"], ["--sweep-mem", "0,8"]):
+        assert main(["eval", str(out), *bad, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "mem_len 0 with a compressive model (cmem_len 4)" in err and "--eval.mem_len >= 1" in err, err
+        assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # real training
 def test_eval_refuses_same_length_without_memory(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *args(corpus, out, "--max-steps", "1")]) == 0

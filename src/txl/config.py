@@ -31,6 +31,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+MAX_MEMORY_ROWS = 1 << 20
+"""The most rows a layer keeps (mem_len + cmem_len): 1,048,576, thousands of times the paper's longest memory
+(3,800 rows, enwik8 evaluation) and far beyond what a training run fills."""
+
 KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype",
                  "cast_weights", "residual_dtype")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
@@ -259,6 +263,13 @@ class ModelConfig:
         if self.cmem_fn not in typing.get_args(CompressFn):
             raise ValueError(f"ModelConfig.cmem_fn={self.cmem_fn!r} is unknown; choose one of "
                              f"{', '.join(map(repr, typing.get_args(CompressFn)))}")
+        if self.mem_len + self.cmem_len > MAX_MEMORY_ROWS:
+            # Every query attends over every kept row: a (B, H, T, K) score tensor per layer and segment, and a
+            # compressed memory far past what a run can fill grows (and slows every step) without end.
+            raise ValueError(f"ModelConfig.mem_len={self.mem_len} + cmem_len={self.cmem_len} keeps "
+                             f"{self.mem_len + self.cmem_len:,} rows per layer, each attended by every query: at most "
+                             f"{MAX_MEMORY_ROWS:,}; choose cmem_len of the order of mem_len (each slot stands for "
+                             f"cmem_rate={self.cmem_rate} states already)")
         if not self.cmem_len:
             return
         if self.mem_len == 0:
@@ -338,11 +349,14 @@ class Context:
             raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: use a memory "
                              "of at least 1, or same_length false")
 
-    def describe(self, *, mem_len: str | None = None) -> str:
+    def describe(self, *, mem_len: str | None = None, model: ModelConfig | None = None) -> str:
         """The context as printed beside a figure: 'mem_len 192, clamp_len 128, same_length' (a longer memory
         lowers the loss, Dai et al. 2019 section 4.3, so a figure without its context is not comparable).
-        ``mem_len``: shown instead of the field (a sweep's lengths)."""
+        ``mem_len``: shown instead of the field (a sweep's lengths). ``model``: the model read in this context;
+        a compressive one's second memory is named too ('cmem_len 16 at rate 4 (max)'), which every query reads."""
         parts = [f"mem_len {self.mem_len if mem_len is None else mem_len}"]
+        if model is not None and model.cmem_len:
+            parts.append(f"cmem_len {model.cmem_len} at rate {model.cmem_rate} ({model.cmem_fn})")
         if self.clamp_len > 0:
             parts.append(f"clamp_len {self.clamp_len}")
         if self.same_length:

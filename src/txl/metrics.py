@@ -150,7 +150,8 @@ def plot_memory_sweep(mem_lens: list[int], values: list[float], metric: str, key
         return False
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(mem_lens, values, marker="o")
-    ax.set_xlabel(f"memory length mem_len (keys per query: {keys})")
+    # Two lines: one line with the keys of a longer segment ran past the figure's 5 inches (issue 44).
+    ax.set_xlabel(f"memory length mem_len\n(keys per query: {keys})")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} against memory length")
     ax.grid(alpha=0.3)

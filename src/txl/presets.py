@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from txl.config import SECTIONS, RunConfig, did_you_mean
+from txl.config import SECTIONS, ModelConfig, RunConfig, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "configs"
 """Presets ship inside the package (the repository's configs/ links here)."""
@@ -38,6 +38,46 @@ def preset_expected_time(name: str) -> str:
         if line.lower().startswith("# expected time:"):
             return line.split(":", 1)[1].strip()
     return ""
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """The parameters of ``TransformerXL(model)``, from the config alone (no torch: ``txl train --list-presets``
+    reads this in a fraction of a second, where building each preset's model, even on the meta device, imports
+    torch and its compiler, ~20 s and 300 MB, issue 44). Relative attention (every preset's); another attn_type is
+    a ValueError. tests/test_config_presets.py holds it equal to the model's count for every preset and variant."""
+    if model.attn_type != "relative":
+        raise ValueError(f"parameter_count knows relative attention only, not attn_type={model.attn_type!r}; "
+                         "count sum(p.numel() for p in TransformerXL(config).parameters()) instead")
+    d, e, hd, V = model.d_model, model.d_embed, model.n_head * model.d_head, model.vocab_size
+    bounds = [0, *model.cutoffs, V]
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]  # tokens per cluster (0 = the head's shortlist)
+    C = len(model.cutoffs)
+    widths = [e] * (C + 1) if model.div_val == 1 else [e // model.div_val ** i for i in range(C + 1)]
+    # Adaptive input and softmax (Baevski & Auli 2019; Grave et al. 2017): at div_val 1 one (V, e) table, and
+    # (d, e) projections only if e != d (the softmax one per cluster); else a (V_i, e_i) table and a (d, e_i)
+    # projection per cluster. The softmax's tables have biases.
+    if model.div_val == 1:
+        embed_tables, embed_projs = [V * e], [d * e] if e != d else []
+        soft_tables, soft_projs = [V * e + V], [d * e] * (C + 1) if e != d else []
+    else:
+        embed_tables = [n * w for n, w in zip(sizes, widths)]
+        embed_projs = [d * w for w in widths]
+        soft_tables = [n * w + n for n, w in zip(sizes, widths)]
+        soft_projs = [d * w for w in widths]
+    # The softmax's tables and projections shared with the input's (tie_weight, tie_projs) are counted once.
+    if model.tie_weight:  # the softmax's tables are the embedding's: only their biases are its own
+        soft_tables = [t - w for t, w in zip(soft_tables, embed_tables)]
+    tied = [i for i, tie in enumerate(model.tie_projs) if tie and soft_projs]
+    soft_projs = [p for i, p in enumerate(soft_projs) if i not in tied]
+    clusters = C * e + C  # the head's logit per tail cluster: weight and bias
+    # A layer: q/k/v and output projections, W_kR (no biases), two layer norms, the feed-forward's two linears;
+    # u and v (H, D) each, shared, or per layer with untie_r.
+    layer = 3 * hd * d + hd * d + hd * d + 2 * 2 * d + (d * model.d_inner + model.d_inner) + (model.d_inner * d + d)
+    u_v = 2 * hd
+    layers = model.n_layer * (layer + (u_v if model.untie_r else 0)) + (0 if model.untie_r else u_v)
+    compressor = d * d * model.cmem_rate + d if model.cmem_len and model.cmem_fn == "conv" else 0
+    return (sum(embed_tables) + sum(embed_projs) + sum(soft_tables) + sum(soft_projs) + clusters + layers
+            + compressor)
 
 
 def load_preset(name_or_path: str | os.PathLike) -> dict[str, Any]:

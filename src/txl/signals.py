@@ -32,9 +32,12 @@ from types import FrameType
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM interrupted the work; ``during`` says what was cut and what is intact."""
 
-    def __init__(self, sig: signal.Signals = signal.SIGINT, during: str = "") -> None:
+    def __init__(self, sig: signal.Signals = signal.SIGINT, during: str = "", intact: str = "") -> None:
         super().__init__(sig.name)
         self.signal, self.during = sig, during
+        self.intact = intact
+        """What is intact, where the command knows better than ``INTACT`` (its moment: ``txl generate`` after its
+        first text); '' for INTACT's line."""
 
     @property
     def exit_code(self) -> int:
@@ -53,7 +56,7 @@ def signal_name(err: KeyboardInterrupt) -> str:
 INTACT = {
     "train": "nothing was written; run the same command again",
     "eval": "nothing was written (the sweep's table and plot are written when it ends)",
-    "generate": "the text above is all that was generated; nothing was written",
+    "generate": "nothing was generated; nothing was written",  # after the first text: GENERATED
     "score": "an -o file is written whole when scoring ends, so nothing was written",
     "export": "the -o file is written whole when the export ends, so nothing was written",
     "data": "a partial download is kept as FILE.part and resumes, and a token-cache entry is written whole or "
@@ -62,6 +65,9 @@ INTACT = {
 }
 """What a command interrupted before its own handling (start-up, or where it has none) leaves intact: every file
 it writes is atomic or resumable."""
+
+GENERATED = "the text above is all that was generated; nothing was written"
+"""``txl generate`` interrupted once it has shown text (``Interrupted.intact``); before, INTACT's line."""
 
 
 def interruption_in(err: BaseException) -> KeyboardInterrupt | None:
@@ -85,7 +91,7 @@ def command_of(argv: list[str]) -> str | None:
 
 def interrupted_line(command: str | None, err: KeyboardInterrupt) -> str:
     """The one line a command prints when a signal interrupts it: which command, which signal, what is intact."""
-    intact = INTACT.get(command or "")
+    intact = getattr(err, "intact", "") or INTACT.get(command or "")
     return f"txl{f' {command}' if command else ''}: interrupted by {signal_name(err)}{f'; {intact}' if intact else ''}"
 
 

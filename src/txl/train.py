@@ -28,7 +28,7 @@ import torch
 
 from txl import checkpoint as ckpt
 from txl import elastic, parallel
-from txl.config import Context, LossPositions, RunConfig, SampleConfig
+from txl.config import Context, LossPositions, ModelConfig, RunConfig, SampleConfig
 from txl.data import Batch, Corpus, OrderedIterator
 from txl.distributed import (
     DistInfo,
@@ -239,10 +239,11 @@ def check_run(cfg: RunConfig, info: DistInfo) -> None:
                     "bf16 autocast makes its matmuls many times slower than fp32; --train.precision fp32 is faster")
 
 
-def eval_settings(*, tgt_len: int, context: Context, batch_size: int, batches: int) -> str:
+def eval_settings(*, tgt_len: int, context: Context, batch_size: int, batches: int,
+                  model: ModelConfig | None = None) -> str:
     """The settings a figure was computed in, printed beside it: without them two figures look comparable
-    when they are not (``Context.describe``)."""
-    return (f"tgt_len {tgt_len}, {context.describe()}, {batch_size} streams, "
+    when they are not (``Context.describe``; ``model``: a compressive model's second memory named too)."""
+    return (f"tgt_len {tgt_len}, {context.describe(model=model)}, {batch_size} streams, "
             f"{f'first {batches} segments' if batches else 'whole split'}")
 
 
@@ -471,7 +472,7 @@ class Trainer:
                               tgt_len=t.tgt_len, max_batches=max_batches, precision=self.precision, info=self.info,
                               compile=e.compile, graphs=e.graphs, on_segment=on_segment)
         return result, eval_settings(tgt_len=t.tgt_len, context=self.cfg.model.context(), batch_size=e.batch_size,
-                                     batches=max_batches)
+                                     batches=max_batches, model=self.cfg.model)
 
     def test(self) -> tuple[EvalResult, str]:
         """The test loss in the evaluation context (cfg.eval; None fields: as in training)."""
@@ -481,7 +482,8 @@ class Trainer:
             result = evaluate(self.model, self.corpus.test, metric=self.corpus.metric, batch_size=e.batch_size,
                               tgt_len=tgt, context=context, precision=self.precision, info=self.info,
                               compile=e.compile, graphs=e.graphs, on_segment=on_segment)
-        return result, eval_settings(tgt_len=tgt, context=context, batch_size=e.batch_size, batches=0)
+        return result, eval_settings(tgt_len=tgt, context=context, batch_size=e.batch_size, batches=0,
+                                     model=self.cfg.model)
 
     def decide_best(self, metrics: MetricsLog) -> tuple[bool, EvalResult]:
         """Validate on the decision tokens and say whether this is the best model so far.

@@ -92,19 +92,10 @@ def _main(argv: list[str] | None) -> int:
     level = (logging.DEBUG if args.verbose else logging.INFO) if main_process else logging.ERROR
     logging.basicConfig(level=max(level, logging.WARNING), format="%(message)s", stream=sys.stderr)
     logging.getLogger("txl").setLevel(level)
-    with deferred():  # a Ctrl-C in torch's C start-up would be lost there (see txl.signals.deferred): raised after
-        import torch
-
-        from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
-
-    retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
-    threads, why = choose_threads(args.threads)
-
-    torch.set_num_threads(threads)
-    args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
-    logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
-    if main_process and (advice := oversubscribed(threads)) is not None:
-        logging.getLogger(__name__).warning(advice)
+    # A listing (`txl train --list-presets`) answers from the preset files: no torch, no threads (torch's import
+    # alone is seconds and 200 MB, issue 44).
+    if not getattr(args, "list_presets", False):
+        start_torch(args, main_process)
     try:
         with terminate_raises(), _thread_errors_reported_by_caller():  # SIGTERM: as Ctrl-C, below
             return int(args.func(args) or 0)
@@ -127,6 +118,23 @@ def _main(argv: list[str] | None) -> int:
         return exit_code(err)
 
 
+
+
+def start_torch(args: argparse.Namespace, main_process: bool) -> None:
+    """Import torch and set its threads (``--threads``), noting the choice in ``args.threads_note``."""
+    with deferred():  # a Ctrl-C in torch's C start-up would be lost there (see txl.signals.deferred): raised after
+        import torch
+
+        from txl.runtime import choose_threads, oversubscribed, retain_freed_memory
+
+    retain_freed_memory()  # reuse freed tensor pages instead of faulting them in again every step
+    threads, why = choose_threads(args.threads)
+
+    torch.set_num_threads(threads)
+    args.threads_note = f"CPU threads: {threads} ({why}; --threads N sets it)"
+    logging.getLogger(__name__).debug(args.threads_note)  # txl train logs it with the run's settings
+    if main_process and (advice := oversubscribed(threads)) is not None:
+        logging.getLogger(__name__).warning(advice)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--graphs", action="store_true",
                    help="every segment at one static shape through CUDA graphs (txl.graphs; as --eval.graphs)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
                    help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "
                    "the run directory")
@@ -56,13 +56,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def keys_per_query(mem_len: int, tgt_len: int, same_length: bool, style: str) -> str:
+def keys_per_query(mem_len: int, tgt_len: int, same_length: bool, style: str, cmem_len: int = 0) -> str:
     """What each query attends to: with same_length every query sees the same number of keys (mem_len in
     the PyTorch/Hugging Face mask, mem_len + 1 in the TensorFlow one); without it, query t of a segment sees
-    the memory and the t + 1 positions up to itself."""
+    the memory and the t + 1 positions up to itself, and a compressive model's cmem_len compressed slots before
+    them once they are filled (Rae et al. 2020: every layer attends over [compressed; memory; segment])."""
     if same_length:
         return str(mem_len + (style == "tensorflow"))
-    return f"{mem_len + 1}-{mem_len + tgt_len}"
+    return f"{cmem_len + mem_len + 1}-{cmem_len + mem_len + tgt_len}"
 
 
 # The original evaluation script's defaults for a checkpoint without a run (kimiyoung/transformer-xl
@@ -124,7 +125,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     tgt_len, context = e.segment_len(raw.get("tgt_len") or PRETRAINED_TGT_LEN), e.context(model.config)
     print(f"{args.checkpoint} on {spec.name} {args.split}: {len(tokens):,} tokens with the checkpoint's "
           f"vocabulary ({codec.vocab_size:,} symbols, {n_unk:,} <unk>); {e.batch_size} streams, tgt_len {tgt_len}, "
-          f"{context.describe()}")
+          f"{context.describe(model=model.config)}")
     from txl.metrics import segment_progress
 
     check_split_fits(args.split, len(tokens), batch_size=e.batch_size, tgt_len=tgt_len, flag="--eval.tgt_len")
@@ -198,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     if same and 0 in mems:
         raise ValueError("same_length with mem_len 0 masks every key of a segment's first query: drop "
                          "--eval.same_length (or 0 from --sweep-mem), or use a memory of at least 1")
+    if m.cmem_len and 0 in mems:  # as ModelConfig refuses it for training
+        raise ValueError(f"mem_len 0 with a compressive model (cmem_len {m.cmem_len}): its compressed memory is made "
+                         "of the rows leaving the memory, and a memory of 0 rows keeps none to compress from; use "
+                         f"--eval.mem_len >= 1 (it trained with {m.mem_len}), or drop 0 from --sweep-mem")
     kwargs = dict(metric=corpus.metric, batch_size=e.batch_size, tgt_len=tgt, max_batches=args.max_batches,
                   precision=resolve_precision(args.precision, device), compile=e.compile, graphs=e.graphs)
     tokens = corpus.split(args.split)
@@ -208,14 +213,15 @@ def run(args: argparse.Namespace) -> int:
         check_output(run_dir_of(args.checkpoint) / "mem_sweep.tsv", "the sweep table", "mem_sweep.tsv")
         check_output(plot, "--plot", "mem_sweep.png")
     extent = f"first {args.max_batches} segments" if args.max_batches else "whole split"
-    shown = context.describe(mem_len=args.sweep_mem if args.sweep_mem else None)
+    shown = context.describe(mem_len=args.sweep_mem if args.sweep_mem else None, model=m)
     print(f"{loaded.path} on {corpus.name} {args.split} ({extent}, {e.batch_size} streams, tgt_len {tgt}, {shown}; "
           f"trained with tgt_len {run_cfg.train.tgt_len}, mem_len {run_cfg.model.mem_len})")
     if not args.sweep_mem:
         with segment_progress(args.progress, args.split) as on_segment:
             r = evaluate(model, tokens, context=context, on_segment=on_segment, **kwargs)
-        print(f"mem_len {mems[0]}, tgt_len {tgt}, keys/query {keys_per_query(mems[0], tgt, same, m.same_length_style)}"
-              f": {r.describe()}")
+        compressed = f"cmem_len {m.cmem_len}, " if m.cmem_len else ""
+        print(f"mem_len {mems[0]}, {compressed}tgt_len {tgt}, keys/query "
+              f"{keys_per_query(mems[0], tgt, same, m.same_length_style, m.cmem_len)}: {r.describe()}")
         return 0
     header = f"{'mem_len':>8} {'keys/query':>11} {'loss':>8} {corpus.metric:>8} {'tokens/s':>10}"
     rows, results = [header], []
@@ -226,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
             with segment_progress(args.progress, f"mem_len {mem}") as on_segment:
                 r = evaluate(model, tokens, context=replace(context, mem_len=mem), on_segment=on_segment, **kwargs)
             results.append(r)
-            rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style):>11} {r.loss:>8.4f} "
+            rows.append(f"{mem:>8} {keys_per_query(mem, tgt, same, m.same_length_style, m.cmem_len):>11} "
+                        f"{r.loss:>8.4f} "
                         f"{r.value:>8.4f} {r.tokens_per_s:>10,.0f}")
             bar.write(rows[-1], sys.stdout)
             bar.update(1)
@@ -236,8 +243,9 @@ def run(args: argparse.Namespace) -> int:
     text = "\n".join("\t".join(r.split()) for r in rows) + "\n"
     write_output(table, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     print(f"table: {table}")
+    before = f"{m.cmem_len} + " if m.cmem_len else ""  # the compressed slots, read before the memory
     keys = ("mem_len" + (" + 1" if m.same_length_style == "tensorflow" else "") if same
-            else f"mem_len + 1 .. mem_len + {tgt}")
+            else f"{before}mem_len + 1 .. {before}mem_len + {tgt}")
     if plot_memory_sweep(mems, [r.value for r in results], corpus.metric, keys, plot):
         print(f"plot: {plot}")
     return 0

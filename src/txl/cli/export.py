@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR|REPO_ID",
                    help="a model or run directory (its best checkpoint), or a Hugging Face Hub repo id")
     p.add_argument("--revision", default=None, help="Hub repo revision: branch, tag or commit (default main)")
-    p.add_argument("--format", choices=["torch-export", "onnx"], default="torch-export")
+    p.add_argument("--format", choices=["torch-export", "onnx"], default="torch-export",
+                   help="torch-export: a torch.export program (.pt2), loaded by txl.export.load, run by torch; onnx: "
+                   "an ONNX graph for onnxruntime and other ONNX runtimes (needs pip install 'txl[onnx]'); default "
+                   "torch-export")
     p.add_argument("--output", "-o", default=None,
                    help="file to write (default: step.pt2 or step.onnx in the current directory)")
     p.set_defaults(func=run)
@@ -68,8 +71,9 @@ def _write_onnx(model, output: Path) -> Path:
     from txl.export import export, onnx_sidecar
     from txl.fileio import WriteError
 
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    tmpdir = None
+    try:  # the temporary directory too: its failure (a full disk, a /proc) names the output, not the temporary
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
         written = export(model, tmpdir / output.name, format="onnx")
         if (sidecar := onnx_sidecar(written)) is not None:
             os.replace(sidecar, output.parent / sidecar.name)
@@ -77,5 +81,6 @@ def _write_onnx(model, output: Path) -> Path:
     except OSError as err:
         raise WriteError(output, err, "nothing was written there") from err
     finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return output

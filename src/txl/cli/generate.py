@@ -111,9 +111,12 @@ def sample_config(args: argparse.Namespace, directory=None):
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from txl.data.tokenizer.stream import TextStream
     from txl.decoding import StopText
     from txl.generation import generate_stream
+    from txl.signals import GENERATED, Interrupted
 
     sample_config(args)  # cheap checks first: a typo should not cost loading a model
     text = args.prompt if args.prompt is not None else read_text_file(args.prompt_file, "--prompt-file")
@@ -133,13 +136,23 @@ def run(args: argparse.Namespace) -> int:
     stream = TextStream(tokenizer, context=ids)
     stops = StopText(s.stop)
     out = sys.stdout
-    for token in tokens:
-        if int(token[0]) < 0:  # the row stopped
-            break
-        if stops.push(stream.push(int(token[0]))):
-            break
-        out.write(stops.show())
+    shown = False
+    try:
+        for token in tokens:
+            if int(token[0]) < 0:  # the row stopped
+                break
+            if stops.push(stream.push(int(token[0]))):
+                break
+            text = stops.show()
+            out.write(text)
+            out.flush()
+            shown = shown or bool(text)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the line says whether any text came before it
+        if not shown:
+            raise  # INTACT's line: nothing was generated
+        out.write("\n")
         out.flush()
+        raise Interrupted(err.signal if isinstance(err, Interrupted) else signal.SIGINT, intact=GENERATED) from err
     if not stops.stopped:
         stops.push(stream.finish())
     out.write(stops.finish() + "\n")

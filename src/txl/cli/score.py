@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     docs = [codec.encode_lines(_lines(path)) for path in args.files]  # read lazily, line by line
     unit = {"word": "ppl", "bpe": "ppl", "char": "bpc", "byte": "bpc"}[codec.level]
     segment_len, ctx = e.segment_len(SEGMENT_LEN), e.context(model.config)
-    context = f"segment_len {segment_len}, {ctx.describe()}"
+    context = f"segment_len {segment_len}, {ctx.describe(model=model.config)}"
     summary = sys.stdout if args.output is None else sys.stderr  # the JSONL owns stdout when -o - is given
 
     def score(out) -> None:

@@ -21,6 +21,7 @@ from txl.config import SECTIONS
 from txl.presets import load_preset
 
 if TYPE_CHECKING:
+    from txl.config import RunConfig
     from txl.finetune import Init
 
 DEFAULT_PRESET = "default"
@@ -62,16 +63,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def list_presets() -> list[str]:
-    """One line per preset: name, parameters (built on the meta device: no memory, no time), what it is."""
-    import torch
-
-    from txl.model import TransformerXL
-    from txl.presets import preset_expected_time, preset_names, preset_summary, run_config
+    """One line per preset: name, parameters (counted from the config: no torch imported), what it is."""
+    from txl.presets import parameter_count, preset_expected_time, preset_names, preset_summary, run_config
 
     lines = []
     for name in preset_names():
-        with torch.device("meta"):
-            n = sum(p.numel() for p in TransformerXL(run_config(name).model).parameters())
+        n = parameter_count(run_config(name).model)
         size = f"{n / 1e6:.1f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
         lines.append(f"{name:<12} {size:>7} params  {preset_expected_time(name):<38} {preset_summary(name)}")
     return lines
@@ -131,8 +128,21 @@ def build_config(args: argparse.Namespace, init: Init | None = None):
         if args.init_from:  # fine-tuning: the checkpoint's architecture and vocabulary, the new run's settings
             from txl.finetune import run_config
 
-            return run_config(base, overrides, init)
-    return RunConfig.from_dict(apply_overrides(base, overrides))
+            return compression_as_asked(run_config(base, overrides, init), overrides)
+    return compression_as_asked(RunConfig.from_dict(apply_overrides(base, overrides)), overrides)
+
+
+def compression_as_asked(cfg: RunConfig, overrides: dict[str, object]) -> RunConfig:
+    """``cfg``, unless the command line sets the compressed memory's rate or function without cmem_len, whose 0
+    switches it off: the plain model would train and nothing would say so (issue 44). An explicit
+    ``--model.cmem_len 0`` beside them is a choice (a sweep's plain baseline) and passes."""
+    asked = [key for key in ("model.cmem_rate", "model.cmem_fn") if key in overrides]
+    if asked and not cfg.model.cmem_len and "model.cmem_len" not in overrides:
+        given = " ".join(f"--{key} {overrides[key]}" for key in asked)
+        raise ValueError(f"{given} configures the compressed memory, which model.cmem_len 0 switches off (the "
+                         "plain Transformer-XL would train): add --model.cmem_len N, the compressed slots per layer "
+                         f"(e.g. --model.cmem_len {cfg.model.mem_len or 64}), or drop {given}")
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

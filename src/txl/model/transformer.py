@@ -396,8 +396,9 @@ class TransformerXL(nn.Module):
         if memory is not None:
             check = check_memory if self.compressor is None else check_state
             check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
-        if self.compressor is not None and (ctx.same_length or ctx.ext_len):
-            raise ValueError("a compressive model (cmem_len > 0) reads with same_length false and ext_len 0: "
+        if self.compressor is not None and (ctx.same_length or ctx.ext_len or not ctx.mem_len):
+            raise ValueError("a compressive model (cmem_len > 0) reads with mem_len >= 1, same_length false and "
+                             "ext_len 0: with mem_len 0 nothing is kept to compress from (ModelConfig refuses it too), "
                              "same_length would hide the compressed slots, ext_len feed rows twice")
         if kv_cache is not None:  # a compressive model's cache covers its window, [compressed; memory]
             rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
