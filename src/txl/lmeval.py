@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    torch.set_grad_enabled(False)
-    cli_evaluate()
+    with torch.no_grad():  # scoped: a caller in the same process (a test, a notebook) gets its grad mode back
+        cli_evaluate()
 
 
 if __name__ == "__main__":
