@@ -1,4 +1,4 @@
-"""CUDA's operand rules on the CPU: run a model as a GPU would hand its ops to CUDA's kernels, and refuse what they refuse.
+"""CUDA's operand rules on the CPU: run a model as a GPU would hand its ops to CUDA's kernels; refuse what they refuse.
 
 A CPU kernel often accepts what its CUDA twin refuses: a layer norm handed a bf16 input beside float32 weights runs
 on the CPU and raises "expected scalar type BFloat16 but found Float" on a GPU (issue 43: every bf16 GPU run crashed
