@@ -120,6 +120,23 @@ def test_the_inductor_step_equals_eager_over_20_steps_and_a_resume():
     check_compiled_step("inductor", 2)
 
 
+def test_a_shorter_segment_runs_the_plain_step_and_the_next_takes_its_memory_back():
+    """An epoch's last segment is shorter (the iterator's ceil): it runs the plain ``train_step`` on the memory's
+    real rows (copied out of the buffers first), and the next full segment copies that memory back in."""
+    info = init_distributed("cpu")
+    config = tiny_config(mem_len=7)
+    tokens = torch.randint(0, 61, (B, 40), generator=torch.Generator().manual_seed(2))
+    cuts = [(0, 3), (3, 6), (6, 9), (9, 11), (11, 14), (14, 17)]  # the fourth segment is 2 tokens long
+    batches = [Batch(tokens[:, a:b], tokens[:, a + 1:b + 1], context_len=0, start=a) for a, b in cuts]
+    want_model, opt, scaler = setup(config)
+    want, want_mem = run(eager(want_model, opt, scaler, info), want_model, [None], batches)
+    torch._dynamo.reset()
+    model, opt, scaler = setup(config)
+    _, step = graphed(model, opt, scaler, info, "aot_eager")
+    got, memories = run(step, model, [None], batches)
+    assert_same_run(got, want, model, want_model, memories, want_mem)
+
+
 class HostReads(TorchDispatchMode):
     """Counts the ops that wait on the device: a value read to the host (``item``, ``_local_scalar_dense``), a
     data-dependent shape (``nonzero``), a copy from a device to the host."""
