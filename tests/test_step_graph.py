@@ -207,6 +207,26 @@ def test_the_step_keeps_its_buffers_and_reads_nothing_back(monkeypatch):
     assert "aten::nonzero" in control.seen
 
 
+def test_around_the_replay_the_host_launches_four_ops(monkeypatch):
+    """With the body captured (stubbed here: what a replay leaves the host), a step launches the inputs' and labels'
+    copies into their buffers, the rate's fill and the figures' clone, nothing else, whatever the model; the body
+    itself (NVIDIA's structure: 16 layers, 3 tail clusters) is ~940 launches (benchmarks.launches counts them)."""
+    from benchmarks.launches import _Dispatched
+
+    info = init_distributed("cpu")
+    model, opt, scaler = setup(tiny_config(mem_len=7))
+    graph = StepGraph(model, opt, scaler, compile=False, clip=OPTIM.clip, precision="fp32", info=info)
+    memories = [None]
+    batches = list(segments(5))
+    for batch in batches[:4]:  # the memory full: no padding mask to rewrite any more
+        _, memories = graph(batch, memories, lr=OPTIM.lr)
+    monkeypatch.setattr(graph, "body", lambda: None)
+    with _Dispatched() as host:
+        graph(batches[4], memories, lr=OPTIM.lr)
+    launched = {name: n for name, n in host.ops.items() if name not in ("aten::alias", "aten::unbind")}
+    assert host.launched == 4 and launched == {"aten::copy_": 2, "aten::fill_": 1, "aten::clone": 1}
+
+
 @pytest.mark.parametrize(("changes", "device", "want"), [
     ({}, "cuda", ("step", None)),
     ({}, "cpu", ("off", None)),
