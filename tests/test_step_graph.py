@@ -292,3 +292,49 @@ def test_a_training_run_through_the_captured_step_equals_one_without(corpus, tmp
     assert graphed_run.test.loss == pytest.approx(plain.test.loss, rel=1e-5)
     for name, value in w_plain.items():
         torch.testing.assert_close(w_graphed[name], value, **TOL, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("precision", "kernels"), [("fp32", "compiled"), ("fp32", "eager"), ("bf16", "compiled"),
+                                                     ("fp16", "compiled")])
+def test_the_captured_step_equals_eager_on_cuda(precision, kernels):
+    """On CUDA: warm-up, capture, then replays; 12 steps with accumulation (the memory fills over the first three)
+    equal eager ``train_step`` (fp32 with TF32 off: within TOL-like bounds; bf16 and fp16: within their rounding),
+    fp16 through the scaler, and the figures are read only after the run."""
+    from txl.runtime import matmul_precision
+
+    device = torch.device("cuda")
+    info = init_distributed("cuda")
+    config = resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda")
+    tol = dict(atol=1e-4, rtol=1e-4) if precision == "fp32" else dict(atol=2e-2, rtol=2e-2)
+    runs, options = [], dict(clip=OPTIM.clip, precision=precision, info=info)
+    with matmul_precision(device, tf32=False):
+        for captured in (False, True):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = txl.TransformerXL(config).to(device).train()
+            opt = build_optimizer(model, OPTIM, capturable=captured)
+            scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+            if captured:
+                graph = StepGraph(model, opt, scaler, compile=kernels == "compiled", **options)
+                step = lambda b, m, graph=graph: graph(b, m, lr=OPTIM.lr)  # noqa: E731
+            else:
+                step = lambda b, m, model=model, opt=opt, scaler=scaler: train_step(  # noqa: E731
+                    model, opt, scaler, b, m, lr=OPTIM.lr, **options)
+            memories, figures = [None, None], []
+            for batch in segments(12):
+                batch = Batch(batch.input_ids.to(device), batch.labels.to(device), context_len=0, start=batch.start)
+                stats, memories = step(batch, memories)
+                figures.append(stats)
+            runs.append(([(float(s.loss), float(s.grad_norm)) for s in figures], model, memories))
+            if captured:
+                assert graph.graph is not None  # captured, and replayed from then on
+    (want, model_want, mem_want), (got, model_got, mem_got) = runs
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=tol["rtol"] * 10, abs=tol["atol"] * 10)
+    for (name, p), q in zip(model_want.named_parameters(), model_got.parameters(), strict=True):
+        torch.testing.assert_close(q, p, **tol, msg=name)
+    for mg, mw in zip(mem_got, mem_want, strict=True):
+        for a, b in zip(mg, mw, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
