@@ -137,6 +137,33 @@ def test_a_shorter_segment_runs_the_plain_step_and_the_next_takes_its_memory_bac
     assert_same_run(got, want, model, want_model, memories, want_mem)
 
 
+def test_a_step_that_cannot_be_captured_runs_on_uncaptured_and_says_why(monkeypatch, caplog):
+    """A capture that fails (here: refused as it starts) leaves the weights as they were: the step runs uncaptured
+    then and from then on, with one warning naming the error; the run equals eager's."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def refusing(graph):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", refusing)
+    info = init_distributed("cpu")
+    want_model, opt, scaler = setup(tiny_config(mem_len=7))
+    want, want_mem = run(eager(want_model, opt, scaler, info), want_model, [None], segments(4))
+    model, opt, scaler = setup(tiny_config(mem_len=7))
+    graph = StepGraph(model, opt, scaler, capture=True, warmup=0, compile=False, clip=OPTIM.clip, precision="fp32",
+                      info=info)
+    with caplog.at_level("WARNING", logger="txl.step_graph"):
+        got, memories = run(lambda b, m: graph(b, m, lr=OPTIM.lr), model, [None], segments(4))
+    assert not graph.capture and graph.graph is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "the training step could not be captured as a CUDA graph (operation not permitted when stream is capturing); "
+        "it runs uncaptured from here on (--train.graphs model or off choose another way)"]
+    assert_same_run(got, want, model, want_model, memories, want_mem)
+
+
 class HostReads(TorchDispatchMode):
     """Counts the ops that wait on the device: a value read to the host (``item``, ``_local_scalar_dense``), a
     data-dependent shape (``nonzero``), a copy from a device to the host."""

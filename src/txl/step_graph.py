@@ -214,10 +214,20 @@ class StepGraph:
                 group["capturable"] = True
             self.optimizer.zero_grad(set_to_none=True)  # the backward's first write makes each .grad in the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            try:
+                with torch.cuda.graph(graph):
+                    self.body()
+            except RuntimeError as err:  # something in the step cannot be captured: run on uncaptured, say why
+                # A capture runs nothing on the device, so the weights are as before it: the step runs again.
+                log.warning("the training step could not be captured as a CUDA graph (%s); it runs uncaptured from "
+                            "here on (--train.graphs model or off choose another way)", str(err).splitlines()[0])
+                self.capture = False
+                self.optimizer.zero_grad(set_to_none=True)
+                getattr(self.scaler, "_per_optimizer_states", {}).clear()  # a step cut off inside the scaler's stages
                 self.body()
-            self.graph = graph
-            graph.replay()  # the capture recorded the step; this runs it
+            else:
+                self.graph = graph
+                graph.replay()  # the capture recorded the step; this runs it
         self.runs += 1
 
     def __call__(self, batch: Any, memories: list[Memory | None], *, lr: float) -> tuple[Any, list[Memory | None]]:
