@@ -92,7 +92,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # the trainer's precision names
 PHASES = ("train", "train-keep", "train-recompute", "eval")
-MODES = {"eager": (), "compiled": ("--compiled",), "graphs": ("--graphed",)}
+MODES = {"eager": (), "compiled": ("--compiled",), "graphs": ("--graphed",), "step": ("--stepped",),
+         "step-eager": ("--stepped", "--step-eager-kernels")}
+"""How a phase runs. 'step' (training only): the whole step captured as one CUDA graph (``txl.step_graph``, what
+``train.graphs`` 'auto' runs on CUDA), its model through inductor; 'step-eager': the same capture of eager kernels
+(the A/B of the compilation inside the captured step)."""
 """How a phase runs: its worker's flags."""
 GPU_SHAPES = ("base-gpu", "nvidia")
 """The CUDA default shapes: base at B 32, T = M = 512 (16,384 tokens a step), and NVIDIA's WikiText-103 base at
@@ -141,8 +145,9 @@ def library_step(step_model, optimizer, scaler, x, y, memories, precision: str, 
     """The trainer's own training step (``txl.train.train_step``) on one (B, T) batch; returns its memories."""
     batch = Batch(input_ids=x, labels=y, context_len=0, start=start)
     info = DistInfo(rank=0, world_size=1, device=device)
-    _, memories = library_train_step(step_model, optimizer, scaler, batch, memories, lr=2.5e-4, clip=0.25,
-                                     precision=precision, info=info)
+    step = getattr(step_model, "whole_step", library_train_step)  # the captured step takes train_step's place
+    _, memories = step(step_model, optimizer, scaler, batch, memories, lr=2.5e-4, clip=0.25, precision=precision,
+                       info=info)
     return memories
 
 
@@ -173,27 +178,37 @@ def profiled(device: torch.device, step) -> dict:
 
 def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
                  recompute: bool | None = None, compile: bool = False, graphs: bool = False,
-                 graphs_backend: str | None = None, profile: bool = False,
-                 device: torch.device = CPU) -> tuple[list[dict], dict]:
+                 graphs_backend: str | None = None, profile: bool = False, stepped: bool = False,
+                 step_kernels: str = "compiled", device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed training steps of the library's train_step (memory carried), peak samples around each; with
     ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``). ``recompute``:
     ``ModelConfig.recompute_attention`` (None: the model's default, or ``--model``'s). ``graphs``: the steps
-    through ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs), as ``train.graphs`` runs them."""
+    through ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs), as ``train.graphs`` 'model' runs them;
+    ``stepped``: the whole step captured (``txl.step_graph``, 'step'), its model compiled unless ``step_kernels`` is
+    'eager'. ``extra['warmup_s']``: the untimed steps' wall time (compilation and capture), apart from the rows."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     changes = {} if recompute is None else dict(recompute_attention=recompute)
     model = txl.TransformerXL(model_config(shape, **changes)).to(device).train()
-    optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))  # the trainer's optimiser (fused Adam)
+    capturable = stepped and device.type == "cuda"
+    # The trainer's (fused Adam); the keyword only when asked for: an earlier txl (--baseline-src) has none.
+    optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4), **({"capturable": True} if capturable else {}))
     precision = PRECISION[dtype_name]
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step_model = static_steps(model, graphs_backend) if graphs else compile_model(model, compile)
-    if graphs:  # untimed: the compilation, then CUDA graphs' warm-up run and their recording
-        warmup = max(warmup, GRAPHS_WARMUP)
+    if stepped:  # the trainer's captured step: train_step's arguments bound once
+        step_model = step_graph(model, optimizer, scaler, graphs_backend, step_kernels, precision, device)
+    if graphs or stepped:  # untimed: the compilation, then CUDA graphs' warm-up run and their recording
+        warmup = max(warmup, GRAPHS_WARMUP + (stepped and 2))
     memories, samples, extra, bracket = [None], [], {}, Bracket(peak)
+    started = time.perf_counter()
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup and dtype_name == "bf16":
             extra = bf16_loss_check(model, x, y, memories[0])
         if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            warmup_s = time.perf_counter() - started
             bracket.start()
         if i == warmup + steps:  # the extra, profiled step
             extra.update(profiled(device, functools.partial(library_step, step_model, optimizer, scaler, x, y,
@@ -204,7 +219,24 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
         step = peak.clock() - t0
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
+    extra.update(warmup_steps=warmup, warmup_s=warmup_s)
     return samples, extra
+
+
+def step_graph(model, optimizer, scaler, backend: str | None, kernels: str, precision: str, device: torch.device):
+    """``txl.step_graph.StepGraph`` called as ``train_step`` is (``library_step``), imported here: an earlier txl
+    (``gpu_session --baseline-src``) has none."""
+    from txl.step_graph import StepGraph
+
+    info = DistInfo(rank=0, world_size=1, device=device)
+    graph = StepGraph(model, optimizer, scaler, backend=backend, compile=kernels == "compiled", clip=0.25,
+                      precision=precision, info=info)
+
+    def whole_step(model_, optimizer_, scaler_, batch, memories, *, lr, **_):
+        return graph(batch, memories, lr=lr)
+
+    graph.whole_step = whole_step
+    return graph
 
 
 def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: MatmulPeak, *,
@@ -232,8 +264,10 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         out.nll.sum().item()
         return out
 
+    started = time.perf_counter()
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup:
+            warmup_s = time.perf_counter() - started  # each segment reads its loss back: nothing left queued
             bracket.start()
         if i >= warmup and memory_length(memory) != shape.mem_len:
             raise AssertionError(f"timed segment {i - warmup} read {memory_length(memory)} memory rows, not the "
@@ -247,7 +281,7 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
         memory, cache = out.memory, out.kv_cache
-    extra.update(warmup=warmup, timed_mem_len=shape.mem_len)
+    extra.update(warmup=warmup, warmup_steps=warmup, warmup_s=warmup_s, timed_mem_len=shape.mem_len)
     return samples, extra
 
 
@@ -418,6 +452,8 @@ def run_worker(args) -> None:
             samples, extra = worker_train(shape, args.dtype, args.warmup, args.steps, peak,
                                           recompute=recompute, compile=args.compiled, graphs=args.graphed,
                                           graphs_backend=args.graphs_backend, profile=args.profile,
+                                          stepped=args.stepped,
+                                          step_kernels="eager" if args.step_eager_kernels else "compiled",
                                           device=device)
         wall = time.perf_counter() - t0
     run_shape = shape.for_phase(args.worker)
@@ -426,6 +462,8 @@ def run_worker(args) -> None:
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     mfu = statistics.median(fpt * tokens / s["step"] / s["peak"] for s in samples)  # each step by the peaks around it
     record = dict(kind=args.worker, **common, dtype=args.dtype, compile=args.compiled, graphs=args.graphed,
+                  **({"captured": "eager kernels" if args.step_eager_kernels else "compiled"}
+                     if args.stepped else {}),
                   before=args.before, clock=args.clock,
                   steps=len(samples), batch=run_shape.batch, tgt_len=run_shape.tgt_len, mem_len=run_shape.mem_len,
                   tokens_per_step=tokens, tokens_per_s=tokens / med["step"], flops_per_token=fpt,
@@ -480,7 +518,10 @@ def spawn_repeated(args, *extra: str) -> list[dict]:
 
 
 def mode_of(r: dict) -> str:
-    """How a row's phase ran: 'graphs' (txl.graphs), 'compiled' (torch.compile) or 'eager'."""
+    """How a row's phase ran: 'step' or 'step-eager' (txl.step_graph), 'graphs' (txl.graphs), 'compiled'
+    (torch.compile) or 'eager'."""
+    if r.get("captured"):
+        return "step" if r["captured"] == "compiled" else "step-eager"
     return "graphs" if r.get("graphs") else ("compiled" if r.get("compile") else "eager")
 
 
@@ -628,7 +669,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="run the phases through torch.compile (on), eagerly (off) or both, side by side")
     p.add_argument("--modes", nargs="+", choices=list(MODES),
                    help="how the phases run, side by side: eager, compiled (torch.compile), graphs (txl.graphs: "
-                        "static shapes, CUDA graphs on a GPU); default: as --compile says")
+                        "static shapes, CUDA graphs on a GPU), step and step-eager (training: the whole step "
+                        "captured, txl.step_graph, its model compiled or not); default: as --compile says")
     p.add_argument("--before", nargs="*", default=[], choices=list(switches.SWITCHES), metavar="CHANGE",
                    help="run with these changes of issue 34 switched back to before them (benchmarks.switches; "
                         f"{', '.join(switches.SWITCHES)}): one side of an A/B")
@@ -664,6 +706,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile setting
     p.add_argument("--graphed", action="store_true", help=argparse.SUPPRESS)  # a worker's graphs setting
+    p.add_argument("--stepped", action="store_true", help=argparse.SUPPRESS)  # a worker's captured step
+    p.add_argument("--step-eager-kernels", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--graphs-backend", help="torch.compile's backend in the graphs mode (default: inductor, CUDA "
                                            "graphs on a GPU; aot_eager: a CPU smoke run without code generation)")
     args, extra = p.parse_known_args(argv)
@@ -714,6 +758,8 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in dtypes:
             for phase in args.phases:
                 for mode in modes:
+                    if mode.startswith("step") and phase == "eval":  # a training step; evaluation has no optimiser
+                        continue
                     record(spawn_repeated(args, "--worker", phase, "--shape", shape, "--dtype", dtype, *common,
                                           *MODES[mode], *(["--before", *args.before] if args.before else [])))
     if lengths:

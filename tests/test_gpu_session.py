@@ -96,30 +96,32 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     after. Issue 34's first steps fit one 9-minute command."""
     steps = gs.plan("cuda", tmp_path)
     names = [s.name for s in steps]
-    assert names[:6] == ["env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before", "serve-engine"]
+    assert names[:7] == ["env", "bench-46", "gpu-tests", "bench-eager", "bench-graphs", "bench-before",
+                         "serve-engine"]
     assert names[-8:] == ["bench-big", "flex", "speedup", "parallel-one", "serve-compiled", "bench-reference",
                           "serve-http", "suite"]
     by = {s.name: " ".join(s.argv) for s in steps}
     assert "benchmarks.flex --device cuda" in by["flex"]
-    assert names[6] == "serve-captured" and "--captured --at-end --shapes small wt103 --compile" in by["serve-captured"]
-    assert names[7] == "launches" and "benchmarks.launches --device cuda" in by["launches"]
+    assert names[7] == "serve-captured" and "--captured --at-end --shapes small wt103 --compile" in by["serve-captured"]
+    assert names[8] == "launches" and "benchmarks.launches --device cuda" in by["launches"]
     assert "-m gpu --continue-on-collection-errors tests" in by["gpu-tests"]
-    for name in ("bench-eager", "bench-graphs", "bench-before"):
+    for name in ("bench-46", "bench-eager", "bench-graphs", "bench-before"):
         assert "--shapes nvidia --dtypes bf16 --phases train eval" in by[name]
         assert "--device cuda" in by[name] and "--keep-going" in by[name]
     assert "--modes eager --profile" in by["bench-eager"] and "--modes graphs --profile" in by["bench-graphs"]
     assert "--before " + " ".join(switches.available()) in by["bench-before"]
-    assert "--shapes base-gpu" in by["bench-big"] and "--modes eager graphs" in by["bench-big"]
+    ways = "--modes eager compiled graphs step step-eager --profile"
+    assert ways in by["bench-46"] and "--shapes base-gpu" in by["bench-big"] and ways in by["bench-big"]
     assert "--lengths 800,1800,2800,3800" in by["speedup"] and "--reps 10" in by["speedup"]
     assert "--model.attn_impl reference" in by["bench-reference"] and "--device cuda" in by["serve-engine"]
     assert "benchmarks.parallel_one --device cuda" in by["parallel-one"]
     assert "benchmarks.serve_step --device cuda" in by["serve-compiled"] and "--compile" in by["serve-compiled"]
-    first = [s for s in steps if s.name in ("env", "gpu-tests", "bench-eager", "bench-graphs", "bench-before",
-                                            "serve-engine")]
-    assert sum(s.cap_s for s in first) <= 540 + 420, "the caps of one call's steps stay near its budget"
-    assert sum(s.min_s for s in first) < 530, "one 9-minute call reaches serving"
+    first = [s for s in steps if s.name in ("env", "bench-46", "gpu-tests", "bench-eager", "bench-graphs",
+                                            "bench-before")]
+    assert sum(s.cap_s for s in first) <= 540 + 420 + 420, "the caps of one call's steps stay near its budget"
+    assert sum(s.min_s for s in first) < 530, "one 9-minute call reaches issue 34's A/B"
     oracle = gs.plan("cuda", tmp_path, oracle_site="/tmp/site")
-    assert [s.name for s in oracle][2] == "oracle-cuda" and oracle[2].env["PYTHONPATH"].startswith("/tmp/site")
+    assert [s.name for s in oracle][3] == "oracle-cuda" and oracle[3].env["PYTHONPATH"].startswith("/tmp/site")
     base = gs.plan("cuda", tmp_path, baseline_src="/tmp/old/src")
     step = next(s for s in base if s.name == "bench-baseline")
     assert step.env["PYTHONPATH"].split(":")[0] == "/tmp/old/src" and "--modes eager" in " ".join(step.argv)
@@ -153,6 +155,15 @@ def test_the_targets_table_reads_issue_34s_targets_and_each_ab():
     assert "| every -m gpu test passing | failed (exit status 1); 1 failed, 22 passed | missed |" in text
     assert "| nvidia train bf16 eager | sdpa-pin switched back | 80,000 | 100,000 | 1.25x |" in text
     assert "| nvidia eval bf16 eager | the earlier tree | 25,000 | 50,000 | 2.00x |" in text
+    issue46 = [dict(row("bench-46", "train", 210_000, warmup_steps=5, warmup_s=61.5), captured="compiled"),
+               dict(row("bench-46", "train", 150_000), captured="eager kernels"),
+               dict(row("bench-big", "eval", 1_600_000, graphs=True), shape="base-gpu")]
+    text = gs.targets(rows[:4] + issue46, done)
+    assert "| step >= eager: nvidia bf16 train | 2.10x (210,000 against 100,000) | met |" in text
+    assert "| base-gpu eval bf16 >= 1,500,000 tokens/s | 1,600,000 (graphs) | met |" in text
+    assert "| nvidia train bf16 step | 5 | 61.5 |" in text  # compilation and capture, apart
+    assert ("| nvidia train bf16 | the captured step's model through inductor, against eager kernels | 150,000 | "
+            "210,000 | 1.40x |") in text
     empty = gs.targets([], [("gpu-tests", "ok; 23 skipped", 9.0)])
     assert "| nvidia train bf16 >= 200,000 tokens/s | not measured | - |" in empty
     assert "| every -m gpu test passing | ok; 23 skipped | not measured (none ran here) |" in empty

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from txl.config import KERNEL_FIELDS, ModelConfig
+from txl.config import KERNEL_FIELDS, ModelConfig, TrainConfig
 from txl.model import TransformerXL, plan
 from txl.model.adaptive import pad_multiple, rows_mode
 from txl.model.dropout import FastDropout
@@ -66,8 +66,10 @@ def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
     assert autos - decided_elsewhere <= table, autos - table
     assert "softmax_pad" in table  # its 'auto' is 0
     for choice in plan.CHOICES:  # each resolution is a valid value of its field
-        if choice.field in autos | {"softmax_pad", "dropout_impl"}:
-            for value in (choice.cpu, choice.cuda, choice.other):
+        for value in (choice.cpu, choice.cuda, choice.other):
+            if choice.field in ("precision", "graphs"):  # TrainConfig's
+                TrainConfig(**{choice.field: value})
+            elif choice.field in autos | {"softmax_pad", "dropout_impl"}:
                 tiny_config(**{choice.field: value})
 
 

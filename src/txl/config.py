@@ -373,6 +373,7 @@ Schedule = Literal["cosine", "inv_sqrt", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LossPositions = Literal["all", "last_half"]
 Parallel = Literal["ddp", "fsdp"]
+TrainGraphs = Literal["auto", "step", "model", "off"]
 
 
 def _check(cls: str, name: str, ok: bool, need: str, value: Any) -> None:
@@ -478,11 +479,20 @@ class TrainConfig:
     compile: bool = False
     """Run the training forward and backward through torch.compile (the first steps pay the compilation;
     the model and its checkpoints are unchanged)."""
-    graphs: bool = False
-    """Run every training step at one static shape (the memory always mem_len rows, those not filled yet hidden)
-    through torch.compile(mode='reduce-overhead'): on CUDA the forward and backward are CUDA graphs, launched
-    once a step instead of kernel by kernel (``txl.graphs``). Needs a relative encoding and ext_len 0; the
-    first steps pay the compilation."""
+    graphs: TrainGraphs | bool = "auto"
+    """How much of a training step is one CUDA graph (``txl.step_graph``, ``txl.graphs``):
+
+    * 'step': the whole step (forward, backward, clipping, the optimiser's step, the memory handed on) captured
+      once and replayed, its inputs, labels and memory in static buffers written in place (on a CPU: the same
+      static-shape step compiled, nothing to capture);
+    * 'model': only the forward and backward, through torch.compile(mode='reduce-overhead'), the optimiser outside;
+    * 'off': kernel by kernel (``compile`` applies);
+    * 'auto' (the default): 'step' on CUDA, 'off' elsewhere (``txl.model.plan``'s table); a run the captured step
+      does not fit (another encoding, ext_len, var_len, a compressed memory, several processes, FSDP,
+      activation checkpointing) runs as before, with one log line saying why.
+
+    Static shapes: the memory always holds mem_len rows, those not filled yet hidden. true and false (the older
+    boolean) mean 'model' and 'off'. The first steps pay the compilation and the capture."""
     loss_positions: LossPositions = "all"
     """Segment positions the training loss is taken on: 'all' (the paper's 'Full' loss) or 'last_half'
     ('Half': the cross-entropy only on the last half of the positions of each training segment, as Al-Rfou
@@ -530,6 +540,9 @@ class TrainConfig:
         _check_literal("TrainConfig", self, "precision", Precision)
         _check_literal("TrainConfig", self, "loss_positions", LossPositions)
         _check_literal("TrainConfig", self, "parallel", Parallel)
+        if isinstance(self.graphs, bool):  # the older boolean field: true was the forward and backward's graphs
+            self.graphs = "model" if self.graphs else "off"
+        _check_literal("TrainConfig", self, "graphs", TrainGraphs)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"TrainConfig.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 

@@ -39,6 +39,29 @@ from txl.model import KVCache, LMOutput, TransformerXL
 from txl.model.memory import Memory, memory_length
 
 
+def static_shape_error(config) -> str | None:
+    """Why ``config``'s model cannot run at static shapes (None: it can): the unfilled memory rows are hidden by
+    the padding mask, which needs scores that depend on distances alone and a memory the mask covers."""
+    from txl.model.attention import encoding
+
+    if not encoding(config.attn_type).relative:
+        return (f"static shapes hide the memory rows not yet filled, which needs an encoding whose scores depend on "
+                f"distances alone; attn_type={config.attn_type!r} adds absolute positions")
+    if getattr(config, "cmem_len", 0):
+        return (f"static shapes hide the memory rows not yet filled with the padding mask, which a compressed "
+                f"memory (cmem_len={config.cmem_len}) does not take")
+    return None
+
+
+def memory_dtype(core: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype the model keeps its memory in (``ModelConfig.state_dtype``): the autocast dtype with 'compute' under
+    autocast on ``device``, else the parameters'."""
+    kind = device.type
+    if getattr(core.config, "state_dtype", "residual") == "compute" and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return next(core.parameters()).dtype
+
+
 def compile_static(model: torch.nn.Module, backend: str | None = None) -> Callable[..., LMOutput]:
     """``torch.compile`` at static shapes, with CUDA graphs where the backend is inductor (the default)."""
     if backend is None:
@@ -80,14 +103,10 @@ class StaticSteps:
         core = getattr(model, "module", model)  # DDP's wrapped model
         if not isinstance(core, TransformerXL):
             raise ValueError(f"StaticSteps needs a TransformerXL (or DDP of one), got {type(core).__name__}")
-        if not core.encoding.relative:
-            raise ValueError(f"static shapes hide the memory rows not yet filled, which needs an encoding whose "
-                             f"scores depend on distances alone; attn_type={core.config.attn_type!r} adds absolute "
-                             "positions: turn graphs off (--train.graphs false / --eval.graphs false)")
-        if getattr(core.config, "cmem_len", 0):
-            raise ValueError(f"static shapes hide the memory rows not yet filled with the padding mask, which a "
-                             f"compressed memory (cmem_len={core.config.cmem_len}) does not take: turn graphs off "
-                             "(--train.graphs false / --eval.graphs false), or set cmem_len 0")
+        why = static_shape_error(core.config)
+        if why is not None:
+            raise ValueError(f"{why}: turn graphs off (--train.graphs off / --eval.graphs false)"
+                             + (", or set cmem_len 0" if getattr(core.config, "cmem_len", 0) else ""))
         self.model, self.core = model, core
         self.forward = compile_static(model, backend) if compile else model
         self.compiled = compile
@@ -97,12 +116,7 @@ class StaticSteps:
 
     def state_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the memory is kept in: ``memory_dtype``, or the model's (``ModelConfig.state_dtype``)."""
-        if self.memory_dtype is not None:
-            return self.memory_dtype
-        kind = device.type
-        if getattr(self.core.config, "state_dtype", "residual") == "compute" and torch.is_autocast_enabled(kind):
-            return torch.get_autocast_dtype(kind)
-        return next(self.core.parameters()).dtype
+        return memory_dtype(self.core, device) if self.memory_dtype is None else self.memory_dtype
 
     def no_sync(self):
         """DDP's ``no_sync`` (gradient accumulation), as ``txl.parallel.no_sync`` asks the model for it."""
@@ -178,4 +192,4 @@ class StaticSteps:
                        weights_version=cache.weights_version)
 
 
-__all__ = ["StaticSteps", "compile_static"]
+__all__ = ["StaticSteps", "compile_static", "memory_dtype", "static_shape_error"]

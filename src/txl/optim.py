@@ -27,12 +27,15 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, capturable: bool = False) -> torch.optim.Optimizer:
     """Adam (the paper) or AdamW. Tied parameters appear once (parameters() deduplicates them).
 
     The fused implementation (one kernel over all parameters) is used where torch has it for the
     parameters' device: on CPU it steps the benchmark's 41M-parameter base model in ~33 ms instead of
     ~119 ms (``benchmarks/changes.py``). The update is the same formula.
+
+    ``capturable``: safe to record in a CUDA graph (step counts and a tensor learning rate read on the device;
+    ``txl.step_graph``); only where the parameters are on a GPU (torch has no capturable step on a CPU).
     """
     kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     params: list = list(model.parameters())
@@ -44,12 +47,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         params = [{"params": [p for p in params if id(p) not in own], "name": "model"},
                   {"params": list(compressor.parameters()), "name": "compression"}]
     options = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if capturable:
+        options["capturable"] = True
     try:
         return kind(params, fused=True, **options)
     except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
         return kind(params, **options)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
+    """Every group's learning rate: a float, or a 0-d tensor on the device (a capturable optimiser reads it there)."""
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -54,6 +54,7 @@ from txl.pretrained import load_weights, read_state
 from txl.rundir import CKPT_DIR, RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
 from txl.signals import Interrupted, Stopped, StopRequest
+from txl.step_graph import StepGraph, graphs_mode, with_float_lr
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -126,13 +127,14 @@ def loss_labels(batch: Batch, loss_positions: LossPositions) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batch: Batch, memories: list[Memory | None], *, lr: float, clip: float, precision: str,
+               batch: Batch, memories: list[Memory | None], *, lr: float | torch.Tensor, clip: float, precision: str,
                info: DistInfo, loss_positions: LossPositions = "all") -> tuple[StepStats, list[Memory | None]]:
     """Forward/backward every accumulation chunk with its own memory, then one clipped optimiser step.
 
     Each chunk's mean loss is weighted by its share of the scored tokens, so the gradient is that of the
     mean over the whole (local) batch; DDP averages it over processes, which hold equal token counts.
-    ``loss_positions`` chooses the scored positions (``loss_labels``).
+    ``loss_positions`` chooses the scored positions (``loss_labels``). Nothing here waits on the host, so
+    ``txl.step_graph`` records it whole as a CUDA graph (``lr`` then a tensor on the device).
     """
     set_lr(optimizer, lr)
     batch = dataclasses.replace(batch, labels=loss_labels(batch, loss_positions))
@@ -230,9 +232,9 @@ def check_run(cfg: RunConfig, info: DistInfo) -> None:
     if t.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(f"train.precision='fp16' needs CUDA (its gradient scaler is CUDA-only) and the run is on "
                          f"{info.device}; use --train.precision bf16 (or fp32) on CPU")
-    if t.graphs and t.parallel == "fsdp":
-        raise ValueError("train.graphs runs the model at static shapes through CUDA graphs, which FSDP's "
-                         "per-step collectives do not fit; use --train.parallel ddp, or --train.graphs false")
+    if t.graphs in ("step", "model") and t.parallel == "fsdp":
+        raise ValueError(f"train.graphs={t.graphs!r} runs the model at static shapes through CUDA graphs, which "
+                         "FSDP's per-step collectives do not fit; use --train.parallel ddp, or --train.graphs off")
     precision = resolve_precision(t.precision, info.device)  # 'auto': bf16 on a GPU that has it, else fp32
     if precision == "bf16" and info.device.type == "cpu" and cpu_has_native_bf16() is False:
         log.warning("train.precision=bf16: this CPU has no bf16 matrix instructions (AVX512_BF16 or AMX), so "
@@ -353,7 +355,13 @@ class Trainer:
         self.ddp: torch.nn.Module = parallel.wrap(self.model, info, parallel=t.parallel, precision=self.precision,
                                                   activation_checkpointing=t.activation_checkpointing)
         self.sharded = t.parallel == "fsdp"  # DCP checkpoints, at any process count (one process included)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        graphs, why = graphs_mode(cfg, info.device, info.world_size)
+        if why is not None:  # one line: what runs instead, and why
+            (log.info if t.graphs == "auto" else log.warning)(
+                "train.graphs=%s: the whole step is not captured (%s); training with graphs %r", t.graphs, why,
+                graphs)
+        capturable = graphs == "step" and info.device.type == "cuda"  # its step counts and rate read on the device
+        self.optimizer = build_optimizer(self.model, cfg.optim, capturable=capturable)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=self.precision == "fp16")
         if info.device.type != "cpu":  # the model checks ids on the host only: check the split before it moves
             check_token_ids(corpus.train, cfg.model.vocab_size)
@@ -363,7 +371,11 @@ class Trainer:
         self.state = TrainState(iterator=it, device=info.device, grad_accum=t.grad_accum)
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
         # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
-        self.step_model = StaticSteps(self.ddp) if t.graphs else compile_model(self.ddp, t.compile)
+        self.step_model = StaticSteps(self.ddp) if graphs == "model" else compile_model(self.ddp, t.compile)
+        self.step_graph = None  # the whole step as one CUDA graph (txl.step_graph), built by its first step
+        if graphs == "step":
+            self.step_graph = StepGraph(self.model, self.optimizer, self.scaler, clip=cfg.optim.clip,
+                                        precision=self.precision, info=info, loss_positions=t.loss_positions)
         self.pending: list[StepStats] = []  # steps whose figures are still on the device (settle)
 
     # -- the stateful parts -------------------------------------------------------------------------
@@ -371,7 +383,7 @@ class Trainer:
     def parts(self) -> dict[str, Any]:
         """Every part besides the model, under the checkpoint's fixed keys (ckpt.STATE_PARTS). A sharded
         run's optimiser state lives in the checkpoint's DCP shards beside the model's (ckpt.SHARDED)."""
-        optimizer = ckpt.SHARDED if self.sharded else self.optimizer.state_dict()
+        optimizer = ckpt.SHARDED if self.sharded else with_float_lr(self.optimizer.state_dict())
         return {"optimizer": optimizer, "scaler": self.scaler.state_dict(), "train": self.state.state_dict()}
 
     def save(self, *, best: bool, info: dict[str, Any] | None = None) -> None:
@@ -544,9 +556,12 @@ class Trainer:
             if batch.start == 0:  # a new epoch: streams restart, nothing to remember
                 state.reset_memories()
             lr = lr_at(state.step, cfg.optim, state.horizon or t.max_steps)
-            stats, state.memories = train_step(self.step_model, self.optimizer, self.scaler, batch, state.memories,
-                                               lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info,
-                                               loss_positions=t.loss_positions)
+            if self.step_graph is not None:  # one replay of the captured step
+                stats, state.memories = self.step_graph(batch, state.memories, lr=lr)
+            else:
+                stats, state.memories = train_step(self.step_model, self.optimizer, self.scaler, batch, state.memories,
+                                                   lr=lr, clip=cfg.optim.clip, precision=self.precision, info=info,
+                                                   loss_positions=t.loss_positions)
             state.step += 1
             self.pending.append(stats)  # read at the next log interval, evaluation or checkpoint (settle)
             done = state.step - start_step

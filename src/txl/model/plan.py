@@ -16,7 +16,8 @@ The interface (stable; other modules build on it):
 * ``resolved(field, value, device_type)``: one field's value as ``device_type`` resolves it (any other value as is);
 * ``resolve(config, device_type) -> ModelConfig``: a validated copy with every device-dependent value resolved;
 * ``resolve_precision(precision, device_type)``: ``TrainConfig.precision`` likewise ('auto' -> 'bf16' or 'fp32');
-* ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``).
+* ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``);
+* ``resolved("graphs", "auto", device_type)``: ``TrainConfig.graphs`` ('auto' -> 'step' on CUDA, else 'off').
 
 Not in the table, because the device does not decide them:
 
@@ -44,7 +45,7 @@ class Choice:
     """One device-dependent value of a field and what each device type makes of it."""
 
     field: str
-    """The ``ModelConfig`` field (or ``TrainConfig.precision``)."""
+    """The ``ModelConfig`` field (or ``TrainConfig.precision``, ``TrainConfig.graphs``)."""
     value: Any
     """The value whose meaning depends on the device ('auto', or 'fast' for dropout)."""
     cpu: Any
@@ -74,6 +75,9 @@ CHOICES = (
     Choice("precision", "auto", cpu="fp32", cuda="bf16", other="fp32",
            why="bf16 autocast on a GPU that has bf16 tensor cores (Ampere and later: runtime.resolve_precision "
                "checks, else fp32); on a CPU bf16 pays only with AVX512_BF16 or AMX, so 'auto' never picks it"),
+    Choice("graphs", "auto", cpu="off", cuda="step", other="off",
+           why="TrainConfig.graphs: a CUDA graph replays the whole training step in one launch where the host "
+               "otherwise launches every kernel (host-bound on a GPU); a CPU has no graphs to replay"),
 )
 """Every device-dependent value, with its resolution per device type (the one place the forward reads them)."""
 
