@@ -114,13 +114,15 @@ class ModelConfig:
     """Layer norm before each sub-layer (pre-LN) instead of after the residual (the paper's post-LN)."""
     layer_norm_eps: float = 1e-5
     attn_impl: AttnImpl = "fused"
-    """How attention is computed (``txl.model.kernels``); the numbers are the same up to rounding.
-    'fused': the fast path. The fused kernel ``scaled_dot_product_attention`` with the positional scores
-    as its additive mask, realigned without rel_shift's padded copy; in training the scores accumulated into
-    the positional ones and a FlashAttention-style backward (see recompute_attention); the key/value cache's
-    projected position table.
-    'reference': the paper's equation term by term (``Attention.reference``), every score materialised;
-    the oracle the fused path is tested against. Timings of both: benchmarks/README.md."""
+    """Which path computes the model; the numbers are the same up to rounding.
+    'fused': the fast path (``txl.model.transformer``, its kernels in ``txl.model.kernels``): the fused kernel
+    ``scaled_dot_product_attention`` with the positional scores as its additive mask, realigned without
+    rel_shift's padded copy; in training a FlashAttention-style backward (see recompute_attention); the key/value
+    cache's projected position table.
+    'reference': the plain path (``txl.model.plain``): the whole model, embedding to softmax, in torch ops and nn
+    modules as the paper writes it (no custom autograd Function, no kernel switch: dropout_impl, cluster_rows,
+    softmax_pad, state_dtype, cast_weights, residual_dtype and recompute_attention do not apply); the oracle every
+    other path is tested against. Timings of both: benchmarks/README.md."""
     recompute_attention: bool = False
     """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
     (B, H, T, M+T) probabilities of every layer (192 MiB at the base benchmark shape; their size grows with

@@ -31,9 +31,10 @@ RotaryAttention            yes           yes          no                 q, k ro
 
 A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
 
-``ModelConfig.attn_impl`` chooses who computes the attention: 'reference' (this file), or 'fused' (the
-default, ``txl.model.kernels``: the same numbers from the fused attention kernel, tested against the
-reference). The kernels take tensors; the classes here hand them their positional inputs.
+``ModelConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
+reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
+kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
+positional inputs (``positional_inputs``).
 """
 
 from __future__ import annotations
@@ -321,8 +322,7 @@ class RelativeAttention(Attention):
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
             return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
         r = drop(sinusoid(dist, config.d_model, shared.get(INV_FREQ)).to(dtype))  # (K, d), shared by the layers
-        # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
-        return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
+        return [Positions(encodings=r)] * config.n_layer
 
     @classmethod
     def project_layers(cls, attns, positions):

@@ -14,7 +14,6 @@ where memory_l holds the inputs of layer l for the M previous positions (section
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,13 +22,14 @@ from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, kernels
+from txl.model import casting, kernels, plain
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
+from txl.model.plain import LMOutput
 from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
 
 
@@ -81,31 +81,6 @@ class DecoderLayer(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
                 shift: QueryShift | None = None) -> torch.Tensor:
         return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast, shift=shift))
-
-
-@dataclass
-class LMOutput:
-    """What one segment produces. Fields that were not asked for are None."""
-
-    memory: Memory
-    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped (cmem_len > 0: then one
-    (B, C', d) tensor per layer of the compressed memory, ``txl.model.compressive``)."""
-    hidden: torch.Tensor
-    """(B, T, d) final hidden states."""
-    loss: torch.Tensor | None = None
-    """Scalar mean NLL over the labels that are not IGNORE_INDEX (-100)."""
-    nll: torch.Tensor | None = None
-    """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
-    tokens: torch.Tensor | None = None
-    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over (a trainer's token count
-    without counting again: a step launches its kernels once)."""
-    log_probs: torch.Tensor | None = None
-    """(B, T, V) log-probabilities of the next token (float32)."""
-    kv_cache: KVCache | None = None
-    """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
-    compression_loss: torch.Tensor | None = None
-    """cmem_len > 0, 'conv', training: the attention-reconstruction loss (Rae et al. 2020), whose gradient reaches
-    the compression parameters alone; add it to ``loss`` for backward."""
 
 
 class TransformerXL(nn.Module):
@@ -238,7 +213,10 @@ class TransformerXL(nn.Module):
         # twice was ~5% of a (1, 1) decoding step of a small model on CPU).
         version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
-            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version)
+            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
+        if c.attn_impl == "reference":  # the plain path, the oracle of this one (txl.model.plain)
+            return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
+                                 kv_cache=kv_cache, padding=padding, weights_version=version)
         B, T = input_ids.shape
         own, compressed = memory, None  # the memory the update continues, and the compressed one
         if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
@@ -250,16 +228,6 @@ class TransformerXL(nn.Module):
         mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
                               style=ctx.same_length_style, device=input_ids.device)  # (T, K)
         if padding is not None:
-            if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
-                # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
-                # distances shifted), and rows leaving would compress pads with real states.
-                raise ValueError(f"padding with a compressed memory (cmem_len > 0) needs an empty compressed memory "
-                                 f"and nothing compressed by this call (memory + segment {M + T} rows, mem_len "
-                                 f"{ctx.mem_len}, cmem_rate {c.cmem_rate}): pads would be compressed with real rows; "
-                                 "read rows of different lengths one at a time, or with a mem_len that keeps them all")
-            if padding.shape != (B, M + T) or padding.dtype != torch.bool:
-                raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
-                                 f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
             mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
         if not torch.compiler.is_compiling():  # (a compiled graph makes it once anyway)
             mask = kernels.Mask(mask)  # shared by the layers: its additive form made once, not in every layer
@@ -380,7 +348,8 @@ class TransformerXL(nn.Module):
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
-                     context: Context | None = None, *, version: int | None = None) -> None:
+                     context: Context | None = None, *, version: int | None = None,
+                     padding: torch.Tensor | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
         ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
@@ -405,6 +374,24 @@ class TransformerXL(nn.Module):
             rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
                 memory, c.n_layer)))
             self._check_kv_cache(kv_cache, rows, B, version)
+        if padding is not None:
+            self._check_padding(padding, memory, B, input_ids.size(1), ctx)
+
+    def _check_padding(self, padding: torch.Tensor, memory: Memory | None, B: int, T: int, ctx: Context) -> None:
+        """Raise a ValueError saying why ``padding`` does not cover this call's memory rows and segment."""
+        c = self.config
+        own, compressed = (memory, None) if self.compressor is None else split_state(memory, c.n_layer)
+        M = memory_length(own) + memory_length(compressed)
+        if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
+            # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
+            # distances shifted), and rows leaving would compress pads with real states.
+            raise ValueError(f"padding with a compressed memory (cmem_len > 0) needs an empty compressed memory "
+                             f"and nothing compressed by this call (memory + segment {M + T} rows, mem_len "
+                             f"{ctx.mem_len}, cmem_rate {c.cmem_rate}): pads would be compressed with real rows; "
+                             "read rows of different lengths one at a time, or with a mem_len that keeps them all")
+        if padding.shape != (B, M + T) or padding.dtype != torch.bool:
+            raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
+                             f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
 
     def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int, version: int | None = None) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
