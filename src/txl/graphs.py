@@ -67,8 +67,8 @@ class StaticSteps:
     ``model``: a ``TransformerXL`` or a wrapper of one whose forward takes the model's arguments (DDP);
     ``compile``: run through ``compile_static`` (False: the same static shapes eagerly, what the CPU tests
     compare); ``backend``: torch.compile's backend (None: inductor with CUDA graphs; the tests use 'aot_eager').
-    ``memory_dtype``: the dtype the memory is held in between calls (None: the model's own, ``state_dtype``: the
-    autocast dtype with ``state_dtype='compute'`` under autocast, else the parameters'); a memory returned in
+    ``memory_dtype``: the dtype the memory is held in between calls (None: the model's own, the parameters'
+    dtype); a memory returned in
     another dtype is cast, so every call sees one dtype (one graph).
 
     The first segment length seen is the static one; a segment of another length (the last, shorter segment
@@ -96,12 +96,9 @@ class StaticSteps:
         self._padding: dict[tuple, torch.Tensor] = {}
 
     def state_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype the memory is kept in: ``memory_dtype``, or the model's (``ModelConfig.state_dtype``)."""
+        """The dtype the memory is kept in: ``memory_dtype``, or the model's (its parameters')."""
         if self.memory_dtype is not None:
             return self.memory_dtype
-        kind = device.type
-        if getattr(self.core.config, "state_dtype", "residual") == "compute" and torch.is_autocast_enabled(kind):
-            return torch.get_autocast_dtype(kind)
         return next(self.core.parameters()).dtype
 
     def no_sync(self):

@@ -17,7 +17,6 @@ import contextlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from txl.config import Context, ModelConfig
@@ -33,13 +32,6 @@ from txl.model.plain import LMOutput
 from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
 
 
-def residual_mode(setting: str, device: torch.device) -> str:
-    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params'."""
-    if setting == "auto":
-        return "compute" if device.type == "cuda" else "params"
-    return setting
-
-
 class FeedForward(nn.Module):
     """Position-wise feed-forward with residual and layer norm (post-LN, or pre-LN)."""
 
@@ -53,21 +45,9 @@ class FeedForward(nn.Module):
         self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pre_ln:
-            h = kernels.layer_norm(self.norm, x)
-        else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
-            x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
-        out = self.drop(self.fc2(self.inner(h)))  # (B, T, d)
+        h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what fc1 reads
+        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
-
-    def inner(self, h: torch.Tensor) -> torch.Tensor:
-        """dropout(relu(fc1(h))): (B, T, d) -> (B, T, d_inner). Where the dropout is torch's own kernel (CUDA, and
-        evaluation), the ReLU runs in fc1's matmul (``kernels.linear_relu``); the CPU's fast samplers apply it
-        with their mask instead."""
-        drop = self.relu_drop
-        if drop.masks_relu(h):
-            return drop(self.fc1(h))
-        return F.dropout(kernels.linear_relu(h, self.fc1.weight, self.fc1.bias), drop.p, drop.training)
 
 
 class DecoderLayer(nn.Module):
@@ -78,9 +58,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
-                shift: QueryShift | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast, shift=shift))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, shift=shift))
 
 
 class TransformerXL(nn.Module):
@@ -231,84 +210,46 @@ class TransformerXL(nn.Module):
             mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
         if not torch.compiler.is_compiling():  # (a compiled graph makes it once anyway)
             mask = kernels.Mask(mask)  # shared by the layers: its additive form made once, not in every layer
-
         h = self.drop(self.embed(input_ids))  # (B, T, d)
-        table = ()
-        if kv_cache is not None:  # the cache's positional table (relative attention's W_kR R), grown to K
-            table = self.encoding.grow_table([layer.attn for layer in self.layers], kv_cache.positions, M + T,
-                                             ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
+        attns = [layer.attn for layer in self.layers]
+        table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
+            attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
         shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(c)}
         shared[INV_FREQ] = getattr(self, INV_FREQ)
         positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
                                                   device=input_ids.device, drop=self.drop, table=table)
-
-        # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
-        # once here, not by autocast in every layer (q + u would promote the query to float32).
-        state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
-        if residual_mode(c.residual_dtype, h.device) == "compute":  # the stream in the compute dtype from here on
-            h = h.to(kernels.compute_dtype(h))  # (B, T, d)
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
         # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
         # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
-        grow = (kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0
-                and not torch.compiler.is_compiling())
+        grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
-        # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
-        sixteen_bit = h.dtype in (torch.float16, torch.bfloat16)  # the stream: its norms read weights in its dtype
-        with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None, with_norms=sixteen_bit):
-            positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
-            u, v = (getattr(self, "u", None), getattr(self, "v", None))
-            u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
-            shifts = self.encoding.query_shifts([layer.attn for layer in self.layers], u, v, state)
-            # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
-            # projections read: cast once for both (autocast would cast it again in the qkv matmul).
-            share = (state is not None and not c.pre_ln and kv_cache is None and self.compressor is None
-                     and not torch.compiler.is_compiling())
+        # Under autocast the layers' weights cast by one grouped op (ModelConfig.cast_weights); a 16-bit input (the
+        # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
+        with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
+            u, v = getattr(self, "u", None), getattr(self, "v", None)
+            shifts = self.encoding.query_shifts(attns, u, v)
             for l, layer in enumerate(self.layers):
                 x, mem, pos = h, mems[l], positions[l]
-                x_cast = None
-                if share and (pos is None or pos.absolute is None):  # the residual adds h, the projections x_cast
-                    x, x_cast = kernels.fork_cast(h, state)
-                hiddens.append(h if x_cast is None else x_cast)  # each layer's input, before absolute positions
+                hiddens.append(h)  # each layer's input, before absolute positions: the next memory
                 if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
                     x = x + pos.absolute[M:]
                     mem = None if mem is None else mem + pos.absolute[:M]
                 kv = None
-                if kv_cache is not None:
+                if kv_cache is not None:  # the memory rows' keys and values read from the cache
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
                     kv, mem = (k, val), None  # (B, K, H, D) each
-                    keys.append(k)
-                    values.append(val)
-                    buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast, shift=shifts[l])
+                    keys.append(k), values.append(val), buffers.append(grown)
+                h = layer(x, mem, mask, pos, u, v, kv=kv, shift=shifts[l])
         h = self.drop(h)  # (B, T, d)
-        compression_loss = None
+        out = LMOutput(memory=(), hidden=h)
         if self.compressor is not None:
-            new_memory, compression_loss = self.compressor.update(
-                own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in self.layers],
-                train=self.training and labels is not None, dtype=state)
-        elif grow:
-            had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
-            new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
-                                                     buffers=had, dtype=state)
-        else:
-            new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len,
-                                       dtype=state)
-
-        out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
-        if self.compressor is not None and kv_cache is not None:
-            out.kv_cache = self.compressor.next_cache(keys, values, buffers if grow else None, own, new_memory, T,
-                                                      positions=table, weights_version=version)
-        elif grow:
-            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
-            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
-                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
-                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=version)
-        elif kv_cache is not None:
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=version)
+            out.memory, out.compression_loss = self.compressor.update(
+                own, compressed, hiddens, mem_len=ctx.mem_len, layers=attns, train=self.training and labels is not None)
+        elif not grow:
+            out.memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+        if kv_cache is not None:
+            self._next_cache(out, kv_cache, memory if M else None, own, hiddens, keys, values,
+                             buffers if grow else None, T=T, ctx=ctx, table=table, version=version)
         flat = h.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
@@ -318,11 +259,32 @@ class TransformerXL(nn.Module):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
 
-    def _cast_weights(self, dtype: torch.dtype, *, with_biases: bool,
-                      with_norms: bool) -> contextlib.AbstractContextManager:
-        """Where the layers read their matmul weights (and u, v ``with_biases``; the layer norms' ``with_norms``, for a
-        16-bit stream) cast to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a
-        no-op without autocast or with 'per_use'."""
+    def _next_cache(self, out: LMOutput, cache: KVCache, memory: Memory | None, own: Memory | None,
+                    hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                    buffers: list | None, *, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
+                    version: int | None) -> None:
+        """The KVCache returned (and, where the rows grow in place into its buffers, the memory): the keys and
+        values of exactly ``out.memory``'s rows."""
+        if self.compressor is not None:
+            out.kv_cache = self.compressor.next_cache(keys, values, buffers, own, out.memory, T, positions=table,
+                                                      weights_version=version)
+        elif buffers is not None:
+            had = [b[0] for b in cache.buffers] if cache.buffers else None
+            out.memory, memory_buffers = grow_memory(memory, hiddens, mem_len=ctx.mem_len, buffers=had)
+            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
+            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
+                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
+                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
+                                   weights_version=version)
+        else:
+            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   positions=table, weights_version=version)
+
+    def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
+        """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
+        to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
+        or with 'per_use'."""
         mode = self.config.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
@@ -332,8 +294,6 @@ class TransformerXL(nn.Module):
         slots = casting.matmul_weights(self.layers)
         if with_norms:
             slots += casting.norm_weights(self.layers)
-        if with_biases:
-            slots += [(self, n) for n in ("u", "v") if self._parameters.get(n) is not None]
         params = [m._parameters[n] for m, n in slots]
         if mode == "auto" and not casting.groupable(params, dtype):
             return contextlib.nullcontext()
