@@ -35,7 +35,7 @@ def _unpinned_sdpa() -> Iterator[None]:
 
     pinned = kernels.sdpa
 
-    def sdpa(query, k, val, attn_mask, scale=1.0):
+    def sdpa(query, k, val, attn_mask, scale=1.0, pin=True):
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
     kernels.sdpa = sdpa

@@ -2,6 +2,7 @@
 
 Modules, bottom up (each imports only torch, ``txl.config`` and the modules listed before it):
 
+* ``plan``: every choice that depends on the device type, in one table, and ``resolve(config, device_type)``;
 * ``positions``: the sinusoid R, distances, ``rel_shift``, ``Positions``, the attention mask;
 * ``memory``: the memory of cached hidden states, built, truncated and detached in one place;
 * ``dropout``: ``nn.Dropout`` and the cheaper 16-bit mask;

@@ -41,7 +41,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting
+from txl.model import casting, plan
 from txl.model.kernels import compute_dtype
 
 
@@ -58,23 +58,10 @@ def cluster_widths(config: ModelConfig) -> list[int]:
     return [config.d_embed // config.div_val ** i for i in range(n)]
 
 
-def rows_mode(setting: str, device: torch.device) -> str:
-    """``ModelConfig.cluster_rows`` resolved on ``device``: 'selected' or 'all'.
-
-    Under torch.compile always 'all': ``nonzero``'s data-dependent shape would break the graph.
-    """
-    if torch.compiler.is_compiling():
-        return "all"
-    if setting == "auto":
-        return "selected" if device.type == "cpu" else "all"
-    return setting
-
-
-def pad_multiple(setting: int, device: torch.device) -> int:
-    """``ModelConfig.softmax_pad`` resolved on ``device``: the multiple each softmax width is padded to."""
-    if setting:
-        return setting
-    return 64 if device.type == "cuda" else 1
+def rows_mode(rows: str) -> str:
+    """The planned ``cluster_rows`` ('selected' or 'all'), except under torch.compile: always 'all' there
+    (``nonzero``'s data-dependent shape would break the graph)."""
+    return "all" if torch.compiler.is_compiling() else rows
 
 
 def cluster_of(target: torch.Tensor, cutoffs: list[int]) -> torch.Tensor:
@@ -96,7 +83,7 @@ class AdaptiveEmbedding(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = config.cluster_rows
+        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
         self.d_proj = config.d_model
         self.scale = config.d_model ** 0.5
         widths = cluster_widths(config)
@@ -118,7 +105,7 @@ class AdaptiveEmbedding(nn.Module):
                 emb = F.linear(emb, self.projs[0])  # (B, T, d)
             return emb * self.scale
         flat = ids.reshape(-1)  # (N,)
-        if rows_mode(self.rows, flat.device) == "all":
+        if rows_mode(self.rows) == "all":
             # Shapes that do not depend on the ids (torch.compile, CUDA graphs, no host sync): every cluster
             # embeds every token (ids clamped into its range) and keeps the rows that are its own. Same values.
             out = None
@@ -152,8 +139,8 @@ class AdaptiveLogSoftmax(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = config.cluster_rows
-        self.pad = config.softmax_pad
+        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
+        self.pad = plan.resolved("softmax_pad", config.softmax_pad, "cpu")  # the model's plan sets it
         self.vocab_size = config.vocab_size
         self.shortlist = self.bounds[1]
         self.n_clusters = config.n_clusters
@@ -205,7 +192,7 @@ class AdaptiveLogSoftmax(nn.Module):
         per cluster slice (slices miss autocast's cache of cast weights), and the head's cat and the padding
         are made of the cast rows.
         """
-        pad = pad_multiple(self.pad, device)
+        pad = self.pad
         params = self._cast_params()
         if self.cast_weights != "per_use" and not torch.compiler.is_compiling() and casting.groupable(params, dtype):
             return self._cast_clusters(params, dtype, pad)
@@ -303,7 +290,7 @@ class AdaptiveLogSoftmax(nn.Module):
         params = self._cast_params()
         if torch.compiler.is_compiling() or not casting.groupable(params, dtype):
             return None
-        pad = pad_multiple(self.pad, hidden.device)
+        pad = self.pad
         C = self.n_clusters
         rows_w: list[casting.Piece] = []
         rows_b: list[casting.Piece] = []
@@ -346,7 +333,7 @@ class AdaptiveLogSoftmax(nn.Module):
         gather, the negation and two masks took four; an ignored id (-100) is in no cluster and scores no tail. A
         tail's log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric), as before.
         """
-        every = self._every_log_softmax(hidden) if rows_mode(self.rows, hidden.device) == "all" else None
+        every = self._every_log_softmax(hidden) if rows_mode(self.rows) == "all" else None
         if every is None:
             hidden, clusters = self._prepare(hidden)
             head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
@@ -360,7 +347,7 @@ class AdaptiveLogSoftmax(nn.Module):
         # smaller of the two: one kernel, where a where on cluster == 0 took three. An ignored target stays -100.
         head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
         nll = F.nll_loss(head, head_col, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
-        if rows_mode(self.rows, hidden.device) == "all":
+        if rows_mode(self.rows) == "all":
             tails = every[1:] if every is not None else [self._log_softmax(hidden, clusters[i])
                                                          for i in range(1, self.n_clusters + 1)]
             return nll - self._tails_static(tails, target, cluster)

@@ -106,6 +106,7 @@ class Attention(nn.Module):
         self.n_head, self.d_head = config.n_head, config.d_head
         self.pre_ln = config.pre_ln
         self.recompute = config.recompute_attention
+        self.pin_sdpa = False  # SDPA inside its backend context (the model's plan sets it: txl.model.plan)
         self.scale = 1.0 / math.sqrt(config.d_head)
         hd = config.n_head * config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
@@ -186,7 +187,7 @@ class Attention(nn.Module):
         inputs, bias_fn = made if made is not None else ((), None)
         attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
                                        dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
-                                       recompute=self.recompute, scale=self.scale)  # (B, H, T, D)
+                                       recompute=self.recompute, scale=self.scale, pin=self.pin_sdpa)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)

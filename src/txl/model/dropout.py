@@ -109,10 +109,14 @@ def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tenso
 class _Sampler:
     """What the two fast modules share: when torch's kernel runs instead of the gap sampler."""
 
+    gaps: bool = True
+    """Whether the gap sampler draws the masks (the CPU's); the model sets it from its plan (``txl.model.plan``:
+    off the CPU torch's fused kernel is fast, and 'fast' resolves to it)."""
+
     def torch_kernel(self, x: torch.Tensor) -> bool:
         """``F.dropout`` instead: under torch.compile (which fuses it), at p = 1 (everything dropped, as
-        ``nn.Dropout`` does it), and off the CPU (torch's fused kernel is fast there)."""
-        return torch.compiler.is_compiling() or self.p >= 1.0 or x.device.type != "cpu"
+        ``nn.Dropout`` does it), and where the plan says so (``gaps`` False)."""
+        return torch.compiler.is_compiling() or self.p >= 1.0 or not self.gaps
 
     def draw(self, x: torch.Tensor, *, relu: bool) -> torch.Tensor:
         """dropout(x), or dropout(relu(x)), in training from the gaps between dropped elements."""

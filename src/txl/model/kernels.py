@@ -199,14 +199,15 @@ torch.compile); flash takes no bias at all, so it runs only where there is none;
 is its 'flash' one; math is the fallback everywhere."""
 
 
-def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0
-         ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)`` on ``SDPA_BACKENDS``.
+def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0,
+         pin: bool = True) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``.
 
-    On a CPU there is no cuDNN kernel to keep out, and the backend context costs 20-40 us a call there, so the
-    call is made as is; on any other device (CUDA; meta, where the tests read the flags) inside the context.
+    ``pin`` is the model's plan (``ComputePlan.pin_sdpa``): on a CPU there is no cuDNN kernel to keep out, and the
+    backend context costs 20-40 us a call there, so the call is made as is; on any other device (CUDA; meta, where
+    the tests read the flags) inside the context.
     """
-    if query.device.type == "cpu":
+    if not pin:
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
     with sdpa_kernel(list(SDPA_BACKENDS)):
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
@@ -286,12 +287,12 @@ class _RecomputedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, bias_fn,
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
                 *bias_inputs: torch.Tensor):
         # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = sdpa(query, k, val, bias, scale)  # (B, H, T, D)
+        out = sdpa(query, k, val, bias, scale, pin)  # (B, H, T, D)
         ctx.scale = scale
         ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
         ctx.bias_fn = bias_fn
@@ -322,7 +323,7 @@ class _RecomputedAttention(torch.autograd.Function):
         wanted = [x for x in inputs if x.requires_grad]
         grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
         grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return grad_query, grad_key, grad_val, None, None, *grad_inputs
+        return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
 
 
 class _KeptAttention(torch.autograd.Function):
@@ -395,7 +396,8 @@ BiasFn = Callable[..., torch.Tensor]
 
 def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor | Mask,
                     bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
-                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0) -> torch.Tensor:
+                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
+                    pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
 
     query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
@@ -405,8 +407,8 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
     backward.
     dropout: applied to the probabilities (None: no attention dropout, as in evaluation or dropatt 0);
-    recompute: in training, recompute the scores in backward instead of keeping the probabilities.
-    Which kernel runs depends on the autograd state and the dropout (below).
+    recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
+    ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
     """
     # A shared Mask's bias is made once for all layers (and only read); a bool mask's here, fresh.
     shared = isinstance(mask, Mask)
@@ -420,15 +422,15 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
         return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared, scale=scale)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
-        return sdpa(qh, kh, vh, ~mask, scale)  # (B, H, T, D)
+        return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
         # The fused kernel cannot return the gradient of its additive mask (the positional term), so
         # training recomputes what it needs in backward, or keeps the probabilities.
         if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, scale, functools.partial(bias_fn, mask_bias=mask_bias),
+            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
         return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
-    return sdpa(qh, kh, vh, bias, scale)  # (B, H, T, D)
+    return sdpa(qh, kh, vh, bias, scale, pin)  # (B, H, T, D)

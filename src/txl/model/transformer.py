@@ -21,7 +21,7 @@ from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, kernels, plain
+from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
@@ -63,7 +63,34 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerXL(nn.Module):
-    """Transformer-XL language model: segment in, loss or log-probabilities and new memory out."""
+    """Transformer-XL language model: segment in, loss or log-probabilities and new memory out.
+
+    ``forward(input_ids, labels=None, memory=None, *, return_log_probs=None, kv_cache=None, context=None,
+    padding=None) -> LMOutput``:
+
+    input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
+    to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
+    (B, T, V) are returned when no labels are given, or when return_log_probs is True.
+
+    context: the attention context (mem_len, clamp_len, same_length, ...); None is the config's
+    (``config.context()``). Evaluate with a longer one than in training by passing it, as the memory is.
+
+    kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
+    for incremental decoding: the memory rows' keys and values are read from it instead of being
+    projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
+    ``txl.model.kv_cache``.
+
+    padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
+    prompts of different lengths read as one batch). No other position attends to a pad, so each row
+    computes what it would alone; relative attention makes the shift of its positions irrelevant.
+    Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
+    A compressive model takes padding while its compressed memory is empty and the call compresses nothing
+    (a generation's context keeps every row): then it is the plain model over its memory.
+
+    ``config.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
+    the default one computes on its device is ``self.plan`` (``txl.model.plan``), made where the model is built and
+    again wherever it moves.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -87,6 +114,7 @@ class TransformerXL(nn.Module):
         self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
+        self.use_plan(plan.compute_plan(c, next(self.parameters()).device.type))
 
     # -- construction ---------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -130,6 +158,22 @@ class TransformerXL(nn.Module):
         for name in self.encoding.shared_parameters(c):
             nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
+    def use_plan(self, compute: plan.ComputePlan) -> None:
+        """Compute as ``compute`` says (``txl.model.plan``): made for the device the parameters live on when the model
+        is built and whenever it moves (``_apply``), and handed to the modules that read it, so no forward tests
+        the device. The config (what the model is, what a checkpoint stores) is unchanged: a checkpoint loads and
+        computes the same numbers, up to rounding, under any plan."""
+        self.plan = compute
+        for module in self.modules():
+            if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
+                module.rows = compute.cluster_rows
+            if isinstance(module, AdaptiveLogSoftmax):
+                module.pad = compute.softmax_pad
+            if isinstance(module, Attention):
+                module.pin_sdpa = compute.pin_sdpa
+            if hasattr(module, "gaps"):  # the fast dropout modules
+                module.gaps = compute.gap_dropout
+
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (what ``to``, ``cuda``, ``half``, ``to_empty`` run), then the sinusoid's frequencies
         made again where the model now lives, in float32: what ``positions.sinusoid`` makes per call on that device
@@ -141,6 +185,8 @@ class TransformerXL(nn.Module):
         finally:
             device = next(self.parameters()).device
             self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
+            if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
+                self.use_plan(plan.compute_plan(self.config, device.type))  # moved: its plan made again there
         return self
 
     # -- memory ---------------------------------------------------------------------------------
@@ -165,62 +211,31 @@ class TransformerXL(nn.Module):
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
                 kv_cache: KVCache | None = None, context: Context | None = None,
                 padding: torch.Tensor | None = None) -> LMOutput:
-        """Run one segment.
-
-        input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
-        to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
-        (B, T, V) are returned when no labels are given, or when return_log_probs is True.
-
-        context: the attention context (mem_len, clamp_len, same_length, ...); None is the config's
-        (``config.context()``). Evaluate with a longer one than in training by passing it, as the memory is.
-
-        kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
-        for incremental decoding: the memory rows' keys and values are read from it instead of being
-        projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
-        ``txl.model.kv_cache``.
-
-        padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
-        prompts of different lengths read as one batch). No other position attends to a pad, so each row
-        computes what it would alone; relative attention makes the shift of its positions irrelevant.
-        Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-        A compressive model takes padding while its compressed memory is empty and the call compresses nothing
-        (a generation's context keeps every row): then it is the plain model over its memory.
-        """
+        """Run one segment: input_ids (B, T) with the memory of earlier ones (None: empty), labels (B, T) to score
+        (-100: ignored), log-probabilities (B, T, V) when no labels are given or return_log_probs is True. The
+        context, kv_cache and padding arguments: the class docstring. 'reference' runs ``txl.model.plain``."""
         c = self.config
         ctx = c.context() if context is None else context
-        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter:
-        # twice was ~5% of a (1, 1) decoding step of a small model on CPU).
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter).
         version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
             self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
-        if c.attn_impl == "reference":  # the plain path, the oracle of this one (txl.model.plain)
+        if c.attn_impl == "reference":  # the plain path, the oracle of this one
             return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
                                  kv_cache=kv_cache, padding=padding, weights_version=version)
         B, T = input_ids.shape
-        own, compressed = memory, None  # the memory the update continues, and the compressed one
-        if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
-            own, compressed = split_state(memory, c.n_layer)
-            memory = window(own, compressed)
+        own, compressed = split_state(memory, c.n_layer) if self.compressor is not None else (memory, None)
+        memory = window(own, compressed)  # every layer attends over [compressed; memory; segment]
         M = memory_length(memory)
-        # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
-        mems = [m.detach() for m in memory] if M else [None] * c.n_layer
-        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
-                              style=ctx.same_length_style, device=input_ids.device)  # (T, K)
-        if padding is not None:
-            mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
-        if not torch.compiler.is_compiling():  # (a compiled graph makes it once anyway)
-            mask = kernels.Mask(mask)  # shared by the layers: its additive form made once, not in every layer
+        mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
+        mask = self._mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
             attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
-        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(c)}
-        shared[INV_FREQ] = getattr(self, INV_FREQ)
-        positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
-                                                  device=input_ids.device, drop=self.drop, table=table)
-        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
-        # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
-        # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
+        positions = self._positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
+        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
+        # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
         # Under autocast the layers' weights cast by one grouped op (ModelConfig.cast_weights); a 16-bit input (the
@@ -229,28 +244,48 @@ class TransformerXL(nn.Module):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
             shifts = self.encoding.query_shifts(attns, u, v)
             for l, layer in enumerate(self.layers):
-                x, mem, pos = h, mems[l], positions[l]
                 hiddens.append(h)  # each layer's input, before absolute positions: the next memory
-                if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
-                    x = x + pos.absolute[M:]
-                    mem = None if mem is None else mem + pos.absolute[:M]
+                x, mem = add_absolute(h, mems[l], positions[l], M)
                 kv = None
                 if kv_cache is not None:  # the memory rows' keys and values read from the cache
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
                     kv, mem = (k, val), None  # (B, K, H, D) each
                     keys.append(k), values.append(val), buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv, shift=shifts[l])
-        h = self.drop(h)  # (B, T, d)
-        out = LMOutput(memory=(), hidden=h)
+                h = layer(x, mem, mask, positions[l], u, v, kv=kv, shift=shifts[l])
+        out = LMOutput(memory=(), hidden=self.drop(h))  # (B, T, d)
         if self.compressor is not None:
             out.memory, out.compression_loss = self.compressor.update(
                 own, compressed, hiddens, mem_len=ctx.mem_len, layers=attns, train=self.training and labels is not None)
         elif not grow:
-            out.memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+            out.memory = update_memory(memory, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
         if kv_cache is not None:
-            self._next_cache(out, kv_cache, memory if M else None, own, hiddens, keys, values,
-                             buffers if grow else None, T=T, ctx=ctx, table=table, version=version)
-        flat = h.reshape(B * T, -1)  # (B*T, d)
+            self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
+                             table=table, version=version)
+        return self._predict(out, labels, return_log_probs)
+
+    def _mask(self, T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device
+              ) -> torch.Tensor | kernels.Mask:
+        """The attention mask of T queries over M + T keys: (T, K) bool, True where hidden, or (B, 1, T, K) with
+        ``padding`` (no real query sees a pad key); eagerly a ``kernels.Mask`` the layers share (its additive form
+        made once, not in every layer; a compiled graph makes it once anyway)."""
+        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
+                              device=device)  # (T, K)
+        if padding is not None:
+            mask = padding_mask(mask, padding)  # (B, 1, T, K)
+        return mask if torch.compiler.is_compiling() else kernels.Mask(mask)
+
+    def _positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
+                   table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
+        """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
+        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(self.config)}
+        shared[INV_FREQ] = getattr(self, INV_FREQ)
+        return self.encoding.build_positions(self.config, shared, klen, clamp_len, dtype=dtype, device=device,
+                                             drop=self.drop, table=table)
+
+    def _predict(self, out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None) -> LMOutput:
+        """The adaptive softmax on ``out.hidden``: the per-token NLL and loss of ``labels``, the log-probabilities."""
+        B, T, _ = out.hidden.shape
+        flat = out.hidden.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
             out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
@@ -261,10 +296,12 @@ class TransformerXL(nn.Module):
 
     def _next_cache(self, out: LMOutput, cache: KVCache, memory: Memory | None, own: Memory | None,
                     hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
-                    buffers: list | None, *, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
+                    buffers: list, *, grow: bool, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
                     version: int | None) -> None:
-        """The KVCache returned (and, where the rows grow in place into its buffers, the memory): the keys and
+        """The KVCache returned (and, where the rows ``grow`` in place into its buffers, the memory): the keys and
         values of exactly ``out.memory``'s rows."""
+        memory = memory if memory_length(memory) else None
+        buffers = buffers if grow else None
         if self.compressor is not None:
             out.kv_cache = self.compressor.next_cache(keys, values, buffers, own, out.memory, T, positions=table,
                                                       weights_version=version)
@@ -402,6 +439,15 @@ class TransformerXL(nn.Module):
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
                 raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
                                  f"(use {IGNORE_INDEX} to ignore a position)")
+
+
+def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's segment rows (B, T, d) and memory rows (B, M, d) with an absolute encoding's positions added
+    (``Positions.absolute``, (K, d): memory rows get the earlier ones); as they are for the other encodings."""
+    if pos is None or pos.absolute is None:
+        return x, memory
+    return x + pos.absolute[M:], (None if memory is None else memory + pos.absolute[:M])
 
 
 def reads_values(t: torch.Tensor) -> bool:
