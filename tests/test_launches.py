@@ -392,44 +392,6 @@ def test_the_softmax_casts_are_one_op_each_way():
     assert (per_use.copies - grouped.copies, per_use.cats - grouped.cats) == (8, 4), (per_use.ops, grouped.ops)
 
 
-def test_cluster_logic_against_the_table_gives_the_python_int_form():
-    """The eager path compares ids with ``cluster_table`` (one kernel for all clusters); torch.compile's with Python
-    ints: the same clusters and head columns for every id. The table is not saved, is made again where a model built
-    on the meta device moves (``to_empty``: no uninitialised values), and stays int64 in a model moved to bf16."""
-    from txl.model.adaptive import cluster_of
-
-    model = word_model()
-    softmax = model.softmax
-    ids = torch.arange(120)
-    cluster = softmax._cluster_of(ids)
-    assert torch.equal(cluster, cluster_of(ids, [20, 60]))
-    where_form = torch.where(cluster == 0, ids, cluster + 19)  # the column a where on cluster 0 picked
-    assert torch.equal(torch.minimum(ids, cluster + 19), where_form)
-    assert not any("cluster_table" in k for k in model.state_dict())
-    with torch.device("meta"):  # as txl.from_pretrained builds a model before it loads the weights and moves it
-        on_meta = txl.TransformerXL(tiny_config(vocab_size=120, cutoffs=[20, 60]))
-    assert torch.equal(on_meta.to_empty(device="cpu").softmax.cluster_table, softmax.cluster_table)  # made again
-    assert model.to(torch.bfloat16).softmax.cluster_table.dtype == torch.int64
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_static_rows_against_the_table_equal_the_compiled_forms_bit_for_bit(monkeypatch, precision):
-    """'all' rows eagerly (one kernel per step of the cluster logic for all clusters, the tails' picks summed) and as
-    torch.compile traces them (a comparison and a masked add per cluster): the same NLL and gradients."""
-    y = zipf((3, 7), seed=2)
-    y[1, 3] = -100
-    got = []
-    for compiling in (False, True):
-        softmax = word_model(cluster_rows="all", cast_weights="per_use").softmax
-        hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            nll = softmax.nll(hidden, y.reshape(-1))
-        nll.sum().backward()
-        got.append([nll.detach(), hidden.grad, *[p.grad for p in softmax.parameters()]])
-    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
-
-
 def test_an_unclipped_step_only_measures_the_gradient_norm():
     """clip 0 (max_norm inf): the norm torch's clip_grad_norm_ returns, the gradients untouched, and 3 launches where
     torch's scaling of every gradient by min(1, inf / norm) = 1 added 5."""
@@ -472,45 +434,6 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
     assert torch.equal(nll[kept], -log_prob[kept].gather(1, target[kept, None]).squeeze(1))
     assert torch.equal(nll[~kept], torch.zeros(2))
 
-
-
-@pytest.mark.parametrize("tie_weight", [True, False])
-def test_one_matmul_for_every_cluster_under_autocast_changes_rounding_only(tie_weight):
-    """'all' rows, div_val 1, no projections, weights grouped under bf16 autocast: every cluster's logits come from
-    one matmul over the cast rows side by side (forward one addmm for the softmax where there was one per cluster,
-    backward one matmul each way), with the NLL and log-probabilities of a matmul per cluster and gradients equal
-    up to bf16 rounding (the hidden state's gradient summed in float32 once, not per cluster in bf16). Without
-    autocast nothing is grouped: the same ops, the same numbers bit for bit."""
-    x, y = zipf((3, 7), seed=1), zipf((3, 7), seed=2)
-    y[0, :2] = torch.tensor([30, 119])
-    y[1, 3] = -100
-    got, counts = {}, {}
-    for mode in ("per_use", "grouped"):
-        model = word_model(cluster_rows="all", cast_weights=mode, tie_weight=tie_weight)
-        got[mode] = _softmax_bf16(model, x, y)
-        softmax, hidden = model.softmax, torch.randn(21, 32, requires_grad=True)
-
-        def step(softmax=softmax, hidden=hidden):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                softmax.nll(hidden, y.reshape(-1)).sum().backward()
-
-        counts[mode] = launches.count(step).ops
-    one, per = got["grouped"], got["per_use"]
-    assert len(one) == len(per)
-    torch.testing.assert_close(one[0], per[0], atol=1e-5, rtol=1e-5)  # the NLL
-    torch.testing.assert_close(one[-1], per[-1], atol=1e-5, rtol=1e-5)  # the log-probabilities
-    for a, b in zip(one[1:-1], per[1:-1]):  # the gradients: bf16 rounding apart
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)
-    assert counts["grouped"]["aten::addmm"] == 1 and counts["per_use"]["aten::addmm"] == 3, counts  # head + 2 tails
-    assert counts["per_use"]["aten::mm"] - counts["grouped"]["aten::mm"] == 4, counts  # 2 of 6 matmuls backward
-    fp32 = []
-    for mode in ("per_use", "grouped"):
-        model = word_model(cluster_rows="all", cast_weights=mode, tie_weight=tie_weight).train()
-        with launches._Dispatched() as mode_ops:
-            out = model(x, labels=y)
-            out.loss.backward()
-        fp32.append(([out.nll.detach()] + [p.grad for p in model.parameters()], mode_ops.ops))
-    assert fp32[0][1] == fp32[1][1] and all(torch.equal(a, b) for a, b in zip(fp32[0][0], fp32[1][0]))
 
 
 @pytest.mark.parametrize("attn_type", ["relative", "absolute"])
