@@ -1,4 +1,4 @@
-"""Multi-head attention over memory + segment: the paper's reference, and one class per encoding.
+"""Multi-head attention over memory + segment: one class per encoding, its traits and positional terms.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
@@ -11,8 +11,9 @@ Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encod
             + v . W_kR R(i-j)      (d) global position bias
             = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
 
-``Attention.reference`` computes exactly this: the first sum is one product against the keys; the
-second one against the K encodings, realigned from "encoding index" to "key index" by ``rel_shift``.
+``txl.model.plain.attention`` computes exactly this: the first sum is one product against the keys; the
+second one against the K encodings (``position_scores``), realigned from "encoding index" to "key index" by
+``rel_shift``.
 Queries are only computed for the T segment rows: memory rows need keys and values alone.
 
 Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
@@ -78,7 +79,7 @@ class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
     The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``position_scores`` for the reference, ``positional_inputs`` for the kernels), a
+    positional score (``position_scores`` for the plain path, ``positional_inputs`` for the kernels), a
     content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
     Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
     projection, one layer norm.
@@ -212,7 +213,7 @@ class Attention(nn.Module):
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
-        """The reference's positional scores (B, H, T, K), column p against distance K-1-p (before
+        """The plain path's positional scores (B, H, T, K), column p against distance K-1-p (before
         ``rel_shift``), unscaled; None: no positional term in the scores."""
         return None
 

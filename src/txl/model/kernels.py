@@ -1,14 +1,15 @@
-"""Attention kernels on tensors: the fast paths, each tested against the reference it replaces.
+"""Attention kernels on tensors: the fast paths, each tested against the plain path it replaces.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, A, C the two leading dims of a score block.
 
 A kernel takes tensors and plain numbers (a query, keys, values, a positional bias or the function that
 makes it from small inputs, a mask, the attention dropout, whether to recompute), never the module that
-calls it: it sits below ``txl.model.attention`` and never imports it. ``Attention.reference`` there is the
-paper's equation term by term; ``ModelConfig.attn_impl='fused'`` (the default) runs what is here, and
-tests/test_kernels.py compares the two (outputs, gradients of inputs and parameters, memories, every
-attention type, train and eval):
+calls it: it sits below ``txl.model.attention`` and never imports it. ``txl.model.plain`` is the paper's model
+term by term; ``ModelConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
+tests/test_plain.py compare the two (outputs, gradients of inputs and parameters, memories, every attention type,
+train and eval). Each custom autograd Function here stays for a measured win (benchmarks/README.md, "What the fast
+path keeps"):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
@@ -17,9 +18,8 @@ attention type, train and eval):
 * ``realign``: ``rel_shift`` with the scale and the mask added in one pass;
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
 
-Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and
-in-place strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift``
-by ordinary ops; the compiler fuses those itself. Timings: benchmarks/README.md.
+Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables): the fused
+path then gives SDPA the positional scores as its bias; the compiler fuses the ops itself.
 """
 
 from __future__ import annotations
