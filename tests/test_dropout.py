@@ -69,10 +69,14 @@ def test_p_one_drops_everything_as_nn_dropout(module):
 
 
 def test_torch_kernel_where_the_sampler_would_not_pay():
-    """Gaps off the CPU: torch's fused kernel (same distribution)."""
-    meta = torch.empty(3, device="meta")
-    assert Dropout(0.1).torch_kernel(meta)
-    assert not Dropout(0.1).torch_kernel(torch.empty(3)) and Dropout(1.0).torch_kernel(torch.empty(3))
+    """Gaps where the model's plan says (the CPU's); elsewhere torch's fused kernel (same distribution): a model
+    moved off the CPU switches its modules over (here to 'meta')."""
+    x = torch.empty(3)
+    assert not Dropout(0.1).torch_kernel(x) and Dropout(1.0).torch_kernel(x)
+    model = txl.TransformerXL(tiny_config(dropout=0.1))
+    assert not model.drop.torch_kernel(x) and not model.layers[0].ff.relu_drop.torch_kernel(x)
+    model.to("meta")
+    assert model.drop.torch_kernel(x) and model.layers[0].ff.relu_drop.torch_kernel(x)
 
 
 def test_odd_shapes_and_reproducible():
