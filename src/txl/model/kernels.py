@@ -14,7 +14,7 @@ path keeps"):
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
   scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
-  ``_KeptAttention``, which keeps them and skips autograd's extra passes over them;
+  ``kept_attention``, which keeps them (autograd);
 * ``realign``: ``rel_shift`` with the scale and the mask added in one pass;
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
 
@@ -263,39 +263,18 @@ class _RecomputedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
 
 
-class _KeptAttention(torch.autograd.Function):
-    """softmax(query k^T + bias) val for training with the probabilities kept (``recompute_attention=False``).
-
-    What autograd does for ``explicit_attention`` without dropout, in fewer passes over (B, H, T, K): the
-    scores accumulate into the bias (baddbmm) with no autograd record of the in-place write (autograd's
-    costs a zero-filled buffer, a clone and a copy per layer in backward), and backward forms
-    dS with ``_attention_grads``, as ``_RecomputedAttention`` does, instead of softmax's backward pass over the
-    probabilities. dS is the bias gradient; autograd takes it on to the positional inputs (realign, W_kR R).
-    Kept from forward: the probabilities, one (B, H, T, K) per layer.
-    """
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor, scale: float
-                ) -> torch.Tensor:
-        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
-        # bias: a fresh (B, H, T, K), consumed.
-        B, H, T, D = query.shape
-        K = k.size(2)
-        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
-        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
-        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
-        ctx.scale = scale
-        out = torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
-        ctx.autocast = _forward_autocast(query.device)  # backward runs under it, to the same dtypes
-        ctx.save_for_backward(qh, kh, vh, out, prob)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        qh, kh, vh, out, prob = ctx.saved_tensors
-        with torch.autocast(**ctx.autocast):
-            return *_attention_grads(grad_out, out, prob, qh, kh, vh, ctx.scale), None  # dS is the bias gradient
+def kept_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bias: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """softmax(scale * qh kh^T + bias) vh through autograd, the probabilities kept for backward
+    (``recompute_attention=False``): (B, H, T, D). qh: (B, H, T, D); kh, vh: (B, H, K, D), any strides; bias:
+    (B, H, T, K). (Issue 45 removed the hand-written backward that replaced this: 0.3% of a small training step,
+    1.7% of a base one, benchmarks/README.md.)"""
+    B, H, T, D = qh.shape
+    K = kh.size(2)
+    score = torch.baddbmm(bias.reshape(B * H, T, K), qh.reshape(B * H, T, D), kh.reshape(B * H, K, D).transpose(1, 2),
+                          alpha=scale)  # (B*H, T, K)
+    prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
+    return torch.bmm(prob, vh.reshape(B * H, K, D)).view(B, H, T, D)  # (B, H, T, D)
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
@@ -366,7 +345,7 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
         if recompute:
             return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
-        return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
+        return kept_attention(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
