@@ -15,11 +15,13 @@ path keeps"):
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
   scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
   ``kept_attention``, which keeps them (autograd);
-* ``realign``: ``rel_shift`` with the scale and the mask added in one pass;
+* ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
+  backward written straight into the scores' layout (``_Realign``);
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
 
-Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables): the fused
-path then gives SDPA the positional scores as its bias; the compiler fuses the ops itself.
+Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
+strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
+the compiler fuses those itself.
 """
 
 from __future__ import annotations
@@ -55,20 +57,84 @@ def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
-# -- the positional scores realigned ----------------------------------------------------------------
+# -- rel_shift without the padded copy ------------------------------------------------------------
+
+def _shifted_view(x: torch.Tensor) -> torch.Tensor:
+    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view, no pad needed.
+
+    y[i, j] = x[i, T-1-i+j] sits at flat offset i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K)
+    block: rows of K read with a stride of K-1 from offset T-1. Row i's last entry is row i+1's first
+    (both a hidden future key for i < T-1); the last row ends at the block's last element.
+    """
+    A, C, T, K = x.shape
+    return x.as_strided((A, C, T, K), (C * T * K, T * K, K - 1, 1), x.storage_offset() + T - 1)
+
+
+class _Realign(torch.autograd.Function):
+    """Forward: the key-aligned positional scores plus the additive mask, as a new (B, H, T, K) tensor.
+
+    Backward: the gradient is written straight into the layout of the scores with one strided copy,
+    instead of autograd's zero-filled buffer + scatter of ``as_strided`` (or the slice and pad copies of
+    ``rel_shift``). Within a (T, K) block each score feeds one output entry, except the T-1 shared by
+    the end of row i and the start of row i+1, whose two gradients are added, and the first T-1, which
+    feed none: this is the exact gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool, scale: float) -> torch.Tensor:
+        shifted = _shifted_view(scores)  # (A, C, T, K)
+        if heads_first:
+            shifted = shifted.transpose(0, 1)  # (H, B, T, K) -> (B, H, T, K) view
+        ctx.heads_first, ctx.scale = heads_first, scale
+        ctx.scores_shape = scores.shape
+        out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
+        if scale == 1.0:
+            return torch.add(shifted, mask_bias, out=out)
+        return torch.add(mask_bias, shifted, alpha=scale, out=out)  # scaled in the same pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        A, C, T, K = ctx.scores_shape
+        g = grad.transpose(0, 1) if ctx.heads_first else grad  # (A, C, T, K)
+        buf = grad.new_empty(A, C, T * K)  # (A, C, T*K): the layout of the scores
+        base = buf.storage_offset() + T - 1
+        # Zeroed: the first T-1 entries, scores of distances beyond every query's reach (no output uses them), and
+        # with T > 1 in the same kernel the last T-1, of which the copy below overwrites all but the block's last.
+        if T > 1:
+            buf.as_strided((A, C, 2, T - 1), (C * T * K, T * K, T * K - T + 1, 1), buf.storage_offset()).zero_()
+        # Each row's first K-1 entries tile the rest of the block exactly ...
+        rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
+        scale = ctx.scale
+        if scale == 1.0:
+            rows.copy_(g[..., :K - 1])
+        else:  # the forward's scale, applied as the gradient is written
+            torch.mul(g[..., :K - 1], scale, out=rows)
+        # ... the rows' last entries add onto the next row's first, and the last row's onto the zeroed last entry.
+        last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
+        if T > 1:
+            last.add_(g[..., K - 1], alpha=scale)
+        elif scale == 1.0:
+            last.copy_(g[..., K - 1])
+        else:
+            torch.mul(g[..., K - 1], scale, out=last)
+        return buf.view(A, C, T, K), None, None, None
+
 
 def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool, scale: float = 1.0) -> torch.Tensor:
     """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), times ``scale``, mask added.
 
     scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
     distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
-    mask (0 or -inf) exactly as a masked_fill would, in one pass with the scale, where masked_fill is a slower
-    bool-mask kernel on CPU. (Issue 45 removed the hand-written backward of a strided view that replaced it: 6.8
-    -> 3.9 ms a layer at the base shape, under 1% of a training step; benchmarks/README.md.)
+    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K), a slower bool-mask
+    kernel on CPU. Against rel_shift's pad-and-view with the scale and mask as plain ops, a layer's positional
+    scores at the base shape: forward 2.2 against 7.5 ms, forward and backward 4.2 against 18.9 ms (5% of an
+    evaluation step, 4% of a training step; benchmarks/README.md, issue 45).
     """
-    shifted = rel_shift(scores)  # (A, C, T, K)
-    shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
-    return (shifted * scale + mask_bias if scale != 1.0 else shifted + mask_bias).contiguous()  # (B, H, T, K)
+    if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
+        shifted = rel_shift(scores)  # (A, C, T, K)
+        shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
+        return (shifted * scale + mask_bias if scale != 1.0 else shifted + mask_bias).contiguous()  # (B, H, T, K)
+    return _Realign.apply(scores.contiguous(), mask_bias, heads_first, scale)
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
