@@ -36,6 +36,7 @@ def cuda_mode() -> txl.ModelConfig:
     return config.replace(**launches.cuda_fields(config))
 
 
+@pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
 def test_training_step_makes_no_host_sync_as_on_cuda():
     """Forward, backward, clipping and the fused Adam step of ``txl.train.train_step``: no ``.item()``,
     ``int(tensor)``, ``nonzero`` (nor a bool-mask index, which runs one) anywhere in it."""
@@ -50,12 +51,14 @@ def test_evaluation_segment_makes_no_host_sync_as_on_cuda():
     assert counts.syncs == {}, counts.syncs
 
 
+@pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
 def test_the_cpu_default_still_selects_cluster_rows_with_nonzero():
     """On the CPU 'auto' keeps the cheaper per-cluster selection (a sync there costs nothing); the counter sees it."""
     counts = launches.train_counts(launches.narrow_nvidia(dropout_impl="torch"))
     assert counts.syncs["aten::nonzero"] >= 3  # one per tail cluster, and the label check's bool-mask index
 
 
+@pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
 def test_cuda_mode_counts_dropout_as_the_one_fused_kernel_cuda_runs():
     """``as_on_cuda`` swaps F.dropout's CPU decomposition (bernoulli_, div_, mul) for ``native_dropout``, what
     ``at::dropout`` runs on a CUDA tensor: 2 fewer launches per dropout in forward, the same in backward."""
@@ -149,6 +152,7 @@ def test_padded_softmax_widths_are_multiples_of_the_pad():
     assert widths == [64, 64, 192, 128]  # 20 + 3 cluster logits, 20, 160, 67, each up to a multiple of 64
 
 
+@pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
 def test_adaptive_softmax_graph_has_no_bucketize_and_compiles_at_two_shapes():
     """Dynamic shapes through the compiler (aot_eager keeps it fast on a CPU): the graph the compiler traces has
     no bucketize (the Triton failure on a GPU), and both shapes equal eager."""
