@@ -40,9 +40,21 @@ class Profile:
         averages = self.prof.key_averages()
         self.table = averages.table(sort_by=key, row_limit=self.rows, max_name_column_width=48)
         # The step's host time (every op's own CPU time: what the host spends issuing it) and device time (every
-        # kernel's): a step whose host time exceeds its device time leaves the GPU waiting on the host.
+        # kernel's, once): a step whose host time exceeds its device time leaves the GPU waiting on the host.
         self.host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3
-        self.device_ms = sum(e.self_device_time_total for e in averages) / 1e3 if self.device.type == "cuda" else 0.0
+        self.device_ms = device_time_us(averages) / 1e3 if self.device.type == "cuda" else 0.0
+
+
+def device_time_us(averages) -> float:
+    """The device time of a profile's events, each kernel counted once, as the profiler's own "Self CUDA time total"
+    counts it: the device's events (kernels, copies), not the host ops that launched them (whose self device time is
+    the same kernels again: aten::copy_ beside its Memcpy) nor the annotations spanning them (a compiled graph's
+    "## Call CompiledFxGraph" range)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in averages
+               if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False))
+
 
 
 def make_clock(device: torch.device):

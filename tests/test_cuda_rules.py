@@ -295,3 +295,114 @@ def test_cudas_autocast_on_the_cpu_follows_cudas_lists_and_is_undone():
     with cuda_autocast():
         assert dtypes() == (torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float32)
     assert dtypes() == cpu == (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
+
+
+# -- the other entry points: the serve engine, the compiled decode step, export, DDP and FSDP2 ------------------------
+
+@pytest.mark.parametrize("row", EACH, ids=row_id)
+def test_the_serve_engine_reads_and_generates_on_cudas_path(row):
+    """The engine's three kinds of unit (a session read, a generation's prefill and its steps) of each row's model,
+    under autocast, refuse nothing (a compressive model's rows go through its own batching)."""
+    from txl.serve.engine import Model, Unit
+
+    model = model_of(row).eval()
+    ids = [list(range(1, 8)), list(range(8, 15))]
+    with cuda_rules() as rules, torch.autocast("cpu", dtype=DTYPES[row["precision"]]):
+        engine = Model(model, segment_len=5, mem_len=6)
+        read = engine.run("score", [Unit("score", x[:5], None, x[1:6]) for x in ids])
+        prefill = engine.run("prefill", [Unit("prefill", x[5:6], r.memory) for x, r in zip(ids, read)])
+        step = engine.run("step", [Unit("step", [3], row=p.row) for p in prefill])
+    assert all(np.isfinite(r.logprobs).all() for r in read)
+    assert all(torch.isfinite(s.next_log_probs).all() for s in step)
+    assert "native_layer_norm" in rules.seen
+
+
+@pytest.mark.slow  # torch.compile traces the step (a few seconds each)
+@pytest.mark.parametrize("precision", DTYPES)
+def test_the_compiled_decode_step_passes_cudas_rules(precision):
+    """``txl.compiled_step`` through AOTAutograd (aot_eager), traced under CUDA's autocast: each graph it makes is
+    judged op by op on its traced dtypes (torch.compile refuses to trace under a dispatch mode), and it is the graph
+    that decodes (the greedy tokens of the eager step)."""
+    from txl.decoding import Decoder
+    from txl.testing.cuda_rules import JudgingBackend
+
+    model = model_of(dict(EACH[0], precision=precision)).eval()
+    prompt = torch.randint(0, 61, (2, 4))
+    tokens = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        backend = JudgingBackend()
+        with cuda_autocast(), torch.no_grad(), torch.autocast("cpu", dtype=DTYPES[precision]):
+            decoder = Decoder(model, compile=compiled, backend=backend)
+            log_probs, rows = decoder.run(prompt)
+            picked = []
+            for _ in range(3):
+                picked.append(log_probs.argmax(-1))
+                log_probs, rows = decoder.run(picked[-1][:, None], rows)
+        tokens[compiled] = torch.stack(picked, 1)
+    torch._dynamo.reset()
+    assert decoder.compiled is not None and {"native_layer_norm", "mm", "embedding"} <= backend.seen
+    assert torch.equal(tokens[True], tokens[False])
+
+
+@pytest.mark.slow  # torch.export traces the model (seconds)
+@pytest.mark.parametrize("precision", DTYPES)
+@pytest.mark.parametrize("attn_type", ["relative", "rotary"])
+def test_the_exported_step_runs_cudas_path_in_16_bits(attn_type, precision):
+    """``txl.export``'s segment step of a 16-bit model, and of a float32 one exported and run under autocast, reads two
+    segments under CUDA's rules, its state fed back as it came out (the memory leaves in the dtype it came in)."""
+    from txl import export
+
+    dtype = DTYPES[precision]
+    row = dict(EACH[0], attn_type=attn_type, precision=precision)
+    ids = torch.randint(0, 61, (2, 6))
+    for model, autocast in ((model_of(row).eval().to(dtype), False), (model_of(row).eval(), True)):
+        with cuda_autocast(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            program = export.export_program(model).module()
+        memory, padding = export.initial_state(model, 2)
+        with cuda_rules(), torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            for s in range(2):
+                log_probs, memory, padding = program(ids[:, 3 * s:3 * s + 3], memory, padding)
+        assert memory.dtype == next(model.parameters()).dtype and torch.isfinite(log_probs).all()
+
+
+def _parallel_worker(rank: int, parallel_mode: str, precision: str, store_file: str) -> None:
+    """One of two gloo processes: the trainer's wrap (DDP, or FSDP2 with CUDA's bf16 policy: ``device_type``) and
+    step of a model resolved for CUDA, under CUDA's rules; a refusal fails the process."""
+    import os
+
+    import torch.distributed as dist
+
+    from txl import parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(store_file, 2))
+    info = DistInfo(rank=rank, world_size=2, device=torch.device("cpu"))
+    model = model_of(dict(EACH[0], precision=precision, div_val=4)).train()
+    step_model = parallel.wrap(model, info, parallel=parallel_mode, activation_checkpointing=False,
+                               precision=precision, device_type="cuda")
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    tokens = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(rank))
+    memories = [None]
+    with cuda_rules():
+        for s in range(2):
+            batch = Batch(input_ids=tokens[:, 5 * s:5 * s + 5], labels=tokens[:, 5 * s + 1:5 * s + 6],
+                          context_len=0, start=5 * s)
+            stats, memories = train_step(step_model, optimizer, scaler, batch, memories, lr=1e-3, clip=0.25,
+                                         precision=precision, info=info)
+    assert np.isfinite(float(stats.loss))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # gloo's teardown can abort after destroy_process_group (tests/test_scale.py); not what is tested
+
+
+@pytest.mark.slow  # two spawned processes per case
+@pytest.mark.parametrize("parallel_mode,precision", [("ddp", "bf16"), ("fsdp", "bf16"), ("ddp", "fp16")])
+def test_ddp_and_fsdp_train_cudas_path_under_cudas_rules(parallel_mode, precision, tmp_path):
+    """DDP (the layers' casts per use: 'auto' in a process group) and FSDP2 (sharded parameters; with bf16 CUDA's
+    mixed-precision policy, bf16 parameters gathered) over gloo: two steps of the trainer under CUDA's rules."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_parallel_worker, args=(parallel_mode, precision, str(tmp_path / "store")), nprocs=2,
+                       start_method="spawn", join=True)

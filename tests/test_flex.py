@@ -37,15 +37,18 @@ def reference(query, k, val, qv, r):
     return torch.einsum("bhtk,bkhd->bhtd", torch.softmax(score, dim=-1), val)  # (B, H, T, D)
 
 
-@pytest.mark.parametrize("T,M", [(5, 0), (5, 4), (3, 9), (7, 7)], ids=["no-memory", "memory", "long", "equal"])
-def test_flex_forward_equals_the_fused_kernel_and_the_reference(T, M):
-    query, k, val, qv, r = operands(2, T, M)
+@pytest.mark.parametrize("T,M,d", [(5, 0, D), (5, 4, D), (3, 9, D), (7, 7, D), (64, 192, CUDA_D)],
+                         ids=["no-memory", "memory", "long", "equal", "cuda-shape"])
+def test_flex_forward_equals_the_fused_kernel_and_the_reference(T, M, d):
+    """The forward; 'cuda-shape': the CUDA test's operands (head width 16), its CPU twin (fp32: no dtype rule to
+    check; the CPU has no FlexAttention backward)."""
+    query, k, val, qv, r = operands(2, T, M, d=d)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention says it runs unfused
         got = relative_flex_attention(query, k, val, qv, r)
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
     fused = kernels.fused_attention(query, k, val, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r))
-    assert got.shape == (2, H, T, D)
+    assert got.shape == (2, H, T, d)
     torch.testing.assert_close(got, fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, reference(query, k, val, qv, r), atol=1e-5, rtol=1e-5)
 

@@ -3,9 +3,15 @@
 Every test that needs a GPU is marked ``gpu`` and skipped without CUDA, so CI stays green on a CPU; on a
 GPU machine run ``python -m pytest -m gpu tests/test_gpu.py``. Where a test also means something on a
 CPU it is parametrized over the device and its CPU case runs everywhere (the CUDA case is then the same
-test, not a copy). Parity is checked with TF32 off (``matmul_precision(tf32=False)``, torch's default):
-with TF32 the products keep 10 mantissa bits and 1e-5 cannot hold.
+test, not a copy). A 16-bit test has a third case, 'cpu-as-cuda': the same body on the CPU with the model
+resolved as CUDA resolves it (``txl.model.plan``) under CUDA's autocast and operand rules
+(``txl.testing.cuda_rules``), so the path a GPU runs is the path CI runs. Parity is checked with TF32 off
+(``matmul_precision(tf32=False)``, torch's default): with TF32 the products keep 10 mantissa bits and 1e-5
+cannot hold.
 """
+
+import contextlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,15 +24,34 @@ from txl.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from txl.data import Batch, OrderedIterator
 from txl.distributed import DistInfo
 from txl.evaluate import autocast
+from txl.model import plan
 from txl.optim import build_optimizer
 from txl.runtime import compile_model, matmul_precision
+from txl.testing.cuda_rules import cuda_rules
 from txl.train import train_step
 
 HAS_CUDA = torch.cuda.is_available()
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 CUDA = pytest.param("cuda", marks=ON_GPU, id="cuda")
 BOTH = [pytest.param("cpu", id="cpu"), CUDA]
+AS_CUDA = "cpu-as-cuda"
+"""The CUDA case's twin on the CPU: the model resolved for CUDA, the body under CUDA's rules."""
+THREE = [*BOTH, pytest.param(AS_CUDA, id=AS_CUDA)]
 TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def where(device: str) -> tuple[torch.device, str, Callable[[], contextlib.AbstractContextManager]]:
+    """The torch device a case runs on, the device type its model is resolved for, and the rules it runs under
+    (a context manager each call)."""
+    if device == AS_CUDA:
+        return torch.device("cpu"), "cuda", cuda_rules
+    return torch.device(device), device, contextlib.nullcontext
+
+
+def model_on(config: txl.ModelConfig, device: str) -> txl.TransformerXL:
+    """``config``'s model on the case's device, built as the device it stands for resolves it."""
+    dev, kind, _ = where(device)
+    return txl.TransformerXL(plan.resolve(config, kind)).to(dev)
 
 
 @pytest.fixture
@@ -76,30 +101,31 @@ def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.Transformer
     """The default attention kernel and the reference attention (``attn_impl``) with the same perturbed weights."""
     config = tiny_config(**{**dict(vocab_size=50, attn_type=attn_type, learned_positions=16), **changes})
     torch.manual_seed(0)
-    fast = txl.TransformerXL(config)
+    fast = model_on(config, device)
     with torch.no_grad():
         for p in fast.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    reference = txl.TransformerXL(config.replace(attn_impl="reference"))
+    reference = model_on(config.replace(attn_impl="reference"), device)
     reference.load_state_dict(fast.state_dict())
-    return fast.to(device), reference.to(device)
+    return fast, reference
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (the CPU case is tests/test_kernels.py)")
+@pytest.mark.parametrize("device", [CUDA, pytest.param(AS_CUDA, id=AS_CUDA)])  # plain CPU: tests/test_kernels.py
 @pytest.mark.parametrize("context", [dict(), dict(same_length=True, clamp_len=3)], ids=["plain", "same_length_clamp"])
 @pytest.mark.parametrize("attn_type", ATTN_TYPES)
-def test_cuda_kernels_equal_the_reference(attn_type, context, exact):
+def test_cuda_kernels_equal_the_reference(attn_type, context, device, exact):
     """On the GPU, fp32 with TF32 off: loss, memory and every gradient of the default kernel equal the reference
     over three segments (the memory fills, then keys outnumber queries); under bf16 autocast the losses agree
     within 1e-2."""
-    fast, reference = kernel_pair(attn_type, "cuda", **context)
-    tokens = torch.randint(0, 50, (2, 16), device="cuda")
-    assert_training_equal(fast, reference, tokens, TOL)
-    with torch.no_grad():
-        fp32 = reference(tokens[:, :5], labels=tokens[:, 1:6]).loss.item()
-        with autocast(torch.device("cuda"), "bf16"):
-            bf16 = [model(tokens[:, :5], labels=tokens[:, 1:6]).loss.item() for model in (fast, reference)]
+    dev, _, rules = where(device)
+    fast, reference = kernel_pair(attn_type, device, **context)
+    tokens = torch.randint(0, 50, (2, 16), device=dev)
+    with rules():
+        assert_training_equal(fast, reference, tokens, TOL)
+        with torch.no_grad():
+            fp32 = reference(tokens[:, :5], labels=tokens[:, 1:6]).loss.item()
+            with autocast(dev, "bf16"):
+                bf16 = [model(tokens[:, :5], labels=tokens[:, 1:6]).loss.item() for model in (fast, reference)]
     assert all(abs(loss - fp32) < 1e-2 for loss in bf16), (bf16, fp32)
 
 
@@ -132,12 +158,16 @@ def test_kv_cache_segment_equals_uncached_segment(device, exact):
 
 @pytest.mark.parametrize("device,precision", [pytest.param("cpu", "bf16", id="cpu-bf16"),
                                               pytest.param("cuda", "bf16", marks=ON_GPU, id="cuda-bf16"),
-                                              pytest.param("cuda", "fp16", marks=ON_GPU, id="cuda-fp16")])
+                                              pytest.param("cuda", "fp16", marks=ON_GPU, id="cuda-fp16"),
+                                              pytest.param(AS_CUDA, "bf16", marks=pytest.mark.slow,
+                                                           id=f"{AS_CUDA}-bf16"),
+                                              pytest.param(AS_CUDA, "fp16", marks=pytest.mark.slow,
+                                                           id=f"{AS_CUDA}-fp16")])
 def test_mixed_precision_training_decreases_the_loss(device, precision, one_thread):
     """The trainer's step (autocast, and for fp16 the gradient scaler) learns a tiny repeating corpus."""
     torch.manual_seed(0)
-    dev = torch.device(device)
-    model = txl.TransformerXL(tiny(cutoffs=[], div_val=1)).to(dev).train()
+    dev, _, rules = where(device)
+    model = model_on(tiny(cutoffs=[], div_val=1), device).train()
     optimizer = build_optimizer(model, OptimConfig(lr=3e-3))
     scaler = torch.amp.GradScaler(dev.type, enabled=precision == "fp16")
     info = DistInfo(rank=0, world_size=1, device=dev)
@@ -146,8 +176,9 @@ def test_mixed_precision_training_decreases_the_loss(device, precision, one_thre
     for step in range(40):
         lo = (step * 8) % 88
         batch = Batch(input_ids=text[:, lo:lo + 8], labels=text[:, lo + 1:lo + 9], context_len=0, start=lo)
-        stats, memories = train_step(model, optimizer, scaler, batch, memories, lr=3e-3, clip=0.25,
-                                     precision=precision, info=info)
+        with rules():
+            stats, memories = train_step(model, optimizer, scaler, batch, memories, lr=3e-3, clip=0.25,
+                                         precision=precision, info=info)
         losses.append(float(stats.loss))  # a device scalar until read
     assert all(map(torch.isfinite, torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
@@ -155,30 +186,30 @@ def test_mixed_precision_training_decreases_the_loss(device, precision, one_thre
         assert scaler.get_scale() > 0  # the scaler ran (and did not collapse)
 
 
-@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("device", THREE)
 def test_bf16_autocast_loss_is_close_to_fp32(device, exact):
     torch.manual_seed(0)
-    dev = torch.device(device)
-    model = txl.TransformerXL(tiny()).to(dev).eval()
+    dev, _, rules = where(device)
+    model = model_on(tiny(), device).eval()
     x = torch.randint(0, 61, (2, 9), device=dev)
-    with torch.no_grad():
+    with rules(), torch.no_grad():
         fp32 = model(x[:, :-1], labels=x[:, 1:]).loss
         with autocast(dev, "bf16"):
             bf16 = model(x[:, :-1], labels=x[:, 1:]).loss
     assert abs(bf16.item() - fp32.item()) < 1e-2
 
 
-@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("device", THREE)
 def test_the_residual_stream_and_memory_keep_the_parameters_dtype_under_autocast(device, exact):
     """Under bf16 autocast the hidden states between the layers and the memory stay float32 on every device (issue 45
     removed residual_dtype and state_dtype: no GPU win measured), autocast rounding only inside its ops; the loss
     within bf16 rounding of fp32."""
     torch.manual_seed(0)
-    dev = torch.device(device)
+    dev, kind, rules = where(device)
     # div_val 1: the embedding is a float32 lookup (div_val > 1 projects it, and autocast's matmul gives bf16)
-    model = txl.TransformerXL(tiny(div_val=1)).to(dev).eval()
+    model = model_on(tiny(div_val=1), device).eval()
     x = torch.randint(0, 61, (2, 17), device=dev)
-    with torch.no_grad():
+    with rules(), torch.no_grad():
         fp32 = model(x[:, 8:-1], labels=x[:, 9:], memory=model(x[:, :8]).memory).loss
         with autocast(dev, "bf16"):
             first = model(x[:, :8])
@@ -242,20 +273,24 @@ def test_compiled_equals_eager_on_cuda(exact):
 AUTO_PRECISION_BOUND = 5.45
 
 
-@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("device", [*BOTH, pytest.param(AS_CUDA, marks=pytest.mark.slow, id=AS_CUDA)])
 def test_training_run_with_auto_precision(device, tmp_path):
     """txl.train end to end: precision 'auto' (bf16 on a GPU that has it, fp32 on a CPU) learns within the
-    calibrated bound; on a GPU TF32 is on for the run and off after. The CPU case is the GPU test's twin."""
+    calibrated bound; on a GPU TF32 is on for the run and off after. The CPU case is the GPU test's twin; the
+    cpu-as-cuda case runs what 'auto' is on CUDA (bf16, the model resolved for CUDA) under CUDA's rules."""
     from txl.data.corpora import load_run_corpus
 
+    dev, kind, rules = where(device)
     text = tmp_path / "code.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
     cfg = RunConfig(data=DataConfig(corpus=str(text), level="byte"),
-                    model=tiny(cutoffs=[], div_val=1, vocab_size=256),
+                    model=plan.resolve(tiny(cutoffs=[], div_val=1, vocab_size=256), kind),
                     train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=30, batch_size=4, tgt_len=16,
                                       progress=False, tensorboard=False, plot=False, eval_batches=2,
-                                      eval_interval=0, device=device))
-    result = txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
+                                      eval_interval=0, device=dev.type,
+                                      precision=plan.resolve_precision("auto", kind)))
+    with rules():
+        result = txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
     assert result.steps == 30 and result.test.loss < AUTO_PRECISION_BOUND
     if device == "cuda":
         assert torch.backends.cuda.matmul.allow_tf32 is False  # restored after the run

@@ -132,9 +132,11 @@ def test_the_targets_table_reads_issue_34s_targets_and_each_ab():
     def row(step, kind, tokens, graphs=False, **more):
         return dict(step=step, shape="nvidia", dtype="bf16", kind=kind, tokens_per_s=tokens, mfu=0.1,
                     mfu_vs_bf16_peak=0.2, graphs=graphs, **more)
-    rows = [row("bench-eager", "train", 100_000, profile_host_ms=120.0, profile_device_ms=40.0),
+    def profile(host, device):  # a profiler table's total lines (the verdict reads the profiler's own totals)
+        return f"...\nSelf CPU time total: {host}\nSelf CUDA time total: {device}\n"
+    rows = [row("bench-eager", "train", 100_000, profile=profile("120.000ms", "40.000ms")),
             row("bench-eager", "eval", 50_000),
-            row("bench-graphs", "train", 250_000, graphs=True, profile_host_ms=2.0, profile_device_ms=30.0),
+            row("bench-graphs", "train", 250_000, graphs=True, profile=profile("2.000ms", "30.000ms")),
             row("bench-graphs", "eval", 40_000, graphs=True, profile_error="CUPTI said no"),
             row("bench-before", "train", 80_000, before=["sdpa-pin"]),
             row("bench-baseline", "eval", 25_000)]
@@ -153,6 +155,39 @@ def test_the_targets_table_reads_issue_34s_targets_and_each_ab():
     empty = gs.targets([], [("gpu-tests", "ok; 23 skipped", 9.0)])
     assert "| nvidia train bf16 >= 200,000 tokens/s | not measured | - |" in empty
     assert "| every -m gpu test passing | ok; 23 skipped | not measured (none ran here) |" in empty
+
+
+def test_host_and_device_time_are_the_profilers_totals_each_kernel_once():
+    """The H200's graphed eval step at e3c225e (tests/golden: its row as results.jsonl recorded it): the row's
+    profile_device_ms (13.1 ms) added the launching ops' and the compiled graph's range to the kernels; the
+    profiler's own total is 6.5 ms, below the host's 8.2 ms: the target is missed, not met. A profile without its
+    totals gives no verdict."""
+    row = json.loads((Path(__file__).parent / "golden" / "h200_graphs_eval_profile.json").read_text())
+    assert row["profile_device_ms"] > 13  # the recorded figure, counted twice
+    assert gs.profile_totals(row["profile"]) == (8.229, 6.539)
+    text = gs.targets([row], [])
+    assert "| host < device time per step: nvidia eval bf16 graphs | host 8.2 ms, device 6.5 ms | missed |" in text
+    assert gs.profile_totals("Self CPU time total: 950.5us\nSelf CUDA time total: 1.2s") == (0.9505, 1200.0)
+    unreadable = gs.targets([dict(row, profile="a table cut short")], [])
+    assert ("| host < device time per step: nvidia eval bf16 graphs | not measured (the profile has no host or "
+            "device total) | - |") in unreadable and "| met |" not in unreadable
+
+
+def test_a_profiles_device_time_counts_each_kernel_once():
+    """benchmarks.instruments.device_time_us: the device's events only, as the profiler's total line counts them."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.instruments import device_time_us
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
+    events = [event(DeviceType.CPU, 1136.0),  # aten::copy_: its Memcpy's time again
+              event(DeviceType.CUDA, 1136.0),  # the Memcpy
+              event(DeviceType.CUDA, 5398.0, annotation=True),  # "## Call CompiledFxGraph": the kernels inside it
+              event(DeviceType.CUDA, 1021.0)]  # a kernel
+    assert device_time_us(events) == 1136.0 + 1021.0
 
 
 def test_pytest_counts_are_read_from_a_steps_output():

@@ -265,6 +265,40 @@ def test_cuda_graphs_equal_eager_on_cuda():
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.slow  # torch.compile (aot_eager) of a training and an evaluation step
+def test_static_steps_in_bf16_on_cudas_path_pass_cudas_rules():
+    """The CUDA-graphs test's twin where it can run: the static steps compiled (aot_eager: no CUDA graphs here) in bf16
+    on the model resolved for CUDA, traced under CUDA's autocast and each graph judged by CUDA's operand rules
+    (``txl.testing.cuda_rules``); training and evaluation with the key/value cache equal eager's to bf16 rounding."""
+    from txl.model import plan
+    from txl.testing.cuda_rules import JudgingBackend, cuda_autocast, cuda_rules
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = txl.TransformerXL(plan.resolve(tiny_config(mem_len=7), "cuda"))
+    tokens = torch.randint(0, 61, (2, 40))
+    bf16 = dict(atol=3e-2, rtol=3e-2)
+    backend = JudgingBackend()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cuda_rules():
+            want = train_segments(model.train(), model, tokens, T=3, n=4)
+        with cuda_autocast():
+            got = train_segments(StaticSteps(model, backend=backend), model, tokens, T=3, n=4)
+        for (loss_g, nll_g, _, _), (loss_w, nll_w, _, _) in zip(got, want, strict=True):
+            torch.testing.assert_close(loss_g, loss_w, **bf16)
+            torch.testing.assert_close(nll_g, nll_w, **bf16)
+        model.eval()
+        torch._dynamo.reset()
+        with cuda_rules():
+            want = evaluate_segments(model, tokens, [4] * 4, cache=True)
+        with cuda_autocast():
+            got = evaluate_segments(StaticSteps(model, backend=backend), tokens, [4] * 4, cache=True)
+        for (nll_g, _, _), (nll_w, _, _) in zip(got, want, strict=True):
+            torch.testing.assert_close(nll_g, nll_w, **bf16)
+    torch._dynamo.reset()
+    assert {"native_layer_norm", "native_layer_norm_backward", "mm", "nll_loss_forward"} <= backend.seen
+
+
 def test_graphs_with_fsdp_are_refused_before_the_run(tmp_path):
     import txl.train
     from txl.config import DataConfig, RunConfig, TrainConfig

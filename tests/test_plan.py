@@ -49,6 +49,8 @@ def test_the_compute_plan_reads_the_same_table(device_type):
     assert compute.pin_sdpa == (device_type != "cpu")
     assert plan.resolve_precision("auto", device_type) == ("bf16" if device_type == "cuda" else "fp32")
     assert plan.resolve_precision("fp16", device_type) == "fp16"
+    assert plan.fsdp_mixed_precision("bf16", device_type) == (device_type == "cuda")
+    assert not plan.fsdp_mixed_precision("fp32", device_type)
 
 
 def test_a_model_plans_where_it_is_built_and_again_where_it_moves():
@@ -74,9 +76,21 @@ def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
     assert autos - decided_elsewhere <= table, autos - table
     assert "softmax_pad" in table  # its 'auto' is 0
     for choice in plan.CHOICES:  # each resolution is a valid value of its field
-        if choice.field != "precision":
+        if choice.field in autos | {"softmax_pad", "dropout_impl"}:
             for value in (choice.cpu, choice.cuda, choice.other):
                 tiny_config(**{choice.field: value})
+
+
+def test_the_runs_precision_is_the_tables(monkeypatch):
+    """txl.runtime.resolve_precision (below txl.model, so it cannot read the table) resolves 'auto' as the table
+    does on every device type, on a GPU that supports bf16."""
+    from txl.runtime import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    for device_type in plan.DEVICE_TYPES:
+        for precision in ("auto", "fp32", "bf16", "fp16"):
+            assert resolve_precision(precision, torch.device(device_type)) == plan.resolve_precision(
+                precision, device_type), (device_type, precision)
 
 
 def test_an_unknown_device_type_is_refused_with_the_known_ones():

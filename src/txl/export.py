@@ -80,8 +80,11 @@ class SegmentStep(nn.Module):
         segment_padding = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)  # (B, T)
         padding = torch.cat([memory_padding, segment_padding], dim=1)  # (B, M + T)
         out = self.model(input_ids, memory=list(memory.unbind(0)), padding=padding, return_log_probs=True)
-        # The model keeps the last mem_len = M rows of [memory; segment]; so does the padding.
-        return out.log_probs, torch.stack(out.memory), padding[:, -M:]  # (B, T, V), (L, B, M, d), (B, M)
+        # The model keeps the last mem_len = M rows of [memory; segment]; so does the padding. The memory goes out in
+        # the dtype it came in (a 16-bit model, or one under autocast, makes 16-bit rows): the state fed back is the
+        # state the program was exported for.
+        new_memory = torch.stack(out.memory).to(memory.dtype)  # (L, B, M, d)
+        return out.log_probs, new_memory, padding[:, -M:]  # (B, T, V), (L, B, M, d), (B, M)
 
 
 class CompressiveSegmentStep(SegmentStep):
@@ -131,7 +134,7 @@ class CompressiveSegmentStep(SegmentStep):
         new_compressed = grown.gather(2, (g[:, None] + s)[None, :, :, None].expand(L, B, C, d))  # (L, B, C, d)
         new_compressed_padding = s < (C - (kc + g).clamp(max=C))[:, None]  # (B, C)
         # The memory keeps the last km + T - n rows: within the last S rows of [window; segment].
-        new_memory = rows[:, :, W + T - S:]  # (L, B, S, d)
+        new_memory = rows[:, :, W + T - S:].to(memory.dtype)  # (L, B, S, d): in the dtype it came in
         new_padding = torch.arange(S, device=device)[None, :] < (S - (km + T - n))[:, None]  # (B, S)
         return (out.log_probs, new_memory.masked_fill(new_padding[None, :, :, None], 0), new_padding,
                 new_compressed.masked_fill(new_compressed_padding[None, :, :, None], 0), new_compressed_padding)
@@ -152,15 +155,17 @@ def state_names(model: TransformerXL) -> tuple[list[str], list[str]]:
 
 def initial_state(model: TransformerXL, batch_size: int) -> tuple[torch.Tensor, ...]:
     """The state of a stream that has read nothing: memory (L, B, M, d) zeros and padding (B, M) all True; for a
-    compressive model M = mem_len + cmem_rate - 1, then compressed (L, B, C, d) zeros and its padding (B, C)."""
+    compressive model M = mem_len + cmem_rate - 1, then compressed (L, B, C, d) zeros and its padding (B, C). The
+    memories in the parameters' dtype (a 16-bit model's state is 16-bit, the dtype its step returns)."""
     c = model.config
-    device = next(model.parameters()).device
+    p = next(model.parameters())
+    device, dtype = p.device, p.dtype
     M = c.mem_len + c.cmem_rate - 1 if c.cmem_len else c.mem_len
-    memory = torch.zeros(c.n_layer, batch_size, M, c.d_model, device=device)  # (L, B, M, d)
+    memory = torch.zeros(c.n_layer, batch_size, M, c.d_model, device=device, dtype=dtype)  # (L, B, M, d)
     padding = torch.ones(batch_size, M, dtype=torch.bool, device=device)  # (B, M)
     if not c.cmem_len:
         return memory, padding
-    compressed = torch.zeros(c.n_layer, batch_size, c.cmem_len, c.d_model, device=device)  # (L, B, C, d)
+    compressed = torch.zeros(c.n_layer, batch_size, c.cmem_len, c.d_model, device=device, dtype=dtype)  # (L, B, C, d)
     return memory, padding, compressed, torch.ones(batch_size, c.cmem_len, dtype=torch.bool, device=device)
 
 

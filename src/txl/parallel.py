@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from txl.distributed import DistInfo
+from txl.model import plan
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ def shared_parameters(a: nn.Module, b: nn.Module) -> bool:
     return any(id(p) in ids for p in b.parameters())
 
 
-def shard(model: nn.Module, info: DistInfo, *, precision: str) -> None:
-    """Apply FSDP2 to ``model`` in place: each decoder layer, then embedding and softmax, then the root."""
+def shard(model: nn.Module, info: DistInfo, *, precision: str, device_type: str | None = None) -> None:
+    """Apply FSDP2 to ``model`` in place: each decoder layer, then embedding and softmax, then the root.
+    ``device_type``: the device whose path to take (``txl.model.plan``: a test runs CUDA's on the CPU); None:
+    ``info.device``'s."""
     from torch.distributed.device_mesh import init_device_mesh
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -68,7 +71,7 @@ def shard(model: nn.Module, info: DistInfo, *, precision: str) -> None:
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kw: dict[str, Any] = {"mesh": mesh}
-    if info.device.type == "cuda" and precision == "bf16":  # bf16 compute, fp32 gradient reduction
+    if plan.fsdp_mixed_precision(precision, device_type or info.device.type):  # bf16 compute, fp32 reduction
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # FSDP2 warns that a unit returns a view (the memory, the NLL); only an in-place op on it would lose a
     # hook, and no caller modifies the model's outputs in place.
@@ -90,15 +93,15 @@ def shard(model: nn.Module, info: DistInfo, *, precision: str) -> None:
 
 
 def wrap(model: nn.Module, info: DistInfo, *, parallel: str, activation_checkpointing: bool,
-         precision: str) -> nn.Module:
+         precision: str, device_type: str | None = None) -> nn.Module:
     """The module the training step calls: ``model`` itself (one process; FSDP, which shards it in place)
-    or its DDP wrapper. Activation checkpointing is applied first, inside either."""
+    or its DDP wrapper. Activation checkpointing is applied first, inside either. ``device_type``: ``shard``'s."""
     if activation_checkpointing:
         checkpoint_layers(model)
     if not info.enabled:
         return model
     if parallel == "fsdp":
-        shard(model, info, precision=precision)
+        shard(model, info, precision=precision, device_type=device_type)
         return model
     return nn.parallel.DistributedDataParallel(
         model, device_ids=[info.device.index] if info.device.type == "cuda" else None,

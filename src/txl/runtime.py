@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from txl.model import plan  # the table of every device-dependent choice
-
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -75,12 +73,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
     bf16 autocast needs no gradient scaler (its exponent range is fp32's) and on Ampere and later GPUs runs
     the matmuls on the bf16 tensor cores; on a CPU fp32 is the safe default (bf16 pays only with
-    AVX512_BF16 or AMX, see ``cpu_has_native_bf16``), so "auto" never picks it there.
+    AVX512_BF16 or AMX, see ``cpu_has_native_bf16``), so "auto" never picks it there. The precision row of
+    ``txl.model.plan.CHOICES`` (which this module sits below) says the same; tests/test_plan.py holds them equal.
     """
-    chosen = plan.resolve_precision(precision, device.type)
-    if precision == "auto" and chosen == "bf16" and not torch.cuda.is_bf16_supported():  # a GPU before Ampere
-        return "fp32"
-    return chosen
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
 
 
 @contextlib.contextmanager

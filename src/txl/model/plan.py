@@ -19,6 +19,7 @@ The interface (stable; other modules build on it):
 * ``resolve_precision(precision, device_type)``: ``TrainConfig.precision`` likewise ('auto' -> 'bf16' or 'fp32');
 * ``compute_plan(config, device_type) -> ComputePlan``: what a model's forward reads (the table's choices, and the
   SDPA pin below), resolved once for the device its parameters live on.
+* ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``).
 
 Not in the table, because the device does not decide them:
 
@@ -67,6 +68,9 @@ CHOICES = (
            why="tensor-core kernels need widths that are multiples of 64; on the CPU padding only adds work"),
     Choice("dropout_impl", "fast", cpu="fast", cuda="torch", other="torch",
            why="the gap sampler pays on the CPU only; elsewhere 'fast' runs torch's own kernel, which is 'torch'"),
+    Choice("fsdp_mixed_precision", "bf16", cpu=False, cuda=True, other=False,
+           why="TrainConfig.precision 'bf16' under FSDP2 (parallel.shard): bf16 parameters gathered and float32 "
+               "gradients reduced on CUDA; elsewhere float32 parameters sharded, autocast casting them"),
     Choice("precision", "auto", cpu="fp32", cuda="bf16", other="fp32",
            why="bf16 autocast on a GPU that has bf16 tensor cores (Ampere and later: runtime.resolve_precision "
                "checks, else fp32); on a CPU bf16 pays only with AVX512_BF16 or AMX, so 'auto' never picks it"),
@@ -105,6 +109,11 @@ def resolve(config: ModelConfig, device_type: str) -> ModelConfig:
     return config.replace(**changes) if changes else config.replace()
 
 
+def fsdp_mixed_precision(precision: str, device_type: str) -> bool:
+    """Whether FSDP2 shards with a bf16 ``MixedPrecisionPolicy`` (``txl.parallel.shard``) for this precision."""
+    return precision == "bf16" and resolved("fsdp_mixed_precision", precision, device_type)
+
+
 def resolve_precision(precision: str, device_type: str) -> str:
     """``TrainConfig.precision`` as ``device_type`` resolves it: 'auto' -> 'bf16' on CUDA (one that supports it:
     ``runtime.resolve_precision`` asks the device), else 'fp32'; an explicit precision as is."""
@@ -141,5 +150,5 @@ def compute_plan(config: ModelConfig, device_type: str) -> ComputePlan:
                        pin_sdpa=device_type != "cpu")
 
 
-__all__ = ["CHOICES", "DEVICE_TYPES", "Choice", "ComputePlan", "compute_plan", "resolve", "resolve_precision",
-           "resolved"]
+__all__ = ["CHOICES", "DEVICE_TYPES", "Choice", "ComputePlan", "compute_plan", "fsdp_mixed_precision", "resolve",
+           "resolve_precision", "resolved"]

@@ -1,5 +1,4 @@
-"""CUDA's operand rules on the CPU: run a model as a GPU would hand its ops to CUDA's kernels, and refuse what they
-refuse.
+"""CUDA's operand rules on the CPU: run a model as a GPU hands its ops to CUDA's kernels, refuse what they refuse.
 
 A CPU kernel often accepts what its CUDA twin refuses: a layer norm handed a bf16 input beside float32 weights runs
 on the CPU and raises "expected scalar type BFloat16 but found Float" on a GPU (issue 43: every bf16 GPU run crashed
@@ -31,6 +30,7 @@ for a library path. Usage::
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -79,13 +79,14 @@ lists, ``aten/src/ATen/autocast_mode.cpp``; an op CUDA's autocast has that is mi
 with a message, so a new torch release cannot widen the gap silently)."""
 
 
-def _ops_with(key: str) -> set[str]:
+@functools.cache
+def _ops_with(key: str) -> frozenset[str]:
     """'name' or 'name.overload' of every aten op with a kernel at dispatch ``key``."""
     found = set()
     for qualified in torch._C._dispatch_get_all_op_names():
         if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key):
             found.add(qualified[len("aten::"):])
-    return found
+    return frozenset(found)
 
 
 def _overload(name: str) -> torch._ops.OpOverload:
@@ -144,10 +145,15 @@ def _policy_kernel(op: torch._ops.OpOverload, policy: str):
 
 
 def _fallthrough_kernel(op: torch._ops.OpOverload):
-    """An op only the CPU's autocast handles: as CUDA's fallthrough, unchanged, the ops it calls still autocast."""
+    """An op only the CPU's autocast handles: as CUDA's fallthrough, unchanged; a composite op (cross-entropy) runs
+    its decomposition, whose ops autocast as they would on CUDA."""
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
     def kernel(keyset, *args, **kwargs):
-        return op.redispatch(keyset.remove(DispatchKey.AutocastCPU), *args, **kwargs)
+        if composite:
+            return op.decompose(*args, **kwargs)
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return op(*args, **kwargs)
 
     return kernel
 
@@ -285,6 +291,43 @@ class CudaRules(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def judge_graph(gm: torch.fx.GraphModule) -> set[str]:
+    """``check`` each aten op of a traced graph (AOTAutograd's, torch.export's) on its operands' traced dtypes (the
+    nodes' fake values); returns the ops' names. torch.compile refuses to trace under a dispatch mode, so a compiled
+    function's graphs are judged here as they are made (``judging_backend``), forward and backward."""
+    seen = set()
+
+    def value(a):
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            check(node.target, tree_map(value, node.args), tree_map(value, node.kwargs))
+            seen.add(node.target._schema.name.split("::")[-1])
+    return seen
+
+
+class JudgingBackend:
+    """A torch.compile backend: ``aot_eager`` (AOTAutograd's graphs run as they are, no code generation) with each
+    forward and backward graph judged by ``judge_graph`` when made; ``seen``: the ops judged. Compile under
+    ``cuda_autocast()`` so that the traced autocast is CUDA's."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.seen: set[str] = set()
+
+        def judged(gm, example_inputs):
+            self.seen |= judge_graph(gm)
+            return make_boxed_func(gm.forward)
+
+        self.backend = aot_autograd(fw_compiler=judged, bw_compiler=judged)
+
+    def __call__(self, gm, example_inputs):
+        return self.backend(gm, example_inputs)
+
+
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[CudaRules]:
     """CUDA's autocast and CUDA's operand rules on the CPU inside the block (the module's docstring); yields the
@@ -293,5 +336,5 @@ def cuda_rules() -> Iterator[CudaRules]:
         yield mode
 
 
-__all__ = ["CUDA_AUTOCAST", "INDEX_DTYPES", "MASKS", "SAME_DTYPE", "CudaRuleError", "CudaRules", "check",
-           "cuda_autocast", "cuda_rules"]
+__all__ = ["CUDA_AUTOCAST", "INDEX_DTYPES", "MASKS", "SAME_DTYPE", "CudaRuleError", "CudaRules", "JudgingBackend",
+           "check", "cuda_autocast", "cuda_rules", "judge_graph"]
