@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda():
                 r = fn(cuda).row()
-            print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, residual_dtype "
-                  f"compute, ids not read): {r}")
+            print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, ids not read): "
+                  f"{r}")
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda(dropout=False):
                 r = fn(cuda).row()
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def cuda_fields(config: txl.ModelConfig) -> dict:
     """The ModelConfig fields whose 'auto' resolves differently on CUDA, set as there (none before issue 34)."""
-    fields = dict(cluster_rows="all", residual_dtype="compute")
+    fields = dict(cluster_rows="all")
     return {k: v for k, v in fields.items() if hasattr(config, k)}
 
 

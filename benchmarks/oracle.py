@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default=None, metavar="SHAPE:PHASE", help="print the profiler tables instead")
     p.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a txl ModelConfig field for txl's model only (e.g. dropout_impl=fast16)")
+                   help="a txl ModelConfig field for txl's model only (e.g. dropout_impl=torch)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     retain_freed_memory()

@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds one measurement (a fresh subprocess) may take; default: no limit")
     p.add_argument("--force-bf16", action="store_true",
                    help="time the bf16 phases even on a CPU without bf16 matrix instructions (very slow there)")
-    add_config_arguments(p, ["model"])  # e.g. --model.dropout_impl fast16, --model.attn_impl reference
+    add_config_arguments(p, ["model"])  # e.g. --model.dropout_impl torch, --model.attn_impl reference
     p.add_argument("--worker", choices=[*PHASES, "speedup", "bf16check"], help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)

@@ -50,9 +50,9 @@ def test_resized_overrides_train_and_eval_alike():
 
 
 def test_model_fields_override_every_shape_and_bad_ones_are_refused(capsys):
-    shape = bench.SHAPES["tiny"].with_model({"dropout_impl": "fast16", "attn_impl": "reference"})
+    shape = bench.SHAPES["tiny"].with_model({"dropout_impl": "torch", "attn_impl": "reference"})
     config = bench.model_config(shape, recompute_attention=False)
-    assert (config.dropout_impl, config.attn_impl, config.recompute_attention) == ("fast16", "reference", False)
+    assert (config.dropout_impl, config.attn_impl, config.recompute_attention) == ("torch", "reference", False)
     assert config.n_layer == bench.SHAPES["tiny"].n_layer
     for argv, match in ((["--model.dropout_impl", "fastest"], "model.dropout_impl='fastest' is not allowed"),
                         (["--model.dropuot", "0.1"],

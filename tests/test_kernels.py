@@ -79,7 +79,9 @@ def test_evaluation_kernels_equal_the_reference(attn_type, context):
 def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
     """The kernel that keeps the probabilities (by choice, or because dropatt drops them): with dropout and dropatt
     on, the same seed draws the same masks (nn.Dropout over the same number of elements, in the same order)."""
-    changes = dict(recompute_attention=False) if keep != "dropatt" else dict(dropout=0.1, dropatt=0.2)
+    # dropout_impl 'torch': nn.Dropout's draws, which the plain path (F.dropout) makes too
+    changes = dict(recompute_attention=False) if keep != "dropatt" else dict(dropout=0.1, dropatt=0.2,
+                                                                            dropout_impl="torch")
     fused, reference = pair(attn_type, **changes)
     tokens = torch.randint(0, 50, (2, 11))
     with torch.no_grad():

@@ -4,6 +4,8 @@ import pytest
 import torch
 from hf_oracle import hf_model, ours_from_hf
 
+import txl
+
 pytestmark = pytest.mark.oracle  # against transformers==4.37.2 (see hf_oracle.py)
 
 CONFIGS = {
@@ -26,10 +28,16 @@ SEGMENT, BATCH, N_SEGMENTS = 7, 3, 3
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["fused", "reference"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parity_over_segments(name):
+def test_parity_over_segments(name, impl):
+    """Both paths: the default and the plain one (txl.model.plain, the oracle of the others)."""
     hf = hf_model(**CONFIGS[name])
     ours = ours_from_hf(hf)
+    if impl != ours.config.attn_impl:
+        plain = txl.TransformerXL(ours.config.replace(attn_impl=impl)).eval()
+        plain.load_state_dict(ours.state_dict())
+        ours = plain
     cfg = ours.config
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEGMENT * N_SEGMENTS + 1))
     # Hugging Face starts from zeros that are attended to: ours takes the same with init_memory.

@@ -9,15 +9,13 @@ from conftest import tiny_config
 
 from txl.config import KERNEL_FIELDS, ModelConfig, TrainConfig
 from txl.model import TransformerXL, plan
-from txl.model.adaptive import pad_multiple, rows_mode
 from txl.model.dropout import FastDropout
-from txl.model.transformer import residual_mode
 
 EXPECTED = {  # device type -> what the defaults resolve to; written out, so a change to the table is seen here
-    "cpu": dict(residual_dtype="params", cluster_rows="selected", softmax_pad=1, dropout_impl="fast"),
-    "cuda": dict(residual_dtype="compute", cluster_rows="all", softmax_pad=64, dropout_impl="torch"),
-    "mps": dict(residual_dtype="params", cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
-    "xpu": dict(residual_dtype="params", cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
+    "cpu": dict(cluster_rows="selected", softmax_pad=1, dropout_impl="fast"),
+    "cuda": dict(cluster_rows="all", softmax_pad=64, dropout_impl="torch"),
+    "mps": dict(cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
+    "xpu": dict(cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
 }
 
 
@@ -36,25 +34,37 @@ def test_resolve_replaces_every_device_dependent_default(device_type):
         again = plan.resolve(resolved, other)
         assert again == (resolved if device_type != "cpu" else resolved.replace(
             dropout_impl=EXPECTED[other]["dropout_impl"]))
-    assert config.residual_dtype == "auto"  # a copy: the input is not changed
+    assert config.cluster_rows == "auto"  # a copy: the input is not changed
 
 
 @pytest.mark.parametrize("device_type", plan.DEVICE_TYPES)
-def test_the_forward_reads_the_same_table(device_type):
-    """The functions the forward calls with its tensors' device agree with ``resolve`` for that device type."""
-    device = torch.device(device_type)
-    config = plan.resolve(tiny_config(), device_type)
-    assert residual_mode("auto", device) == config.residual_dtype
-    assert rows_mode("auto", device) == config.cluster_rows
-    assert pad_multiple(0, device) == config.softmax_pad
-    meta = torch.empty(3, device="meta")  # the dropout module asks its input's device type
-    on_device = FastDropout(0.1).torch_kernel(torch.empty(3)) if device_type == "cpu" else FastDropout(
-        0.1).torch_kernel(meta)
-    assert on_device == (config.dropout_impl == "torch")
+def test_the_compute_plan_reads_the_same_table(device_type):
+    """What a model's forward reads (``compute_plan``, made once for its device) agrees with ``resolve`` for that
+    device type."""
+    config = tiny_config()
+    resolved = plan.resolve(config, device_type)
+    compute = plan.compute_plan(config, device_type)
+    assert (compute.cluster_rows, compute.softmax_pad) == (resolved.cluster_rows, resolved.softmax_pad)
+    assert compute.gap_dropout == (resolved.dropout_impl == "fast")
+    assert compute.pin_sdpa == (device_type != "cpu")
     assert plan.resolve_precision("auto", device_type) == ("bf16" if device_type == "cuda" else "fp32")
     assert plan.resolve_precision("fp16", device_type) == "fp16"
     assert plan.fsdp_mixed_precision("bf16", device_type) == (device_type == "cuda")
     assert not plan.fsdp_mixed_precision("fp32", device_type)
+
+
+def test_a_model_plans_where_it_is_built_and_again_where_it_moves():
+    """The plan is made for the parameters' device and handed to the modules that read it; a move makes it again
+    (here to 'meta', which resolves as the table's 'other'); no forward asks the device."""
+    model = TransformerXL(tiny_config(cutoffs=[20, 40], dropout=0.1))
+    assert model.plan == plan.compute_plan(model.config, "cpu")
+    assert model.softmax.rows == model.embed.rows == "selected" and model.softmax.pad == 1
+    assert all(m.gaps for m in model.modules() if isinstance(m, FastDropout))
+    assert not any(layer.attn.pin_sdpa for layer in model.layers)
+    model.to("meta")
+    assert model.plan.device_type == "meta" and model.softmax.rows == "all" and not model.drop.gaps
+    assert all(layer.attn.pin_sdpa for layer in model.layers)
+    assert model.config == tiny_config(cutoffs=[20, 40], dropout=0.1)  # what the model is: unchanged
 
 
 def test_every_auto_of_the_config_is_in_the_table_or_named_as_not_the_devices():
@@ -90,17 +100,22 @@ def test_an_unknown_device_type_is_refused_with_the_known_ones():
         plan.resolve(tiny_config(), "gpu")
 
 
-def test_a_model_resolved_for_cuda_runs_cudas_path_on_the_cpu():
-    """Built from ``resolve(config, 'cuda')`` on the CPU, under bf16 autocast the residual stream is 16-bit (CUDA's
-    'auto'), where the CPU's own resolution keeps it float32."""
-    config = tiny_config(cutoffs=[20, 40])  # div_val 1: the embedding hands the first layer float32
-    ids = torch.randint(0, 61, (2, 5))
-    for device_type, stream in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
-        torch.manual_seed(0)
-        model = TransformerXL(plan.resolve(config, device_type)).eval()
-        seen: list[torch.dtype] = []
-        hook = model.layers[0].register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].dtype))
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            model(ids)
-        hook.remove()
-        assert seen == [stream], device_type
+def test_a_checkpoint_computes_the_same_under_the_cpu_and_the_cuda_plan():
+    """Built from ``resolve(config, 'cuda')`` on the CPU the model runs CUDA's path (every tail cluster on every row,
+    softmax widths padded to 64, torch's dropout kernel); the CPU plan's checkpoint loads into it and gives the same
+    loss, log-probabilities and gradients up to rounding."""
+    config = tiny_config(cutoffs=[20, 40])
+    ids = torch.randint(0, 61, (2, 6))
+    torch.manual_seed(0)
+    cpu = TransformerXL(config)
+    cuda = TransformerXL(plan.resolve(config, "cuda"))
+    cuda.load_state_dict(cpu.state_dict())
+    assert (cuda.softmax.rows, cuda.softmax.pad, cpu.softmax.rows, cpu.softmax.pad) == ("all", 64, "selected", 1)
+    outs = []
+    for model in (cpu, cuda):
+        out = model(ids[:, :-1], labels=ids[:, 1:], return_log_probs=True)
+        out.loss.backward()
+        outs.append((out.log_probs, [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

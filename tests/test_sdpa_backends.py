@@ -63,10 +63,11 @@ def test_off_the_cpu_sdpa_runs_without_cudnn_and_the_flags_come_back(calls, case
 
 
 def test_on_a_cpu_the_call_is_made_as_is_and_equals_the_pinned_one(calls):
-    """No context on a CPU (nothing to keep out there); the pinned call computes the same numbers."""
+    """No context on a CPU (nothing to keep out there: the CPU's plan says pin=False); the pinned call computes the
+    same numbers."""
     q, k, v, qv, r, mask = inputs("cpu")
     before = {name: flag() for name, flag in FLAGS.items()}
-    got = kernels.fused_attention(q, k, v, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r))
+    got = kernels.fused_attention(q, k, v, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r), pin=False)
     assert {name: calls[0][name] for name in FLAGS} == before
     bias = kernels.relative_bias(qv, r, mask_bias=kernels.mask_to_bias(mask, q.dtype))  # (B, H, T, K)
     with torch.nn.attention.sdpa_kernel(list(kernels.SDPA_BACKENDS)):

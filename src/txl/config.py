@@ -17,12 +17,10 @@ from typing import Any, Literal
 AttnType = Literal["relative", "shaw", "absolute", "al_rfou", "rotary"]
 SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
-DropoutImpl = Literal["fast", "torch", "fast16"]
+DropoutImpl = Literal["fast", "torch"]
 CompressFn = Literal["mean", "max", "conv"]
 ClusterRows = Literal["auto", "selected", "all"]
-StateDtype = Literal["compute", "residual"]
 CastWeights = Literal["auto", "per_use", "grouped"]
-ResidualDtype = Literal["auto", "compute", "params"]
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -35,12 +33,27 @@ MAX_MEMORY_ROWS = 1 << 20
 """The most rows a layer keeps (mem_len + cmem_len): 1,048,576, thousands of times the paper's longest memory
 (3,800 rows, enwik8 evaluation) and far beyond what a training run fills."""
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "state_dtype",
-                 "cast_weights", "residual_dtype")
+KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "cast_weights")
 """ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution, 'fast16' p rounded to 2**-16; 'state_dtype' and
-'residual_dtype': where autocast rounds the memory, u, v and the residual stream). A finished experiment
-run that differs from its config only in them is the same run (experiments.common.train_or_skip)."""
+('dropout_impl': another draw of the same distribution). A finished experiment run that differs from its config
+only in them is the same run (experiments.common.train_or_skip)."""
+
+RETIRED_FIELDS = ("state_dtype", "residual_dtype")
+"""How-fields a saved config may hold that are gone (issue 45: measured no win on the GPU): where autocast rounded
+the memory, u, v and the residual stream. Read configs drop them: the model they describe is the same."""
+RETIRED_VALUES = {("dropout_impl", "fast16"): "fast"}
+"""Values of how-fields that are gone, and what a read config gets instead: 'fast16' (16-bit masks, p rounded to
+2**-16) measured slower than 'fast' (nn.Dropout's distribution) on the CPU and is torch's kernel on a GPU."""
+
+
+def retire(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved model section with ``RETIRED_FIELDS`` dropped and ``RETIRED_VALUES`` replaced (checkpoints of before
+    issue 45 load)."""
+    out = {k: v for k, v in values.items() if k not in RETIRED_FIELDS}
+    for (name, old), new in RETIRED_VALUES.items():
+        if out.get(name) == old:
+            out[name] = new
+    return out
 
 
 @dataclass(kw_only=True)
@@ -118,13 +131,15 @@ class ModelConfig:
     """Layer norm before each sub-layer (pre-LN) instead of after the residual (the paper's post-LN)."""
     layer_norm_eps: float = 1e-5
     attn_impl: AttnImpl = "fused"
-    """How attention is computed (``txl.model.kernels``); the numbers are the same up to rounding.
-    'fused': the fast path. The fused kernel ``scaled_dot_product_attention`` with the positional scores
-    as its additive mask, realigned without rel_shift's padded copy; in training the scores accumulated into
-    the positional ones and a FlashAttention-style backward (see recompute_attention); the key/value cache's
-    projected position table.
-    'reference': the paper's equation term by term (``Attention.reference``), every score materialised;
-    the oracle the fused path is tested against. Timings of both: benchmarks/README.md."""
+    """Which path computes the model; the numbers are the same up to rounding.
+    'fused': the fast path (``txl.model.transformer``, its kernels in ``txl.model.kernels``): the fused kernel
+    ``scaled_dot_product_attention`` with the positional scores as its additive mask, realigned without
+    rel_shift's padded copy; in training a FlashAttention-style backward (see recompute_attention); the key/value
+    cache's projected position table.
+    'reference': the plain path (``txl.model.plain``): the whole model, embedding to softmax, in torch ops and nn
+    modules as the paper writes it (no custom autograd Function, no kernel switch: dropout_impl, cluster_rows,
+    softmax_pad, cast_weights and recompute_attention do not apply); the oracle every
+    other path is tested against. Timings of both: benchmarks/README.md."""
     recompute_attention: bool = False
     """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
     (B, H, T, M+T) probabilities of every layer (192 MiB at the base benchmark shape; their size grows with
@@ -135,8 +150,7 @@ class ModelConfig:
     """How dropout masks are drawn (``txl.model.dropout``). 'fast': ``nn.Dropout``'s distribution (each element
     dropped independently with probability p, kept ones scaled by 1 / (1 - p)) drawn on CPU as the gaps between
     dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
-    devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed). 'fast16': 16
-    random bits per element, p rounded to a multiple of 2**-16 (0.1 -> 0.1000061)."""
+    devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed)."""
     cluster_rows: ClusterRows = "auto"
     """Which rows each tail cluster of the adaptive input and softmax computes (``txl.model.adaptive``); the
     numbers are the same. 'selected': only the tokens that fall in it, found with ``nonzero`` (the least work,
@@ -145,30 +159,15 @@ class ModelConfig:
     then cover every token: at NVIDIA's WikiText-103 shape about 6x the softmax's work). 'auto': 'selected'
     eagerly on the CPU, 'all' on other devices and under torch.compile (before issue 34: 'selected' eagerly
     on every device)."""
-    state_dtype: StateDtype = "compute"
-    """Under autocast, the dtype of the memory rows kept for the next segment and of the biases u, v the queries
-    are shifted by. 'compute': autocast's (bf16 or fp16): every layer then reads its memory and adds u and v
-    without a cast, and the query stays in that dtype (u and v are rounded to it). 'residual': each layer
-    input's own dtype and float32 u, v (before issue 34): autocast casts them again in every layer and step.
-    The same without autocast (both are the weights' dtype)."""
     cast_weights: CastWeights = "auto"
-    """Under autocast, how the layers' float32 matmul weights and biases (and u, v with state_dtype 'compute')
-    reach the compute dtype (``txl.model.casting``); the same numbers (the adaptive softmax's weights, biases and
-    projections too, grouped in one op of their own, ``casting.cast_rows``; with 'per_use' it casts each once per
-    forward). 'per_use': autocast casts each where it is used and backward casts each gradient back (two copy
-    kernels per weight and step). 'grouped': all of them in
-    one op at the start of the forward, their gradients in one at the end of backward (the gradients then all
-    arrive after the last layer's: DDP could not overlap its all-reduce with backward). 'auto': 'grouped',
-    except in a process group of more than one or with parameters that are not plain tensors (FSDP's); no
-    effect without autocast."""
-    residual_dtype: ResidualDtype = "auto"
-    """Under autocast, the dtype of the residual stream: the hidden states between the layers, their residual adds
-    and layer norms (whose statistics are computed in float32 either way). 'compute': autocast's (bf16 or fp16),
-    as NVIDIA's mixed-precision Transformer-XL (apex O2) and pure-bf16 training keep it: no layer casts its input
-    for its matmuls, nor its input gradient back (four copy kernels a layer and step fewer), the residual adds
-    rounded to 16 bits. 'params': the parameters' dtype (float32), each add exact to float32 (before issue 34).
-    'auto': 'compute' on CUDA, 'params' elsewhere (CPU bf16 autocast keeps the exact stream: the casts cost
-    little there). No effect without autocast."""
+    """Under autocast, how the layers' float32 matmul weights and biases reach the compute dtype
+    (``txl.model.casting``); the same numbers (the adaptive softmax's weights, biases and projections too, grouped
+    in one op of their own, ``casting.cast_rows``; with 'per_use' it casts each once per forward). 'per_use':
+    autocast casts each where it is used and backward casts each gradient back (two copy kernels per weight and
+    step). 'grouped': all of them in one op at the start of the forward, their gradients in one at the end of
+    backward (the gradients then all arrive after the last layer's: DDP could not overlap its all-reduce with
+    backward). 'auto': 'grouped', except in a process group of more than one or with parameters that are not plain
+    tensors (FSDP's); no effect without autocast."""
     softmax_pad: int = 0
     """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
     cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
@@ -240,8 +239,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
                              "1: no padding, 64: widths padded to multiples of 64)")
         for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
-                           ("state_dtype", StateDtype), ("cast_weights", CastWeights),
-                           ("residual_dtype", ResidualDtype)):
+                           ("cast_weights", CastWeights)):
             if getattr(self, name) not in typing.get_args(kind):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
                                  f"{', '.join(map(repr, typing.get_args(kind)))}")
@@ -294,6 +292,7 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a dict, rejecting unknown keys with a message that lists the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
+        data = retire(data)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
@@ -690,6 +689,7 @@ class RunConfig:
             if not isinstance(values, dict):
                 raise ValueError(f"config section [{name}] must be a table of fields")
             known = {f.name for f in dataclasses.fields(kind)}
+            values = retire(values) if name == "model" else values
             bad = sorted(set(values) - known)
             if bad:
                 raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}"

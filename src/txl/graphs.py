@@ -54,11 +54,8 @@ def static_shape_error(config) -> str | None:
 
 
 def memory_dtype(core: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype the model keeps its memory in (``ModelConfig.state_dtype``): the autocast dtype with 'compute' under
-    autocast on ``device``, else the parameters'."""
-    kind = device.type
-    if getattr(core.config, "state_dtype", "residual") == "compute" and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
+    """The dtype the model keeps its memory in: its parameters' (under autocast too: the memory is the float32
+    residual stream's rows; ``device`` is kept for callers that ask per device)."""
     return next(core.parameters()).dtype
 
 
@@ -90,8 +87,8 @@ class StaticSteps:
     ``model``: a ``TransformerXL`` or a wrapper of one whose forward takes the model's arguments (DDP);
     ``compile``: run through ``compile_static`` (False: the same static shapes eagerly, what the CPU tests
     compare); ``backend``: torch.compile's backend (None: inductor with CUDA graphs; the tests use 'aot_eager').
-    ``memory_dtype``: the dtype the memory is held in between calls (None: the model's own, ``state_dtype``: the
-    autocast dtype with ``state_dtype='compute'`` under autocast, else the parameters'); a memory returned in
+    ``memory_dtype``: the dtype the memory is held in between calls (None: the model's own, the parameters'
+    dtype); a memory returned in
     another dtype is cast, so every call sees one dtype (one graph).
 
     The first segment length seen is the static one; a segment of another length (the last, shorter segment
@@ -115,7 +112,7 @@ class StaticSteps:
         self._padding: dict[tuple, torch.Tensor] = {}
 
     def state_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype the memory is kept in: ``memory_dtype``, or the model's (``ModelConfig.state_dtype``)."""
+        """The dtype the memory is kept in: ``memory_dtype``, or the model's."""
         return memory_dtype(self.core, device) if self.memory_dtype is None else self.memory_dtype
 
     def no_sync(self):

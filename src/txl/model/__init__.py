@@ -1,16 +1,32 @@
 """The Transformer-XL model: pure PyTorch modules, no I/O.
 
-Modules, bottom up (each imports only torch, ``txl.config`` and the modules listed before it):
+Start with ``plain``: the whole model as the paper writes it, top to bottom, in torch ops and nn modules
+(``ModelConfig.attn_impl='reference'``). It is the oracle every other path is tested against.
 
-* ``plan``: every choice that depends on the device type, in one table, and ``resolve(config, device_type)``;
+Modules, bottom up (each imports only torch, ``txl.config``, ``txl.labels`` and the modules listed before it).
+What the model is:
+
 * ``positions``: the sinusoid R, distances, ``rel_shift``, ``Positions``, the attention mask;
+* ``rotary``: rotary positions (queries and keys rotated by window index);
 * ``memory``: the memory of cached hidden states, built, truncated and detached in one place;
-* ``dropout``: ``nn.Dropout`` and the cheaper 16-bit mask;
-* ``kernels``: attention kernels on tensors (fused, recomputing backward, realigned positional scores);
-* ``kv_cache``: the key/value cache and its projections;
-* ``attention``: the paper's reference attention and one class per encoding, with its traits;
-* ``adaptive``: adaptive input embedding and log-softmax;
-* ``transformer``: the layers and the language model.
+* ``kv_cache``: the key/value cache of the memory rows, and the table of W_kR R it keeps;
+* ``compressive``: the compressed memory (Rae et al. 2020): its function, update and reconstruction loss;
+* ``plain``: the plain path, the whole model in one module, and ``LMOutput``.
+
+How the default path computes it, behind the seam (each kept for a measured win, benchmarks/README.md):
+
+* ``plan``: every choice that depends on the device type, in one table; ``resolve(config, device_type)`` and the
+  ``ComputePlan`` a model resolves once for the device it lives on;
+* ``dropout``: ``nn.Dropout``'s distribution drawn from the gaps between drops (the CPU's sampler), or torch's;
+* ``casting``: the layers' and the softmax's weights cast in one grouped op under autocast (``cast_weights``);
+* ``kernels``: attention on tensors: the fused kernel with the positional scores as its bias, a backward that
+  recomputes or keeps the probabilities, the realigned positional scores;
+* ``flex``: the relative positional term as a FlexAttention score_mod (an experiment, ``benchmarks.flex``);
+* ``attention``: one class per encoding, with its traits and positional terms (read by ``plain`` too), and the
+  fast path's attention layer;
+* ``adaptive``: adaptive input embedding and log-softmax (cluster rows and padding as the plan says);
+* ``transformer``: the layers and the language model ``TransformerXL``: ``forward`` runs ``plain`` for
+  'reference', else the fast path.
 """
 
 from txl.model.attention import Attention, encoding

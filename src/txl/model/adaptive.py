@@ -12,19 +12,14 @@ code reads column -i, i.e. the cluster rows reversed; the converter reorders suc
 Which rows a tail cluster computes is ``ModelConfig.cluster_rows``: only its own tokens ('selected', found with
 ``nonzero``: the least work, a host sync per cluster), or every token with the others masked out ('all':
 static shapes and no sync, for torch.compile and CUDA graphs); 'auto' picks 'selected' eagerly on the CPU and
-'all' elsewhere. A token's cluster is a sum of comparisons with the cutoffs, so no tensor of the cutoffs is
-made per call and the compiler sees plain elementwise ops.
+'all' elsewhere (``txl.model.plan``). A token's cluster is a sum of comparisons with the cutoffs, so no tensor of
+the cutoffs is made per call and the compiler sees plain elementwise ops.
 
 Under autocast the output weights are cast once per call and sliced after (tied to the input embedding,
 they are one (V, e) table: per-slice casts would copy it piece by piece, and the head's cat again); with
 ``ModelConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf. Where
 ``ModelConfig.cast_weights`` groups, one copy kernel casts and lays out all of them, the head's cluster rows and
-the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back; with 'all' rows,
-div_val 1 and no projections, that layout makes every cluster's logits one matmul (``_every_log_softmax``).
-
-Eagerly the cluster logic of 'all' rows broadcasts over a (4, C) table of the clusters' constants kept on the
-device (``cluster_table``): one kernel a step for all clusters, where a comparison with each cutoff took one
-per cluster (launches are what a GPU step waits on, issue 34); under torch.compile, Python ints as before.
+the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back.
 
 Selected rows: a tail cluster that no token of the batch falls in is skipped, so its parameters get no gradient.
 ``every_cluster = True`` (set by ``txl.parallel.shard``) runs it anyway on no rows: its gradient is then zeros.
@@ -58,20 +53,10 @@ def cluster_widths(config: ModelConfig) -> list[int]:
     return [config.d_embed // config.div_val ** i for i in range(n)]
 
 
-def rows_mode(setting: str, device: torch.device) -> str:
-    """``ModelConfig.cluster_rows`` resolved on ``device``: 'selected' or 'all'.
-
-    Under torch.compile always 'all': ``nonzero``'s data-dependent shape would break the graph.
-    """
-    if torch.compiler.is_compiling():
-        return "all"
-    return plan.resolved("cluster_rows", setting, device.type)
-
-
-def pad_multiple(setting: int, device: torch.device) -> int:
-    """``ModelConfig.softmax_pad`` resolved on ``device``: the multiple each softmax width is padded to
-    (``txl.model.plan``)."""
-    return plan.resolved("softmax_pad", setting, device.type)
+def rows_mode(rows: str) -> str:
+    """The planned ``cluster_rows`` ('selected' or 'all'), except under torch.compile: always 'all' there
+    (``nonzero``'s data-dependent shape would break the graph)."""
+    return "all" if torch.compiler.is_compiling() else rows
 
 
 def cluster_of(target: torch.Tensor, cutoffs: list[int]) -> torch.Tensor:
@@ -93,7 +78,7 @@ class AdaptiveEmbedding(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = config.cluster_rows
+        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
         self.d_proj = config.d_model
         self.scale = config.d_model ** 0.5
         widths = cluster_widths(config)
@@ -115,7 +100,7 @@ class AdaptiveEmbedding(nn.Module):
                 emb = F.linear(emb, self.projs[0])  # (B, T, d)
             return emb * self.scale
         flat = ids.reshape(-1)  # (N,)
-        if rows_mode(self.rows, flat.device) == "all":
+        if rows_mode(self.rows) == "all":
             # Shapes that do not depend on the ids (torch.compile, CUDA graphs, no host sync): every cluster
             # embeds every token (ids clamped into its range) and keeps the rows that are its own. Same values.
             out = None
@@ -149,8 +134,8 @@ class AdaptiveLogSoftmax(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = config.cluster_rows
-        self.pad = config.softmax_pad
+        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
+        self.pad = plan.resolved("softmax_pad", config.softmax_pad, "cpu")  # the model's plan sets it
         self.vocab_size = config.vocab_size
         self.shortlist = self.bounds[1]
         self.n_clusters = config.n_clusters
@@ -160,12 +145,6 @@ class AdaptiveLogSoftmax(nn.Module):
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
-            # (4, C) int64 constants each tail cluster i (column i - 1) is compared with on the device: its first
-            # id, 0, its last id less the first, i. A tensor the ops broadcast over, so each step of the cluster
-            # logic is one kernel for all clusters (a comparison with a Python int per cluster was one each), made
-            # once here (a tensor of them made per call would be a host-to-device copy). Derived from the config:
-            # not saved, made again wherever the module moves (``_apply``).
-            self.register_buffer("cluster_table", self._cluster_table(None), persistent=False)
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
         if config.div_val == 1:
@@ -178,23 +157,6 @@ class AdaptiveLogSoftmax(nn.Module):
                 self.layers.append(nn.Linear(width, self.bounds[i + 1] - self.bounds[i]))
                 self.projs.append(nn.Parameter(torch.zeros(config.d_model, width)))
 
-    def _cluster_table(self, device: torch.device | None) -> torch.Tensor:
-        """(4, C) int64 on ``device``: the first ids, zeros, the last ids less the first, the cluster numbers."""
-        lo, hi, C = self.bounds[1:-1], self.bounds[2:], self.n_clusters
-        return torch.tensor([lo, [0] * C, [b - a - 1 for a, b in zip(lo, hi)], list(range(1, C + 1))], device=device)
-
-    def _apply(self, fn, recurse=True):
-        """``nn.Module._apply`` (``to``, ``cuda``, ``to_empty``, ...), then ``cluster_table`` made again where the
-        module now lives: constants, also after ``to_empty``'s uninitialised memory or a build on the meta device."""
-        if not self.n_clusters:
-            return super()._apply(fn, recurse)
-        self._buffers.pop("cluster_table")  # not converted (a meta one cannot be): made below, still not saved
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._buffers["cluster_table"] = self._cluster_table(self.cluster_weight.device)
-        return self
-
     def _clusters(self, dtype: torch.dtype, device: torch.device) -> list[Cluster]:
         """Every cluster's weight, bias and projection (0 = head), in ``dtype`` and padded (``softmax_pad``).
 
@@ -202,7 +164,7 @@ class AdaptiveLogSoftmax(nn.Module):
         per cluster slice (slices miss autocast's cache of cast weights), and the head's cat and the padding
         are made of the cast rows.
         """
-        pad = pad_multiple(self.pad, device)
+        pad = self.pad
         params = self._cast_params()
         if self.cast_weights != "per_use" and not torch.compiler.is_compiling() and casting.groupable(params, dtype):
             return self._cast_clusters(params, dtype, pad)
@@ -281,53 +243,10 @@ class AdaptiveLogSoftmax(nn.Module):
         dtype = compute_dtype(hidden)
         return hidden.to(dtype), self._clusters(dtype, hidden.device)
 
-    def _every_log_softmax(self, hidden: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every cluster's (N, W_i) float32 log-probabilities of every token (0 = head) from ONE matmul, where it
-        applies: under autocast with the softmax's weights grouped (``_cast_clusters``), div_val 1 and no
-        projections (every cluster reads the hidden state as it is), and cutoffs. Else None.
-
-        The grouped cast lays every cluster's rows (each padded) out as one (W, e) table, so the N x W logits are
-        one matmul and the clusters' log-softmaxes read column blocks of it; backward is one cat of their
-        gradients and one matmul each way, where a matmul per cluster took three kernels each way and the hidden
-        state's gradient an add per tail (14 launches fewer at NVIDIA's 3 tail clusters). The numbers change in
-        rounding only: the hidden state's gradient is one product accumulated in float32 and rounded once,
-        where each cluster's was rounded to the compute dtype and the sum rounded again (and the matmuls'
-        kernels may split their work otherwise). float32 (no autocast) never takes this path.
-        """
-        if not self.n_clusters or self.div_val != 1 or len(self.projs) or self.cast_weights == "per_use":
-            return None
-        dtype = compute_dtype(hidden)
-        params = self._cast_params()
-        if torch.compiler.is_compiling() or not casting.groupable(params, dtype):
-            return None
-        pad = pad_multiple(self.pad, hidden.device)
-        C = self.n_clusters
-        rows_w: list[casting.Piece] = []
-        rows_b: list[casting.Piece] = []
-        widths = []
-        for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])):
-            rows_w.append((0, lo, hi))
-            rows_b.append((1, lo, hi))
-            if i == 0:  # the head also scores one logit per tail cluster
-                rows_w.append((2, 0, C))
-                rows_b.append((3, 0, C))
-            width = hi - lo + (C if i == 0 else 0)
-            extra = -width % pad
-            if extra:  # zero rows scored -inf: exp(-inf) = 0 adds nothing to the softmax
-                rows_w.append(extra)
-                rows_b.append(extra)
-            widths.append(width + extra)
-        weight, bias = casting.cast_rows(params, [rows_w, rows_b], [0.0, float("-inf")], dtype)  # (W, e), (W,)
-        logits = F.linear(hidden.to(dtype), weight, bias)  # (N, W): every cluster's logits side by side
-        # split: views whose backward is one cat; each log-softmax reads its block (a cast, then the kernel).
-        return [torch.log_softmax(block, dim=-1, dtype=torch.float32) for block in logits.split(widths, dim=1)]
-
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d) -> (N, V) log-probabilities over the whole vocabulary (float32)."""
-        every = self._every_log_softmax(hidden)
-        if every is None:
-            hidden, clusters = self._prepare(hidden)
-            every = [self._log_softmax(hidden, cluster) for cluster in clusters]  # (N, W_i) each
+        hidden, clusters = self._prepare(hidden)
+        every = [self._log_softmax(hidden, cluster) for cluster in clusters]  # (N, W_i) each
         head = every[0]  # (N, W_0)
         parts = [head[:, : self.shortlist]]
         for i in range(1, self.n_clusters + 1):
@@ -343,23 +262,18 @@ class AdaptiveLogSoftmax(nn.Module):
         gather, the negation and two masks took four; an ignored id (-100) is in no cluster and scores no tail. A
         tail's log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric), as before.
         """
-        every = self._every_log_softmax(hidden) if rows_mode(self.rows, hidden.device) == "all" else None
-        if every is None:
-            hidden, clusters = self._prepare(hidden)
-            head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
-        else:
-            head = every[0]  # (N, W_0)
+        hidden, clusters = self._prepare(hidden)
+        head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: the head alone
             return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
-        cluster = self._cluster_of(target)  # (N,): 0 for the head and for an ignored target
+        cluster = cluster_of(target, self.bounds[1:-1])  # (N,): 0 for the head and for an ignored target
         # Which head column scores each token: itself in the shortlist, else its cluster's logit at shortlist - 1 + i.
         # A cluster-i token's id is >= cutoff_i >= shortlist + i - 1 (the cutoffs increase), so the column is the
         # smaller of the two: one kernel, where a where on cluster == 0 took three. An ignored target stays -100.
         head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
         nll = F.nll_loss(head, head_col, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
-        if rows_mode(self.rows, hidden.device) == "all":
-            tails = every[1:] if every is not None else [self._log_softmax(hidden, clusters[i])
-                                                         for i in range(1, self.n_clusters + 1)]
+        if rows_mode(self.rows) == "all":
+            tails = [self._log_softmax(hidden, clusters[i]) for i in range(1, self.n_clusters + 1)]
             return nll - self._tails_static(tails, target, cluster)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
@@ -368,13 +282,6 @@ class AdaptiveLogSoftmax(nn.Module):
                 tail_logp = tail.gather(1, (target[idx] - self.bounds[i])[:, None]).squeeze(1)
                 nll = nll.index_add(0, idx, tail_logp, alpha=-1)
         return nll
-
-    def _cluster_of(self, target: torch.Tensor) -> torch.Tensor:
-        """(N,) ids -> (N,) int64 cluster index (0 = head): one comparison with the table of cutoffs and a sum, two
-        kernels for all clusters (``cluster_of``'s two per cutoff, which torch.compile fuses anyway)."""
-        if torch.compiler.is_compiling():
-            return cluster_of(target, self.bounds[1:-1])
-        return (target[:, None] >= self.cluster_table[0]).sum(1)  # (N, C) -> (N,)
 
     def _tails_static(self, tails: list[torch.Tensor], target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
         """(N,) each token's log-probability within its tail cluster (0 for the head's tokens), read from ``tails``,
@@ -386,22 +293,11 @@ class AdaptiveLogSoftmax(nn.Module):
         into the cluster's range) and keeps only its own cluster's log-probability: one graph, no sync, the
         same values, and more work, which the narrow tails of div_val > 1 keep small (benchmarks/README.md).
         """
-        if torch.compiler.is_compiling():  # Python ints, one op each: the compiler fuses them
-            logp = None
-            for i, tail in enumerate(tails, start=1):
-                lo, hi = self.bounds[i], self.bounds[i + 1]
-                tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
-                # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
-                tail_logp = tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
-                logp = tail_logp if logp is None else logp + tail_logp
-            return logp
-        # Eagerly, each step one kernel for all clusters, against ``cluster_table`` (column i - 1: cluster i):
-        # every token's id within every cluster, clamped into its range, and whether the cluster is not its own.
-        lo, zero, last, ids = self.cluster_table
-        local = (target[:, None] - lo).clamp(zero, last)  # (N, C)
-        other = cluster[:, None] != ids  # (N, C)
-        picked = [tail.gather(1, local[:, i : i + 1]) for i, tail in enumerate(tails)]  # (N, 1) each
-        picked = torch.cat(picked, dim=1) if len(picked) > 1 else picked[0]  # (N, C)
-        # A token keeps its own cluster's log-probability, the others are 0: the sum is that one exactly, so the
-        # same number as adding each cluster's masked one in turn.
-        return picked.masked_fill(other, 0.0).sum(1)  # (N,)
+        logp = None
+        for i, tail in enumerate(tails, start=1):
+            lo, hi = self.bounds[i], self.bounds[i + 1]
+            tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
+            # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
+            tail_logp = tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
+            logp = tail_logp if logp is None else logp + tail_logp
+        return logp

@@ -1,4 +1,4 @@
-"""Multi-head attention over memory + segment: the paper's reference, and one class per encoding.
+"""Multi-head attention over memory + segment: one class per encoding, its traits and positional terms.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
@@ -11,8 +11,9 @@ Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encod
             + v . W_kR R(i-j)      (d) global position bias
             = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
 
-``Attention.reference`` computes exactly this: the first sum is one product against the keys; the
-second one against the K encodings, realigned from "encoding index" to "key index" by ``rel_shift``.
+``txl.model.plain.attention`` computes exactly this: the first sum is one product against the keys; the
+second one against the K encodings (``position_scores``), realigned from "encoding index" to "key index" by
+``rel_shift``.
 Queries are only computed for the T segment rows: memory rows need keys and values alone.
 
 Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
@@ -31,9 +32,10 @@ RotaryAttention            yes           yes          no                 q, k ro
 
 A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
 
-``ModelConfig.attn_impl`` chooses who computes the attention: 'reference' (this file), or 'fused' (the
-default, ``txl.model.kernels``: the same numbers from the fused attention kernel, tested against the
-reference). The kernels take tensors; the classes here hand them their positional inputs.
+``ModelConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
+reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
+kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
+positional inputs (``positional_inputs``).
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import AttnType, ModelConfig
-from txl.model import casting, kernels, rotary
+from txl.model import kernels, rotary
 from txl.model.dropout import dropout
 from txl.model.kv_cache import position_table
-from txl.model.positions import INV_FREQ, Positions, rel_shift, relative_distances, sinusoid
+from txl.model.positions import INV_FREQ, Positions, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
 """The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
@@ -77,7 +79,7 @@ class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
     The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``position_scores`` for the reference, ``positional_inputs`` for the kernels), a
+    positional score (``position_scores`` for the plain path, ``positional_inputs`` for the kernels), a
     content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
     Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
     projection, one layer norm.
@@ -104,9 +106,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.d_head = config.n_head, config.d_head
         self.pre_ln = config.pre_ln
-        self.impl = config.attn_impl
         self.recompute = config.recompute_attention
-        self.state_dtype = config.state_dtype
+        self.pin_sdpa = False  # SDPA inside its backend context (the model's plan sets it: txl.model.plan)
         self.scale = 1.0 / math.sqrt(config.d_head)
         hd = config.n_head * config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
@@ -133,17 +134,10 @@ class Attention(nn.Module):
         return [None] * config.n_layer
 
     @classmethod
-    def project_layers(cls, attns: list[Attention], positions: list[Positions | None]) -> list[Positions | None]:
-        """The layers' positions with what each layer would project of them projected for all layers at once (where
-        the encoding projects a shared input), inside the forward's cast of the weights; else ``positions``."""
-        return positions
-
-    @classmethod
-    def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None, v: torch.Tensor | None,
-                     dtype: torch.dtype | None) -> list[QueryShift | None]:
+    def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None,
+                     v: torch.Tensor | None) -> list[QueryShift | None]:
         """Per layer, what its queries are shifted by (``QueryShift``), or None where the layer adds its biases itself
-        (``shifted_queries``). u, v: the model's shared biases, in ``dtype`` already (None: the layers' own, untie_r);
-        dtype: what the layers' own are cast to (``ModelConfig.state_dtype``; None: kept)."""
+        (``shifted_queries``). u, v: the model's shared biases (None: the layers' own, untie_r)."""
         return [None] * len(attns)
 
     @classmethod
@@ -155,9 +149,10 @@ class Attention(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
-                shift: QueryShift | None = None) -> torch.Tensor:
-        """x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
+        """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
+
+        x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
         (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
         this layer's own, untie_r).
@@ -165,98 +160,60 @@ class Attention(nn.Module):
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected
         (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
 
-        x_cast: x already in the compute dtype (the model's copy of it for the next memory), read by the post-LN
-        projections instead of autocast casting x again; the residual still adds x.
-
-        shift: u and v as the projection's bias and v - u (``query_shifts``; the fused path only), in place of u, v.
+        shift: u and v as the projection's bias and v - u (``query_shifts``), in place of u, v.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
-        # pre-LN normalises what the projections read
-        h = kernels.layer_norm(self.norm, x) if self.pre_ln else (x if x_cast is None else x_cast)
+        h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what the projections read
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
         # With a shift, the projection's bias [u; 0; 0] adds u to the queries in the matmul (term (c)).
         bias = None if shift is None else shift.projection  # (3*H*D,)
-        q_heads = None  # the queries laid out heads-first with the keys and values, when they are
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            if memory is None:
-                q, k, val = F.linear(h, w, bias).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
-            else:
-                # Both in the weight's dtype, cast here as autocast would cast them in the matmuls.
-                rows = self.key_value_inputs(memory, w.dtype).to(w.dtype)  # (B, M, d)
-                seg, mem = kernels.project_segment_memory(h.to(w.dtype), rows, w, H * D, bias)  # (B, ., 3|2 *H*D)
-                q, k, val = seg.view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
-                k_memory, val_memory = mem.view(B, -1, 2, H, D).unbind(2)  # (B, M, H, D) each
-                # Joined heads-first in one buffer, the layout the attention kernels read (B*H, K, D) as: the cat
-                # that joins the rows lays them out, and no kernel copies them again. (B, K, H, D) views. With a
-                # shift the query (q + u, read unchanged by the content term) joins them in the same copy.
-                if shift is None:
-                    k, val = kernels.join_keys_values(k_memory, k, val_memory, val)
-                else:
-                    k, val, q_heads = kernels.join_keys_values(k_memory, k, val_memory, val, q)
+            q, k, val = F.linear(h, w, bias).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            if memory is not None:
+                k_memory, val_memory = self.keys_values(memory, w[H * D:])  # (B, M, H, D) each
+                k, val = torch.cat([k_memory, k], dim=1), torch.cat([val_memory, val], dim=1)  # (B, K, H, D) each
         else:
             q = F.linear(h, w[:H * D], None if bias is None else bias[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
-        if self.impl == "reference":
-            attn = self.reference(q, k, val, positions=positions, u=u, v=v, mask=kernels.hidden(mask))  # (B, H, T, D)
-        else:
-            # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
-            # the pass that realigns them), where scaling the queries was a pass over them.
-            query, shifted = self.shifted_queries(q, u, v, shift=shift, q_heads=q_heads)  # (B, T, H, D) each
-            made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
-            inputs, bias_fn = made if made is not None else ((), None)
-            attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
-                                           dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
-                                           recompute=self.recompute, scale=self.scale)  # (B, H, T, D)
+        # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
+        # the pass that realigns them), where scaling the queries was a pass over them.
+        query, shifted = self.shifted_queries(q, u, v, shift=shift)  # (B, T, H, D) each
+        made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
+        inputs, bias_fn = made if made is not None else ((), None)
+        attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
+                                       dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
+                                       recompute=self.recompute, scale=self.scale, pin=self.pin_sdpa)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         out = self.drop(self.out(attn))  # (B, T, d)
         return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
-
-    def reference(self, q: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, positions: Positions | None,
-                  u: torch.Tensor | None, v: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-        """The attention of Dai et al. 2019, section 3.3, term by term, every score materialised: (B, H, T, D).
-
-        q: (B, T, H, D) queries of the segment; k, val: (B, K, H, D) keys and values of [memory; segment];
-        mask: (T, K) bool, True where query i may not see key j.
-        """
-        ac = torch.einsum("bthd,bkhd->bhtk", q + self.content_bias(u), k)  # (B, H, T, K): (a) + (c)
-        bd = self.position_scores(q, k.size(1), positions, v)  # (B, H, T, K) by encoding index, or None
-        score = ac if bd is None else ac + rel_shift(bd)  # (b) + (d) realigned from distance to key index
-        score = (score * self.scale).masked_fill(mask, float("-inf"))  # (B, H, T, K): no future keys
-        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(val.dtype)  # (B, H, T, K)
-        return torch.einsum("bhtk,bkhd->bhtd", self.dropatt(prob), val)  # (B, H, T, D)
 
     def place(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries (B, T, H, D) and keys (B, K, H, D) as the scores read them: unchanged here; rotary attention
         rotates them by their index in the window (keys are stored and cached unrotated)."""
         return q, k
 
-    def query_bias(self, bias: torch.Tensor | float, q: torch.Tensor) -> torch.Tensor | float:
-        """A bias the query is shifted by (u, v), in the query's dtype with ``state_dtype='compute'``: q + u would
-        otherwise promote a bf16 query to float32, for autocast to cast it back in every kernel."""
-        return bias.to(q.dtype) if self.state_dtype == "compute" and isinstance(bias, torch.Tensor) else bias
-
     def content_bias(self, u: torch.Tensor | None) -> torch.Tensor | float:
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
     def shifted_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
-                       shift: QueryShift | None = None, q_heads: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        shift: QueryShift | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused path's queries, unscaled (the kernels apply 1/sqrt(D)), (B, T, H, D) each: against the keys
         (shifted by the content bias, terms (a) + (c)), and against the positions where the encoding shifts them by
         a bias of its own (term (d); ``positional_inputs`` reads it as ``shifted``), else None. With ``shift``, q
-        came out of the projection with u added (``q_heads``: the same, heads-first)."""
-        return kernels.shifted_scaled(q, self.query_bias(self.content_bias(u), q), 1.0), None
+        came out of the projection with u added."""
+        bias = self.content_bias(u)
+        return (q if isinstance(bias, float) else q + bias), None
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
-        """The reference's positional scores (B, H, T, K), column p against distance K-1-p (before
+        """The plain path's positional scores (B, H, T, K), column p against distance K-1-p (before
         ``rel_shift``), unscaled; None: no positional term in the scores."""
         return None
 
@@ -284,7 +241,7 @@ class Attention(nn.Module):
 
     def key_value_inputs(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the keys' and values' projection reads of (B, N, d) memory rows: LN(rows) with pre-LN, else the
-        rows in ``dtype``, the weights' (memory rows may be kept in another float dtype: ModelConfig.state_dtype)."""
+        rows in ``dtype``, the weights' (cast here as autocast would cast them in the matmul)."""
         return self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(dtype)
 
 
@@ -321,26 +278,7 @@ class RelativeAttention(Attention):
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
             return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
         r = drop(sinusoid(dist, config.d_model, shared.get(INV_FREQ)).to(dtype))  # (K, d), shared by the layers
-        # Cast once for all layers (autocast would cast it again in each layer's W_kR): the same numbers.
-        return [Positions(encodings=r.to(kernels.compute_dtype(r)))] * config.n_layer
-
-    @classmethod
-    def project_layers(cls, attns, positions):
-        # W_kR R of every layer in one matmul of the shared R against the layers' W_kR stacked: (K, L*H*D), each
-        # layer's (K, H, D) a view (one matmul each way and a cat, where each layer made its own: 2 per layer).
-        # Only plain tensors (FSDP's layers hold sharded weights, DTensors, until each layer's own forward gathers
-        # them), and in one process: the W_kR gradients all arrive at the end of backward, where DDP would wait for
-        # them instead of reducing them while backward runs (txl.model.casting makes the same choice).
-        first = positions[0] if positions else None
-        if (first is None or first.encodings is None or len(attns) < 2 or torch.compiler.is_compiling()
-                or any(p is not first for p in positions)
-                or any(type(a.r_proj.weight) not in (torch.Tensor, nn.Parameter) for a in attns)
-                or casting.multi_process()):
-            return positions
-        weight = torch.cat([a.r_proj.weight for a in attns])  # (L*H*D, d): the weights as the layers read them
-        H, D = attns[0].n_head, attns[0].d_head
-        projected = F.linear(first.encodings, weight).view(-1, len(attns), H, D).unbind(1)  # (K, H, D) each
-        return [Positions(projected=p) for p in projected]
+        return [Positions(encodings=r)] * config.n_layer
 
     @classmethod
     def grow_table(cls, attns, table, klen, clamp_len, *, d_model, dtype, device):
@@ -370,17 +308,16 @@ class RelativeAttention(Attention):
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
     @classmethod
-    def query_shifts(cls, attns, u, v, dtype):
-        if not attns or attns[0].impl != "fused":  # the reference adds u and v itself, term by term
-            return [None] * len(attns)
+    def query_shifts(cls, attns, u, v):
+        if not attns:
+            return []
         H, D = attns[0].n_head, attns[0].d_head
 
         def shift(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return F.pad(u.reshape(H * D), (0, 2 * H * D)), v - u  # (3*H*D,) [u; 0; 0], (H, D) v - u
 
         if u is None:  # untie_r: each layer's own
-            own = [(a.u, a.v) if dtype is None else (a.u.to(dtype), a.v.to(dtype)) for a in attns]
-            return [QueryShift(*shift(au, av)) for au, av in own]
+            return [QueryShift(*shift(a.u, a.v)) for a in attns]
         projection, positional = shift(u, v)
         if len(attns) > 1 and projection.requires_grad and torch.is_grad_enabled():
             # One view per layer of an expanded tensor: backward stacks the layers' gradients and sums them in one
@@ -389,23 +326,16 @@ class RelativeAttention(Attention):
                                                      positional.expand(len(attns), H, D).unbind(0))]
         return [QueryShift(projection, positional)] * len(attns)
 
-    def shifted_queries(self, q, u, v, *, shift=None, q_heads=None):
+    def shifted_queries(self, q, u, v, *, shift=None):
         if shift is not None:  # q is q + u already (the projection's bias); (q + u) + (v - u) by token
-            return (q if q_heads is None else q_heads), q + shift.positional  # (B, T, H, D) each
-        u, v = self.query_bias(self.global_bias(u, "u"), q), self.query_bias(self.global_bias(v, "v"), q)  # (H, D)
-        if torch.is_grad_enabled() and (q.requires_grad or u.requires_grad or v.requires_grad):
-            # Apart: a joined form's backward would sum the biases' gradients in another order (float32 rounding).
-            # The query heads-first, as the kernels read it; (q + v) by token, as relative_bias reads it.
-            return kernels.shifted_scaled(q, u, 1.0), q + v  # (B, T, H, D) each
-        # Without autograd (evaluation, decoding), (q + u) and (q + v) as one add over (2, B, T, H, D).
-        both = q + torch.stack([u, v])[:, None, None]  # (2, B, T, H, D)
-        return both[0], both[1]  # (B, T, H, D) each
+            return q, q + shift.positional  # (B, T, H, D) each
+        return q + self.global_bias(u, "u"), q + self.global_bias(v, "v")  # (B, T, H, D) each
 
     def positional_inputs(self, q, klen, positions, v, shifted=None):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         if shifted is None:
-            shifted = q + self.query_bias(self.global_bias(v, "v"), q)  # (B, T, H, D)
+            shifted = q + self.global_bias(v, "v")  # (B, T, H, D)
         qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
         return (qv, r), functools.partial(kernels.relative_bias, scale=self.scale)
 

@@ -169,7 +169,7 @@ class Compressor(nn.Module):
 
         ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
         ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped);
-        ``dtype``: what both memories are kept in (None: the layer inputs' own; ``ModelConfig.state_dtype``).
+        ``dtype``: what both memories are kept in (None: the layer inputs' own).
         """
         kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
         learn = train and self.learns and torch.is_grad_enabled()

@@ -1,4 +1,4 @@
-"""Dropout: ``nn.Dropout``'s distribution drawn cheaply (the default), ``nn.Dropout`` itself, or a 16-bit mask.
+"""Dropout: ``nn.Dropout``'s distribution drawn cheaply on the CPU (the default), or ``nn.Dropout`` itself.
 
 ``dropout(config, p)`` returns the module ``ModelConfig.dropout_impl`` asks for:
 
@@ -11,9 +11,10 @@
   speed them up), but here there are p * n of them and the passes over all n elements use every thread; on
   other devices, and under torch.compile, torch's own kernel runs;
 * 'torch': ``nn.Dropout`` (torch's RNG stream: the draws ``F.dropout`` makes from the same seed), and
-  ``ReLUDropout`` for dropout(relu(x)) in place;
-* 'fast16': a mask of 16 random bits per element kept as one byte, p rounded to a multiple of 2**-16 and
-  the scale to match (0.1 -> 0.1000061): a slightly different distribution.
+  ``ReLUDropout`` for dropout(relu(x)) in place.
+
+(Issue 45 removed 'fast16', 16-bit masks with p rounded to 2**-16: 381.8 ms a small training step against
+'fast''s 369.9 on the CPU, benchmarks/README.md; a config that names it reads as 'fast'.)
 
 tests/test_dropout.py checks the rates, the independence, the scale, the gradients and reproducibility.
 """
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.config import ModelConfig
-from txl.model import plan
 
 
 def rare_positions(n: int, q: float, device: torch.device, *, first: int | None = None) -> torch.Tensor:
@@ -106,93 +106,26 @@ def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tenso
     return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - p), dropped, relu)
 
 
-def keep_mask(shape: torch.Size, p: float, device: torch.device) -> tuple[torch.Tensor, float]:
-    """'fast16': a bool mask (True = keep) with drop probability p quantised to 2**-16, and the scale 1 / P(keep).
-
-    One 64-bit ``random_`` call yields four 16-bit draws; an element is kept when its draw clears a
-    threshold. The drop probability is therefore p rounded to a multiple of 2**-16, and the scale
-    1 / (1 - that probability), so every element keeps its expectation.
-    """
-    n = shape.numel()
-    drop = min(round(p * 65536), 65535)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)  # (ceil(n/4),)
-    keep = bits.view(torch.int16)[:n].view(shape) >= drop - 32768  # (shape): uniform int16 draws
-    return keep, 65536 / (65536 - drop)
-
-
-def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x * keep * scale in one pass (into ``out``, which may be x itself); keep is bool, read as its 0/1 bytes.
-
-    ``addcmul`` on the mask's bytes: one vectorised pass, where ``torch.where`` and a scaling take two."""
-    return torch.addcmul(x.new_zeros(()), x, keep.view(torch.uint8), value=scale, out=out)
-
-
-class _ScaleMask(torch.autograd.Function):
-    """x * keep * scale, saving only the one-byte mask."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return _apply(x, keep, scale)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return _apply(grad, keep, ctx.scale), None, None
-
-
-class _ReLUScaleMask(torch.autograd.Function):
-    """relu(x) * keep * scale, saving nothing of its own: the backward mask is (output > 0).
-
-    An element passes the gradient exactly when it was kept and x > 0, i.e. when its output is positive
-    (scale > 0). The output is the next linear layer's input, which autograd keeps anyway.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-        r = torch.relu(x)
-        out = _apply(r, keep, scale, out=r)
-        ctx.save_for_backward(out)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (out,) = ctx.saved_tensors
-        return _relu_scale_backward(grad, out, ctx.scale), None, None
-
-
 class _Sampler:
-    """What the two fast modules share: which sampler draws the masks, and when torch's kernel runs instead."""
+    """What the two fast modules share: when torch's kernel runs instead of the gap sampler."""
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, sampler: str = "gaps") -> None:
-        super().__init__(p, inplace)
-        self.sampler = sampler
-        """'gaps' (``rare_positions``, nn.Dropout's distribution) or 'bits16' (``keep_mask``)."""
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, sampler={self.sampler}"
+    gaps: bool = True
+    """Whether the gap sampler draws the masks (the CPU's); the model sets it from its plan (``txl.model.plan``:
+    off the CPU torch's fused kernel is fast, and 'fast' resolves to it)."""
 
     def torch_kernel(self, x: torch.Tensor) -> bool:
         """``F.dropout`` instead: under torch.compile (which fuses it), at p = 1 (everything dropped, as
-        ``nn.Dropout`` does it), and for the gaps off the CPU (torch's fused kernel is fast there:
-        ``txl.model.plan``)."""
-        return (torch.compiler.is_compiling() or self.p >= 1.0
-                or (self.sampler == "gaps" and plan.resolved("dropout_impl", "fast", x.device.type) == "torch"))
+        ``nn.Dropout`` does it), and where the plan says so (``gaps`` False)."""
+        return torch.compiler.is_compiling() or self.p >= 1.0 or not self.gaps
 
     def draw(self, x: torch.Tensor, *, relu: bool) -> torch.Tensor:
-        """dropout(x), or dropout(relu(x)), in training with this module's sampler."""
-        if self.sampler == "gaps":
-            return gap_dropout(x, self.p, relu=relu)
-        keep, scale = keep_mask(x.shape, self.p, x.device)
-        return (_ReLUScaleMask if relu else _ScaleMask).apply(x, keep, scale)
+        """dropout(x), or dropout(relu(x)), in training from the gaps between dropped elements."""
+        return gap_dropout(x, self.p, relu=relu)
 
 
 class FastDropout(_Sampler, nn.Dropout):
-    """``nn.Dropout`` (same p field, same state dict) with a cheaper sampler (``sampler``: 'gaps', the
-    default, nn.Dropout's distribution; 'bits16', p rounded to 2**-16). Not the same draws as
-    ``nn.Dropout``; ``torch.manual_seed`` reproduces them. Identity in evaluation.
+    """``nn.Dropout`` (same p field, same state dict) with a cheaper sampler of its distribution (the gaps). Not the
+    same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them. Identity in evaluation.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +154,7 @@ class ReLUDropout(nn.Dropout):
 
     def masks_relu(self, x: torch.Tensor) -> bool:
         """Whether the ReLU is applied with this module's own dropout mask (never: it runs torch's ``F.dropout``
-        after a plain ReLU, which a caller may fold into the matmul before it, ``kernels.linear_relu``)."""
+        after a plain ReLU)."""
         return False
 
 
@@ -243,5 +176,4 @@ def dropout(config: ModelConfig, p: float, *, relu: bool = False) -> nn.Module:
     """The dropout module ``config.dropout_impl`` asks for; ``relu``: dropout(relu(x)) in place."""
     if config.dropout_impl == "torch":
         return ReLUDropout(p, inplace=True) if relu else nn.Dropout(p)
-    sampler = "bits16" if config.dropout_impl == "fast16" else "gaps"
-    return FastReLUDropout(p, inplace=True, sampler=sampler) if relu else FastDropout(p, sampler=sampler)
+    return FastReLUDropout(p, inplace=True) if relu else FastDropout(p)

@@ -1,26 +1,27 @@
-"""Attention kernels on tensors: the fast paths, each tested against the reference it replaces.
+"""Attention kernels on tensors: the fast paths, each tested against the plain path it replaces.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, A, C the two leading dims of a score block.
 
 A kernel takes tensors and plain numbers (a query, keys, values, a positional bias or the function that
 makes it from small inputs, a mask, the attention dropout, whether to recompute), never the module that
-calls it: it sits below ``txl.model.attention`` and never imports it. ``Attention.reference`` there is the
-paper's equation term by term; ``ModelConfig.attn_impl='fused'`` (the default) runs what is here, and
-tests/test_kernels.py compares the two (outputs, gradients of inputs and parameters, memories, every
-attention type, train and eval):
+calls it: it sits below ``txl.model.attention`` and never imports it. ``txl.model.plain`` is the paper's model
+term by term; ``ModelConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
+tests/test_plain.py compare the two (outputs, gradients of inputs and parameters, memories, every attention type,
+train and eval). Each custom autograd Function here stays for a measured win (benchmarks/README.md, "What the fast
+path keeps"):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
   scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
-  ``_KeptAttention``, which keeps them and skips autograd's extra passes over them;
-* ``realign``: ``rel_shift`` as a strided view with the mask added in the same pass, and an exact
-  backward written straight into the scores' layout;
+  ``kept_attention``, which keeps them (autograd);
+* ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
+  backward written straight into the scores' layout (``_Realign``);
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
 
-Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and
-in-place strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift``
-by ordinary ops; the compiler fuses those itself. Timings: benchmarks/README.md.
+Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
+strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
+the compiler fuses those itself.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; a 16-bit stream (``ModelConfig.residual_dtype='compute'``, or the adaptive embedding's projection
+    """``norm(x)``; a 16-bit stream (the adaptive embedding's projection, or a model in a 16-bit dtype,
     under autocast) is normalised in its own dtype, the norm's weight and bias cast to it.
 
     The condition is the stream's dtype, not a mismatch with the weights: CUDA's layer norm takes one dtype for its
@@ -125,7 +126,9 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool,
     scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
     distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
     mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K), a slower bool-mask
-    kernel on CPU (timings: benchmarks/README.md).
+    kernel on CPU. Against rel_shift's pad-and-view with the scale and mask as plain ops, a layer's positional
+    scores at the base shape: forward 2.2 against 7.5 ms, forward and backward 4.2 against 18.9 ms (5% of an
+    evaluation step, 4% of a training step; benchmarks/README.md, issue 45).
     """
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         shifted = rel_shift(scores)  # (A, C, T, K)
@@ -159,204 +162,6 @@ class Mask:
 def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
     """The bool form of a mask given as a tensor or a ``Mask``."""
     return mask.hidden if isinstance(mask, Mask) else mask
-
-
-# -- a residual stream read by a cast --------------------------------------------------------------
-
-class _CastFork(torch.autograd.Function):
-    """x, and x cast to ``dtype``, for two readers: the residual add (x) and a matmul (the cast). Backward adds the
-    two gradients in one kernel, the cast's converted as it is read (exactly: a wider float holds every value of
-    a narrower one). Autograd casts it back in one kernel and adds in another: the same numbers."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype):
-        ctx.set_materialize_grads(False)
-        ctx.dtype = x.dtype
-        return x.view_as(x), x.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor | None, grad_cast: torch.Tensor | None):
-        if grad_cast is None:
-            return grad, None
-        if grad is None:  # the cast's reader alone: cast back, as autograd does
-            return grad_cast.to(ctx.dtype), None
-        return torch.add(grad, grad_cast), None  # in x's dtype, the wider
-
-
-def fork_cast(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, x.to(dtype)) for a residual add and a matmul that reads x in ``dtype`` (autocast's, narrower): under
-    autograd their gradients meet in one kernel (``_CastFork``)."""
-    if (dtype != x.dtype and torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling()
-            and torch.finfo(dtype).bits < torch.finfo(x.dtype).bits):
-        return _CastFork.apply(x, dtype)
-    return x, x.to(dtype)
-
-
-# -- the projections of the segment and the memory rows --------------------------------------------
-
-class _SegmentAndMemory(torch.autograd.Function):
-    """``F.linear(h, weight, bias)`` and ``F.linear(rows, weight[split:])``: the segment's projection and the memory
-    rows' (which need the last rows of the weight alone: keys and values, no queries; ``bias`` is zero there).
-
-    Backward computes what autograd computes for the two, with the same matmuls, except that the memory rows'
-    weight gradient is added in place into the rows of the segment's it belongs to: autograd gives the slice a
-    zero-filled gradient of the whole weight and adds that (two kernels and a pass over the weight more).
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int,
-                bias: torch.Tensor | None):
-        ctx.split = split
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(h, rows, weight)
-        return F.linear(h, weight, bias), F.linear(rows, weight[split:])  # (B, T, W), (B, M, W - split)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor):
-        h, rows, weight = ctx.saved_tensors
-        split = ctx.split
-        g = grad.reshape(-1, grad.size(-1))  # (B*T, W)
-        gr = grad_rows.reshape(-1, grad_rows.size(-1))  # (B*M, W - split)
-        grad_h = grad_r = grad_w = grad_b = None
-        # The operand orders of autograd's mm backward (a row-major input, a transposed weight): the same sums.
-        if ctx.needs_input_grad[0]:
-            grad_h = g.mm(weight).view(h.shape)  # (B, T, d)
-        if ctx.needs_input_grad[1]:  # pre-LN: the memory rows are normalised by the layer's norm first
-            grad_r = gr.mm(weight[split:]).view(rows.shape)  # (B, M, d)
-        if ctx.needs_input_grad[2]:
-            grad_w = g.t().mm(h.reshape(-1, h.size(-1)))  # (W, d)
-            # (W - split, d): accumulated by the matmul itself (beta 1), where a product and an add were two kernels
-            grad_w[split:].addmm_(gr.t(), rows.reshape(-1, rows.size(-1)))
-        if ctx.needs_input_grad[4]:  # autograd's addmm backward: the rows' sum, in the bias's dtype
-            grad_b = g.sum(0).to(ctx.bias_dtype)  # (W,)
-        return grad_h, grad_r, grad_w, None, grad_b
-
-
-def project_segment_memory(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, split: int,
-                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, d) segment and (B, M, d) memory rows, (W, d) weight -> (B, T, W) = h W^T + bias and (B, M, W - split)
-    = rows W[split:]^T, in the dtype all three share (``_SegmentAndMemory`` under autograd). ``bias``: (W,) or None,
-    zero in its last W - split entries (the memory rows' projection adds none)."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _SegmentAndMemory.apply(h, rows, weight, split, bias)
-    return F.linear(h, weight, bias), F.linear(rows, weight[split:])
-
-
-# -- a linear layer's output through a ReLU, in the matmul -------------------------------------------
-
-class _LinearReLU(torch.autograd.Function):
-    """relu(x W^T + b) by one ``_addmm_activation`` (on CUDA cuBLASLt's bias + ReLU epilogue: no pass of its own
-    over the (N, out) output); backward as autograd's for relu(F.linear(x, W, b)): ReLU's mask from the output, then
-    the matmuls and the bias's sum of addmm's backward, in the same operand orders (the same numbers)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.size(-1))  # (N, in)
-        out = torch._addmm_activation(bias, x2, weight.t())  # (N, out)
-        ctx.save_for_backward(x2, weight, out)
-        ctx.x_shape = x.shape
-        return out.view(*x.shape[:-1], out.size(-1))  # (..., out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x2, weight, out = ctx.saved_tensors
-        g = torch.ops.aten.threshold_backward(grad.reshape(out.shape), out, 0)  # (N, out): ReLU's backward
-        grad_x = g.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # (..., in)
-        grad_w = g.t().mm(x2) if ctx.needs_input_grad[1] else None  # (out, in)
-        grad_b = g.sum(0) if ctx.needs_input_grad[2] else None  # (out,)
-        return grad_x, grad_w, grad_b
-
-
-def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """relu(F.linear(x, weight, bias)) with the ReLU in the matmul (``_LinearReLU``), computed in x's compute dtype
-    (autocast's, or x's own): (..., in) -> (..., out). Under torch.compile as written (the compiler fuses it)."""
-    if torch.compiler.is_compiling():
-        return F.relu(F.linear(x, weight, bias))
-    dtype = compute_dtype(x)
-    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)  # (what autocast would cast, cast here)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return _LinearReLU.apply(x, weight, bias)
-    out = torch._addmm_activation(bias, x.reshape(-1, x.size(-1)), weight.t())  # (N, out)
-    return out.view(*x.shape[:-1], out.size(-1))
-
-
-# -- the query, shifted and scaled, heads-first ---------------------------------------------------
-
-class _ShiftedScaled(torch.autograd.Function):
-    """(q + bias) * scale, written heads-first: (B, T, H, D) in, a (B, T, H, D) view of a (B, H, T, D) tensor out,
-    so that the kernels read it as (B*H, T, D) without a copy (they copied it; the projection lays it out by
-    token). The same add and multiply; backward is autograd's for them (MulBackward, then AddBackward's sum over
-    the bias's broadcast dims and casts to the inputs' dtypes)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-        B, T, H, D = q.shape
-        ctx.scale, ctx.dtypes, ctx.bias_shape = scale, (q.dtype, bias.dtype), bias.shape
-        out = q.new_empty((B, H, T, D), dtype=torch.result_type(q, bias))  # (B, H, T, D)
-        torch.add(q.transpose(1, 2), bias.unsqueeze(-2), out=out)  # bias (H, D) -> (H, 1, D)
-        return (out if scale == 1.0 else out.mul_(scale)).transpose(1, 2)  # (B, T, H, D) view
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        g = grad if ctx.scale == 1.0 else grad * ctx.scale  # (B, T, H, D)
-        q_dtype, bias_dtype = ctx.dtypes
-        grad_bias = g.sum([0, 1], keepdim=True).view(ctx.bias_shape)  # (H, D): autograd's sum_to
-        return g.to(q_dtype), grad_bias.to(bias_dtype), None
-
-
-def shifted_scaled(q: torch.Tensor, bias: torch.Tensor | float, scale: float) -> torch.Tensor:
-    """(q + bias) * scale for a (B, T, H, D) query and an (H, D) bias (or a number): heads-first in memory under
-    autograd (``_ShiftedScaled``), where the kernels would copy it to that layout; as computed elsewhere."""
-    if (isinstance(bias, torch.Tensor) and bias.shape == q.shape[2:] and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):
-        return _ShiftedScaled.apply(q, bias, scale)
-    if scale == 1.0:
-        return q if isinstance(bias, (int, float)) and bias == 0 else q + bias  # (B, T, H, D)
-    return (q + bias) * scale  # (B, T, H, D)
-
-
-# -- keys and values of [memory; segment] in one buffer -------------------------------------------
-
-class _JoinedKeysValues(torch.autograd.Function):
-    """Forward: the keys and values of [memory; segment] laid out heads-first in one (B, H, 2K, D) buffer by one
-    ``cat``, returned as two (B, K, H, D) views of it. Backward: views of the incoming gradients, no kernel.
-
-    Keys are the buffer's first K rows of each head and values its last K: each is a (B*H, K, D) view for the
-    kernels' batched matmuls (batch stride 2*K*D, as bmm and cuBLAS take it), so one copy lays out both where a
-    ``cat`` each did (autograd's own cat would then add the two views' gradients into a zero-filled buffer).
-    """
-
-    @staticmethod
-    def forward(ctx, k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor,
-                q: torch.Tensor | None = None):
-        M, K = k_memory.size(1), k_memory.size(1) + k.size(1)
-        ctx.M = M
-        parts = (k_memory, k, val_memory, val) if q is None else (k_memory, k, val_memory, val, q)
-        both = torch.cat([t.transpose(1, 2) for t in parts], dim=2)  # (B, H, 2K (+ T), D)
-        out = both[:, :, :K].transpose(1, 2), both[:, :, K:2 * K].transpose(1, 2)  # (B, K, H, D) views
-        return out if q is None else (*out, both[:, :, 2 * K:].transpose(1, 2))  # and (B, T, H, D)
-
-    @staticmethod
-    def backward(ctx, grad_k: torch.Tensor, grad_val: torch.Tensor, grad_q: torch.Tensor | None = None):
-        M = ctx.M
-        return grad_k[:, :M], grad_k[:, M:], grad_val[:, :M], grad_val[:, M:], grad_q  # (B, M or T, H, D) views
-
-
-def join_keys_values(k_memory: torch.Tensor, k: torch.Tensor, val_memory: torch.Tensor, val: torch.Tensor,
-                     q: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Keys and values of [memory; segment]: (B, M, H, D) and (B, T, H, D) of each -> (B, K, H, D) each, with the
-    heads-first layout the kernels read (B*H, K, D) as, so no kernel copies them again. One ``cat`` for both
-    (``_JoinedKeysValues``); under torch.compile a ``cat`` each (the compiler plans its own copies).
-
-    q: a (B, T, H, D) query to lay out heads-first in the same copy (then returned third, a view of the buffer), where
-    the kernels would copy it alone."""
-    if torch.compiler.is_compiling():
-        out = tuple(torch.cat([a.transpose(1, 2), b.transpose(1, 2)], dim=2).transpose(1, 2)
-                    for a, b in ((k_memory, k), (val_memory, val)))  # (B, K, H, D) views
-        return out if q is None else (*out, q)
-    if q is None:
-        return _JoinedKeysValues.apply(k_memory, k, val_memory, val)
-    return _JoinedKeysValues.apply(k_memory, k, val_memory, val, q)
 
 
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
@@ -397,14 +202,15 @@ torch.compile); flash takes no bias at all, so it runs only where there is none;
 is its 'flash' one; math is the fallback everywhere."""
 
 
-def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0
-         ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)`` on ``SDPA_BACKENDS``.
+def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0,
+         pin: bool = True) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``.
 
-    On a CPU there is no cuDNN kernel to keep out, and the backend context costs 20-40 us a call there, so the
-    call is made as is; on any other device (CUDA; meta, where the tests read the flags) inside the context.
+    ``pin`` is the model's plan (``ComputePlan.pin_sdpa``): on a CPU there is no cuDNN kernel to keep out, and the
+    backend context costs 20-40 us a call there, so the call is made as is; on any other device (CUDA; meta, where
+    the tests read the flags) inside the context.
     """
-    if query.device.type == "cpu":
+    if not pin:
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
     with sdpa_kernel(list(SDPA_BACKENDS)):
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
@@ -484,12 +290,12 @@ class _RecomputedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, bias_fn,
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
                 *bias_inputs: torch.Tensor):
         # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
         with torch.no_grad():
             bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = sdpa(query, k, val, bias, scale)  # (B, H, T, D)
+        out = sdpa(query, k, val, bias, scale, pin)  # (B, H, T, D)
         ctx.scale = scale
         ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
         ctx.bias_fn = bias_fn
@@ -520,42 +326,21 @@ class _RecomputedAttention(torch.autograd.Function):
         wanted = [x for x in inputs if x.requires_grad]
         grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
         grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return grad_query, grad_key, grad_val, None, None, *grad_inputs
+        return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
 
 
-class _KeptAttention(torch.autograd.Function):
-    """softmax(query k^T + bias) val for training with the probabilities kept (``recompute_attention=False``).
-
-    What autograd does for ``explicit_attention`` without dropout, in fewer passes over (B, H, T, K): the
-    scores accumulate into the bias (baddbmm) with no autograd record of the in-place write (autograd's
-    costs a zero-filled buffer, a clone and a copy per layer in backward), and backward forms
-    dS with ``_attention_grads``, as ``_RecomputedAttention`` does, instead of softmax's backward pass over the
-    probabilities. dS is the bias gradient; autograd takes it on to the positional inputs (realign, W_kR R).
-    Kept from forward: the probabilities, one (B, H, T, K) per layer.
-    """
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor, scale: float
-                ) -> torch.Tensor:
-        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
-        # bias: a fresh (B, H, T, K), consumed.
-        B, H, T, D = query.shape
-        K = k.size(2)
-        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
-        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
-        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        prob = _probabilities(bias.detach().reshape(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
-        ctx.scale = scale
-        out = torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
-        ctx.autocast = _forward_autocast(query.device)  # backward runs under it, to the same dtypes
-        ctx.save_for_backward(qh, kh, vh, out, prob)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        qh, kh, vh, out, prob = ctx.saved_tensors
-        with torch.autocast(**ctx.autocast):
-            return *_attention_grads(grad_out, out, prob, qh, kh, vh, ctx.scale), None  # dS is the bias gradient
+def kept_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bias: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """softmax(scale * qh kh^T + bias) vh through autograd, the probabilities kept for backward
+    (``recompute_attention=False``): (B, H, T, D). qh: (B, H, T, D); kh, vh: (B, H, K, D), any strides; bias:
+    (B, H, T, K). (Issue 45 removed the hand-written backward that replaced this: 0.3% of a small training step,
+    1.7% of a base one, benchmarks/README.md.)"""
+    B, H, T, D = qh.shape
+    K = kh.size(2)
+    score = torch.baddbmm(bias.reshape(B * H, T, K), qh.reshape(B * H, T, D), kh.reshape(B * H, K, D).transpose(1, 2),
+                          alpha=scale)  # (B*H, T, K)
+    prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
+    return torch.bmm(prob, vh.reshape(B * H, K, D)).view(B, H, T, D)  # (B, H, T, D)
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
@@ -593,7 +378,8 @@ BiasFn = Callable[..., torch.Tensor]
 
 def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor | Mask,
                     bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
-                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0) -> torch.Tensor:
+                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
+                    pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
 
     query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
@@ -603,8 +389,8 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
     backward.
     dropout: applied to the probabilities (None: no attention dropout, as in evaluation or dropatt 0);
-    recompute: in training, recompute the scores in backward instead of keeping the probabilities.
-    Which kernel runs depends on the autograd state and the dropout (below).
+    recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
+    ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
     """
     # A shared Mask's bias is made once for all layers (and only read); a bool mask's here, fresh.
     shared = isinstance(mask, Mask)
@@ -618,15 +404,15 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
         return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared, scale=scale)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
-        return sdpa(qh, kh, vh, ~mask, scale)  # (B, H, T, D)
+        return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
         # The fused kernel cannot return the gradient of its additive mask (the positional term), so
         # training recomputes what it needs in backward, or keeps the probabilities.
         if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, scale, functools.partial(bias_fn, mask_bias=mask_bias),
+            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
-        return _KeptAttention.apply(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
+        return kept_attention(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
-    return sdpa(qh, kh, vh, bias, scale)  # (B, H, T, D)
+    return sdpa(qh, kh, vh, bias, scale, pin)  # (B, H, T, D)

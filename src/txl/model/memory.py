@@ -34,7 +34,7 @@ def memory_length(memory: Memory | None) -> int:
 def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0,
                   dtype: torch.dtype | None = None) -> Memory:
     """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, in ``dtype``
-    (None: the inputs' own; under autocast the model stores its compute dtype, ``ModelConfig.state_dtype``).
+    (None: the inputs' own).
 
     ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
     positions of a segment are fed again at the start of the next one (extended context), so they are

@@ -1,12 +1,13 @@
 """How the model computes on a device type, decided anywhere: every choice that depends on the device, in one table.
 
 A few ``ModelConfig`` fields (and ``TrainConfig.precision``) leave a choice to the device the model runs on: 'auto'
-values, and one default ('fast' dropout) whose sampler exists only on the CPU. The forward reads each from
-``CHOICES`` below through ``resolved(field, value, device_type)``, so a GPU and a CPU run the same table.
+values, and one default ('fast' dropout) whose sampler exists only on the CPU. A model resolves them once for the
+device its parameters live on (``compute_plan``, when it is built or moved) and its forward reads that
+``ComputePlan``, never the device; a GPU and a CPU resolve from the same table.
 
 ``resolve(config, device_type)`` replaces each of those values by what ``device_type`` would pick, so a model built
 from the result takes that device's path wherever its tensors are: ``resolve(config, "cuda")`` built on the CPU runs
-the 16-bit residual stream, the static-shape adaptive softmax, the padded softmax widths and torch's dropout kernel
+the static-shape adaptive softmax, the padded softmax widths and torch's dropout kernel
 that CUDA runs (tests/test_cuda_rules.py runs it under CUDA's operand rules, ``txl.testing.cuda_rules``). Nothing
 in a resolved config is 'auto' any more, except what does not depend on the device (below).
 
@@ -16,6 +17,8 @@ The interface (stable; other modules build on it):
 * ``resolved(field, value, device_type)``: one field's value as ``device_type`` resolves it (any other value as is);
 * ``resolve(config, device_type) -> ModelConfig``: a validated copy with every device-dependent value resolved;
 * ``resolve_precision(precision, device_type)``: ``TrainConfig.precision`` likewise ('auto' -> 'bf16' or 'fp32');
+* ``compute_plan(config, device_type) -> ComputePlan``: what a model's forward reads (the table's choices, and the
+  SDPA pin below), resolved once for the device its parameters live on.
 * ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``);
 * ``resolved("graphs", "auto", device_type)``: ``TrainConfig.graphs`` ('auto' -> 'step' on CUDA, else 'off').
 
@@ -26,7 +29,7 @@ Not in the table, because the device does not decide them:
   model, the same on every device, so ``resolve`` keeps it.
 * ``cluster_rows`` under torch.compile: 'all' on every device (``nonzero``'s data-dependent shape breaks a graph).
 * which SDPA kernel runs (``kernels.SDPA_BACKENDS``): a kernel choice inside one op, not an operand dtype; the CPU
-  calls the op without the backend context only because the context costs time there.
+  calls the op without the backend context only because the context costs time there (``ComputePlan.pin_sdpa``).
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ class Choice:
 
 
 CHOICES = (
-    Choice("residual_dtype", "auto", cpu="params", cuda="compute", other="params",
-           why="a 16-bit residual stream saves four copy kernels a layer and step on a GPU; the CPU's casts cost "
-               "little, and it keeps the stream exact to float32"),
     Choice("cluster_rows", "auto", cpu="selected", cuda="all", other="all",
            why="'selected' is the least work but a host sync per cluster (nonzero) off the CPU; 'all' keeps shapes "
                "static (no sync, what CUDA graphs need)"),
@@ -124,4 +124,35 @@ def resolve_precision(precision: str, device_type: str) -> str:
     return resolved("precision", precision, device_type)
 
 
-__all__ = ["CHOICES", "DEVICE_TYPES", "Choice", "fsdp_mixed_precision", "resolve", "resolve_precision", "resolved"]
+@dataclass(frozen=True)
+class ComputePlan:
+    """How a model computes on the device type its parameters live on: resolved once, when the model is built or
+    moved (``TransformerXL._apply``), from its config and ``CHOICES``, and read by the forward, which tests no
+    device. The config says what the model is (and is what a checkpoint stores); the plan only how, so a
+    checkpoint loads under any plan and computes the same numbers up to rounding."""
+
+    device_type: str
+    """The device type it was resolved for (a type the table does not name resolves as 'other')."""
+    cluster_rows: str
+    """'selected' or 'all': which rows each tail cluster of the adaptive input and softmax computes."""
+    softmax_pad: int
+    """The multiple each output matmul's width of the softmax is padded to (1: none)."""
+    gap_dropout: bool
+    """Dropout draws the gaps between dropped elements (``dropout_impl='fast'`` where it pays: the CPU); else
+    torch's kernel."""
+    pin_sdpa: bool
+    """SDPA runs inside the backend context that keeps cuDNN out (``kernels.SDPA_BACKENDS``); on the CPU, where
+    there is no cuDNN and the context costs 20-40 us a call, the op is called as is."""
+
+
+def compute_plan(config: ModelConfig, device_type: str) -> ComputePlan:
+    """The ``ComputePlan`` of ``config`` on a ``device_type`` device (any type: 'meta' resolves as 'other')."""
+    return ComputePlan(device_type=device_type,
+                       cluster_rows=resolved("cluster_rows", config.cluster_rows, device_type),
+                       softmax_pad=resolved("softmax_pad", config.softmax_pad, device_type),
+                       gap_dropout=resolved("dropout_impl", config.dropout_impl, device_type) == "fast",
+                       pin_sdpa=device_type != "cpu")
+
+
+__all__ = ["CHOICES", "DEVICE_TYPES", "Choice", "ComputePlan", "compute_plan", "fsdp_mixed_precision", "resolve",
+           "resolve_precision", "resolved"]

@@ -14,28 +14,22 @@ where memory_l holds the inputs of layer l for the M previous positions (section
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, kernels, plan
+from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, QueryShift, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
+from txl.model.plain import LMOutput
 from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
-
-
-def residual_mode(setting: str, device: torch.device) -> str:
-    """``ModelConfig.residual_dtype`` resolved on ``device``: 'compute' or 'params' (``txl.model.plan``)."""
-    return plan.resolved("residual_dtype", setting, device.type)
 
 
 class FeedForward(nn.Module):
@@ -51,21 +45,9 @@ class FeedForward(nn.Module):
         self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pre_ln:
-            h = kernels.layer_norm(self.norm, x)
-        else:  # post-LN: the residual adds x, fc1 reads it in the compute dtype (cast here, as autocast would)
-            x, h = kernels.fork_cast(x, kernels.compute_dtype(x))
-        out = self.drop(self.fc2(self.inner(h)))  # (B, T, d)
+        h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what fc1 reads
+        out = self.drop(self.fc2(self.relu_drop(self.fc1(h))))  # (B, T, d)
         return x + out if self.pre_ln else kernels.layer_norm(self.norm, x + out)
-
-    def inner(self, h: torch.Tensor) -> torch.Tensor:
-        """dropout(relu(fc1(h))): (B, T, d) -> (B, T, d_inner). Where the dropout is torch's own kernel (CUDA, and
-        evaluation), the ReLU runs in fc1's matmul (``kernels.linear_relu``); the CPU's fast samplers apply it
-        with their mask instead."""
-        drop = self.relu_drop
-        if drop.masks_relu(h):
-            return drop(self.fc1(h))
-        return F.dropout(kernels.linear_relu(h, self.fc1.weight, self.fc1.bias), drop.p, drop.training)
 
 
 class DecoderLayer(nn.Module):
@@ -76,38 +58,39 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, x_cast: torch.Tensor | None = None,
-                shift: QueryShift | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, x_cast=x_cast, shift=shift))
-
-
-@dataclass
-class LMOutput:
-    """What one segment produces. Fields that were not asked for are None."""
-
-    memory: Memory
-    """The memory for the next segment: one (B, M', d) tensor per layer, gradient stopped (cmem_len > 0: then one
-    (B, C', d) tensor per layer of the compressed memory, ``txl.model.compressive``)."""
-    hidden: torch.Tensor
-    """(B, T, d) final hidden states."""
-    loss: torch.Tensor | None = None
-    """Scalar mean NLL over the labels that are not IGNORE_INDEX (-100)."""
-    nll: torch.Tensor | None = None
-    """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
-    tokens: torch.Tensor | None = None
-    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over (a trainer's token count
-    without counting again: a step launches its kernels once)."""
-    log_probs: torch.Tensor | None = None
-    """(B, T, V) log-probabilities of the next token (float32)."""
-    kv_cache: KVCache | None = None
-    """With ``kv_cache=`` in: the keys and values of exactly ``memory``'s rows, for the next call."""
-    compression_loss: torch.Tensor | None = None
-    """cmem_len > 0, 'conv', training: the attention-reconstruction loss (Rae et al. 2020), whose gradient reaches
-    the compression parameters alone; add it to ``loss`` for backward."""
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, shift=shift))
 
 
 class TransformerXL(nn.Module):
-    """Transformer-XL language model: segment in, loss or log-probabilities and new memory out."""
+    """Transformer-XL language model: segment in, loss or log-probabilities and new memory out.
+
+    ``forward(input_ids, labels=None, memory=None, *, return_log_probs=None, kv_cache=None, context=None,
+    padding=None) -> LMOutput``:
+
+    input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
+    to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
+    (B, T, V) are returned when no labels are given, or when return_log_probs is True.
+
+    context: the attention context (mem_len, clamp_len, same_length, ...); None is the config's
+    (``config.context()``). Evaluate with a longer one than in training by passing it, as the memory is.
+
+    kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
+    for incremental decoding: the memory rows' keys and values are read from it instead of being
+    projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
+    ``txl.model.kv_cache``.
+
+    padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
+    prompts of different lengths read as one batch). No other position attends to a pad, so each row
+    computes what it would alone; relative attention makes the shift of its positions irrelevant.
+    Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
+    A compressive model takes padding while its compressed memory is empty and the call compresses nothing
+    (a generation's context keeps every row): then it is the plain model over its memory.
+
+    ``config.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
+    the default one computes on its device is ``self.plan`` (``txl.model.plan``), made where the model is built and
+    again wherever it moves.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -131,6 +114,7 @@ class TransformerXL(nn.Module):
         self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
+        self.use_plan(plan.compute_plan(c, next(self.parameters()).device.type))
 
     # -- construction ---------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -174,6 +158,22 @@ class TransformerXL(nn.Module):
         for name in self.encoding.shared_parameters(c):
             nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
+    def use_plan(self, compute: plan.ComputePlan) -> None:
+        """Compute as ``compute`` says (``txl.model.plan``): made for the device the parameters live on when the model
+        is built and whenever it moves (``_apply``), and handed to the modules that read it, so no forward tests
+        the device. The config (what the model is, what a checkpoint stores) is unchanged: a checkpoint loads and
+        computes the same numbers, up to rounding, under any plan."""
+        self.plan = compute
+        for module in self.modules():
+            if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
+                module.rows = compute.cluster_rows
+            if isinstance(module, AdaptiveLogSoftmax):
+                module.pad = compute.softmax_pad
+            if isinstance(module, Attention):
+                module.pin_sdpa = compute.pin_sdpa
+            if hasattr(module, "gaps"):  # the fast dropout modules
+                module.gaps = compute.gap_dropout
+
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (what ``to``, ``cuda``, ``half``, ``to_empty`` run), then the sinusoid's frequencies
         made again where the model now lives, in float32: what ``positions.sinusoid`` makes per call on that device
@@ -185,6 +185,8 @@ class TransformerXL(nn.Module):
         finally:
             device = next(self.parameters()).device
             self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
+            if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
+                self.use_plan(plan.compute_plan(self.config, device.type))  # moved: its plan made again there
         return self
 
     # -- memory ---------------------------------------------------------------------------------
@@ -209,137 +211,81 @@ class TransformerXL(nn.Module):
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
                 kv_cache: KVCache | None = None, context: Context | None = None,
                 padding: torch.Tensor | None = None) -> LMOutput:
-        """Run one segment.
-
-        input_ids: (B, T) int64. labels: (B, T), labels[:, t] the token after input_ids[:, t], or -100
-        to ignore. memory: the previous output's memory, or None for an empty one. Log-probabilities
-        (B, T, V) are returned when no labels are given, or when return_log_probs is True.
-
-        context: the attention context (mem_len, clamp_len, same_length, ...); None is the config's
-        (``config.context()``). Evaluate with a longer one than in training by passing it, as the memory is.
-
-        kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
-        for incremental decoding: the memory rows' keys and values are read from it instead of being
-        projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
-        ``txl.model.kv_cache``.
-
-        padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
-        prompts of different lengths read as one batch). No other position attends to a pad, so each row
-        computes what it would alone; relative attention makes the shift of its positions irrelevant.
-        Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-        A compressive model takes padding while its compressed memory is empty and the call compresses nothing
-        (a generation's context keeps every row): then it is the plain model over its memory.
-        """
+        """Run one segment: input_ids (B, T) with the memory of earlier ones (None: empty), labels (B, T) to score
+        (-100: ignored), log-probabilities (B, T, V) when no labels are given or return_log_probs is True. The
+        context, kv_cache and padding arguments: the class docstring. 'reference' runs ``txl.model.plain``."""
         c = self.config
         ctx = c.context() if context is None else context
-        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter:
-        # twice was ~5% of a (1, 1) decoding step of a small model on CPU).
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter).
         version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
-            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version)
+            self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
+        if c.attn_impl == "reference":  # the plain path, the oracle of this one
+            return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
+                                 kv_cache=kv_cache, padding=padding, weights_version=version)
         B, T = input_ids.shape
-        own, compressed = memory, None  # the memory the update continues, and the compressed one
-        if self.compressor is not None:  # every layer attends over [compressed; memory; segment]
-            own, compressed = split_state(memory, c.n_layer)
-            memory = window(own, compressed)
+        own, compressed = split_state(memory, c.n_layer) if self.compressor is not None else (memory, None)
+        memory = window(own, compressed)  # every layer attends over [compressed; memory; segment]
         M = memory_length(memory)
-        # Dai et al. 2019, eq. (1): SG(memory), no gradient flows into earlier segments.
-        mems = [m.detach() for m in memory] if M else [None] * c.n_layer
-        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length,
-                              style=ctx.same_length_style, device=input_ids.device)  # (T, K)
-        if padding is not None:
-            if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
-                # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
-                # distances shifted), and rows leaving would compress pads with real states.
-                raise ValueError(f"padding with a compressed memory (cmem_len > 0) needs an empty compressed memory "
-                                 f"and nothing compressed by this call (memory + segment {M + T} rows, mem_len "
-                                 f"{ctx.mem_len}, cmem_rate {c.cmem_rate}): pads would be compressed with real rows; "
-                                 "read rows of different lengths one at a time, or with a mem_len that keeps them all")
-            if padding.shape != (B, M + T) or padding.dtype != torch.bool:
-                raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
-                                 f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
-            mask = padding_mask(mask, padding)  # (B, 1, T, K): a real query never sees a pad key
-        if not torch.compiler.is_compiling():  # (a compiled graph makes it once anyway)
-            mask = kernels.Mask(mask)  # shared by the layers: its additive form made once, not in every layer
-
+        mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
+        mask = self._mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
-        table = ()
-        if kv_cache is not None:  # the cache's positional table (relative attention's W_kR R), grown to K
-            table = self.encoding.grow_table([layer.attn for layer in self.layers], kv_cache.positions, M + T,
-                                             ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
-        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(c)}
-        shared[INV_FREQ] = getattr(self, INV_FREQ)
-        positions = self.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
-                                                  device=input_ids.device, drop=self.drop, table=table)
-
-        # The memory kept and the shared u, v in the dtype the layers compute in (ModelConfig.state_dtype): cast
-        # once here, not by autocast in every layer (q + u would promote the query to float32).
-        state = kernels.compute_dtype(h) if c.state_dtype == "compute" else None  # None: each layer input's own
-        if residual_mode(c.residual_dtype, h.device) == "compute":  # the stream in the compute dtype from here on
-            h = h.to(kernels.compute_dtype(h))  # (B, T, d)
-        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers
-        # instead of being copied whole by torch.cat every call (O(M) per (B, 1) step and layer); not under
-        # torch.compile (it would trace the buffers' bookkeeping) nor with ext_len (rows fed again).
-        grow = (kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0
-                and not torch.compiler.is_compiling())
+        attns = [layer.attn for layer in self.layers]
+        table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
+            attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
+        positions = self._positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
+        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
+        # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
+        grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
-        # The layers' matmul weights (and u, v) cast by one grouped op while they run (ModelConfig.cast_weights).
-        sixteen_bit = h.dtype in (torch.float16, torch.bfloat16)  # the stream: its norms read weights in its dtype
-        with self._cast_weights(kernels.compute_dtype(h), with_biases=state is not None, with_norms=sixteen_bit):
-            positions = self.encoding.project_layers([layer.attn for layer in self.layers], positions)
-            u, v = (getattr(self, "u", None), getattr(self, "v", None))
-            u, v = (b if b is None or state is None else b.to(state) for b in (u, v))
-            shifts = self.encoding.query_shifts([layer.attn for layer in self.layers], u, v, state)
-            # Post-LN, the memory keeps each layer input cast to the compute dtype, the very tensor the layer's
-            # projections read: cast once for both (autocast would cast it again in the qkv matmul).
-            share = (state is not None and not c.pre_ln and kv_cache is None and self.compressor is None
-                     and not torch.compiler.is_compiling())
+        # Under autocast the layers' weights cast by one grouped op (ModelConfig.cast_weights); a 16-bit input (the
+        # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
+        with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
+            u, v = getattr(self, "u", None), getattr(self, "v", None)
+            shifts = self.encoding.query_shifts(attns, u, v)
             for l, layer in enumerate(self.layers):
-                x, mem, pos = h, mems[l], positions[l]
-                x_cast = None
-                if share and (pos is None or pos.absolute is None):  # the residual adds h, the projections x_cast
-                    x, x_cast = kernels.fork_cast(h, state)
-                hiddens.append(h if x_cast is None else x_cast)  # each layer's input, before absolute positions
-                if pos is not None and pos.absolute is not None:  # (K, d): memory rows get the earlier positions
-                    x = x + pos.absolute[M:]
-                    mem = None if mem is None else mem + pos.absolute[:M]
+                hiddens.append(h)  # each layer's input, before absolute positions: the next memory
+                x, mem = add_absolute(h, mems[l], positions[l], M)
                 kv = None
-                if kv_cache is not None:
+                if kv_cache is not None:  # the memory rows' keys and values read from the cache
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
                     kv, mem = (k, val), None  # (B, K, H, D) each
-                    keys.append(k)
-                    values.append(val)
-                    buffers.append(grown)
-                h = layer(x, mem, mask, pos, u, v, kv=kv, x_cast=x_cast, shift=shifts[l])
-        h = self.drop(h)  # (B, T, d)
-        compression_loss = None
+                    keys.append(k), values.append(val), buffers.append(grown)
+                h = layer(x, mem, mask, positions[l], u, v, kv=kv, shift=shifts[l])
+        out = LMOutput(memory=(), hidden=self.drop(h))  # (B, T, d)
         if self.compressor is not None:
-            new_memory, compression_loss = self.compressor.update(
-                own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in self.layers],
-                train=self.training and labels is not None, dtype=state)
-        elif grow:
-            had = [b[0] for b in kv_cache.buffers] if kv_cache.buffers else None
-            new_memory, memory_buffers = grow_memory(memory if M else None, hiddens, mem_len=ctx.mem_len,
-                                                     buffers=had, dtype=state)
-        else:
-            new_memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len,
-                                       dtype=state)
+            out.memory, out.compression_loss = self.compressor.update(
+                own, compressed, hiddens, mem_len=ctx.mem_len, layers=attns, train=self.training and labels is not None)
+        elif not grow:
+            out.memory = update_memory(memory, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+        if kv_cache is not None:
+            self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
+                             table=table, version=version)
+        return self._predict(out, labels, return_log_probs)
 
-        out = LMOutput(memory=new_memory, hidden=h, compression_loss=compression_loss)
-        if self.compressor is not None and kv_cache is not None:
-            out.kv_cache = self.compressor.next_cache(keys, values, buffers if grow else None, own, new_memory, T,
-                                                      positions=table, weights_version=version)
-        elif grow:
-            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with new_memory.
-            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
-                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
-                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=version)
-        elif kv_cache is not None:
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=version)
-        flat = h.reshape(B * T, -1)  # (B*T, d)
+    def _mask(self, T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device
+              ) -> torch.Tensor | kernels.Mask:
+        """The attention mask of T queries over M + T keys: (T, K) bool, True where hidden, or (B, 1, T, K) with
+        ``padding`` (no real query sees a pad key); eagerly a ``kernels.Mask`` the layers share (its additive form
+        made once, not in every layer; a compiled graph makes it once anyway)."""
+        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
+                              device=device)  # (T, K)
+        if padding is not None:
+            mask = padding_mask(mask, padding)  # (B, 1, T, K)
+        return mask if torch.compiler.is_compiling() else kernels.Mask(mask)
+
+    def _positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
+                   table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
+        """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
+        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(self.config)}
+        shared[INV_FREQ] = getattr(self, INV_FREQ)
+        return self.encoding.build_positions(self.config, shared, klen, clamp_len, dtype=dtype, device=device,
+                                             drop=self.drop, table=table)
+
+    def _predict(self, out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None) -> LMOutput:
+        """The adaptive softmax on ``out.hidden``: the per-token NLL and loss of ``labels``, the log-probabilities."""
+        B, T, _ = out.hidden.shape
+        flat = out.hidden.reshape(B * T, -1)  # (B*T, d)
         if labels is not None:
             out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
             out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
@@ -348,11 +294,34 @@ class TransformerXL(nn.Module):
             out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
         return out
 
-    def _cast_weights(self, dtype: torch.dtype, *, with_biases: bool,
-                      with_norms: bool) -> contextlib.AbstractContextManager:
-        """Where the layers read their matmul weights (and u, v ``with_biases``; the layer norms' ``with_norms``, for a
-        16-bit stream) cast to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a
-        no-op without autocast or with 'per_use'."""
+    def _next_cache(self, out: LMOutput, cache: KVCache, memory: Memory | None, own: Memory | None,
+                    hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                    buffers: list, *, grow: bool, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
+                    version: int | None) -> None:
+        """The KVCache returned (and, where the rows ``grow`` in place into its buffers, the memory): the keys and
+        values of exactly ``out.memory``'s rows."""
+        memory = memory if memory_length(memory) else None
+        buffers = buffers if grow else None
+        if self.compressor is not None:
+            out.kv_cache = self.compressor.next_cache(keys, values, buffers, own, out.memory, T, positions=table,
+                                                      weights_version=version)
+        elif buffers is not None:
+            had = [b[0] for b in cache.buffers] if cache.buffers else None
+            out.memory, memory_buffers = grow_memory(memory, hiddens, mem_len=ctx.mem_len, buffers=had)
+            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
+            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
+                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
+                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
+                                   weights_version=version)
+        else:
+            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                                   positions=table, weights_version=version)
+
+    def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
+        """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
+        to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
+        or with 'per_use'."""
         mode = self.config.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
@@ -362,8 +331,6 @@ class TransformerXL(nn.Module):
         slots = casting.matmul_weights(self.layers)
         if with_norms:
             slots += casting.norm_weights(self.layers)
-        if with_biases:
-            slots += [(self, n) for n in ("u", "v") if self._parameters.get(n) is not None]
         params = [m._parameters[n] for m, n in slots]
         if mode == "auto" and not casting.groupable(params, dtype):
             return contextlib.nullcontext()
@@ -378,7 +345,8 @@ class TransformerXL(nn.Module):
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
-                     context: Context | None = None, *, version: int | None = None) -> None:
+                     context: Context | None = None, *, version: int | None = None,
+                     padding: torch.Tensor | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
         ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
@@ -404,6 +372,24 @@ class TransformerXL(nn.Module):
             rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
                 memory, c.n_layer)))
             self._check_kv_cache(kv_cache, rows, B, version)
+        if padding is not None:
+            self._check_padding(padding, memory, B, input_ids.size(1), ctx)
+
+    def _check_padding(self, padding: torch.Tensor, memory: Memory | None, B: int, T: int, ctx: Context) -> None:
+        """Raise a ValueError saying why ``padding`` does not cover this call's memory rows and segment."""
+        c = self.config
+        own, compressed = (memory, None) if self.compressor is None else split_state(memory, c.n_layer)
+        M = memory_length(own) + memory_length(compressed)
+        if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
+            # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
+            # distances shifted), and rows leaving would compress pads with real states.
+            raise ValueError(f"padding with a compressed memory (cmem_len > 0) needs an empty compressed memory "
+                             f"and nothing compressed by this call (memory + segment {M + T} rows, mem_len "
+                             f"{ctx.mem_len}, cmem_rate {c.cmem_rate}): pads would be compressed with real rows; "
+                             "read rows of different lengths one at a time, or with a mem_len that keeps them all")
+        if padding.shape != (B, M + T) or padding.dtype != torch.bool:
+            raise ValueError(f"padding must be a (B, M + T) = ({B}, {M + T}) bool tensor over the memory rows "
+                             f"and the segment, got {padding.dtype} {tuple(padding.shape)}")
 
     def _check_kv_cache(self, cache: KVCache, mlen: int, batch_size: int, version: int | None = None) -> None:
         """Raise a ValueError saying why ``cache`` cannot stand for the memory rows' keys and values."""
@@ -454,6 +440,15 @@ class TransformerXL(nn.Module):
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
                 raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
                                  f"(use {IGNORE_INDEX} to ignore a position)")
+
+
+def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's segment rows (B, T, d) and memory rows (B, M, d) with an absolute encoding's positions added
+    (``Positions.absolute``, (K, d): memory rows get the earlier ones); as they are for the other encodings."""
+    if pos is None or pos.absolute is None:
+        return x, memory
+    return x + pos.absolute[M:], (None if memory is None else memory + pos.absolute[:M])
 
 
 def reads_values(t: torch.Tensor) -> bool:
