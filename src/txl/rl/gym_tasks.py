@@ -1,0 +1,56 @@
+"""The gymnasium tasks of ``txl.rl.envs.make_task``: MiniGrid and POPGym as vector environments (the ``rl`` extra)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import gymnasium as gym
+import numpy as np
+
+POPGYM = {"RepeatPreviousEasy": "popgym.envs.repeat_previous:RepeatPreviousEasy",
+          "CountRecallEasy": "popgym.envs.count_recall:CountRecallEasy"}
+
+
+class FlatObservation(gym.ObservationWrapper):
+    """Any observation space flattened to a float32 vector (one-hot for discrete parts). Ours, where gymnasium's
+    FlattenObservation holds a lambda: a vector env of these pickles, so a checkpoint can keep it."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        flat = gym.spaces.flatten_space(env.observation_space)
+        self.observation_space = gym.spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32),
+                                                dtype=np.float32)
+
+    def observation(self, observation):
+        return gym.spaces.flatten(self.env.observation_space, observation).astype(np.float32)
+
+
+def make_one(task: str) -> gym.Env:
+    """One environment of ``task`` with a flat float observation (MiniGrid: its image alone; the mission is fixed)."""
+    if task.startswith("popgym-"):
+        module, cls = POPGYM[task.split("-", 1)[1]].split(":")
+        env = getattr(importlib.import_module(module), cls)()
+    elif task.startswith("MiniGrid-"):
+        import minigrid.wrappers  # registers the MiniGrid ids
+
+        env = minigrid.wrappers.ImgObsWrapper(gym.make(task))
+    else:
+        env = gym.make(task)
+    return FlatObservation(env)
+
+
+def make_vector(task: str, num_envs: int, seed: int) -> gym.vector.SyncVectorEnv:
+    """``num_envs`` copies of ``task`` with same-step autoreset, reset with ``seed``; ``obs_dim`` and ``n_actions``
+    set on the result."""
+    if task.startswith("popgym-") and task.split("-", 1)[1] not in POPGYM:
+        raise ValueError(f"task {task!r}: known POPGym tasks are {', '.join('popgym-' + n for n in POPGYM)}")
+    # functools.partial of a module-level function, not a closure: the vector env pickles.
+    env = gym.vector.SyncVectorEnv([functools.partial(make_one, task) for _ in range(num_envs)],
+                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    if not isinstance(env.single_action_space, gym.spaces.Discrete):
+        raise ValueError(f"task {task!r} has action space {env.single_action_space}; the PPO handles Discrete ones")
+    env.obs_dim = int(np.prod(env.single_observation_space.shape))
+    env.n_actions = int(env.single_action_space.n)
+    env.reset(seed=seed)
+    return env
