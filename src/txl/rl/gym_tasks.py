@@ -26,8 +26,37 @@ class FlatObservation(gym.ObservationWrapper):
         return gym.spaces.flatten(self.env.observation_space, observation).astype(np.float32)
 
 
+class Corridor(gym.Env):
+    """``txl.rl.envs.CorridorVecEnv`` as one gymnasium environment (for libraries that make their own vector envs:
+    sb3's RecurrentPPO): the same observations, rewards and episode ends."""
+
+    def __init__(self, length: int) -> None:
+        from txl.rl.envs import CorridorVecEnv
+
+        self.inner = CorridorVecEnv(1, length)
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (CorridorVecEnv.obs_dim,), np.float32)
+        self.action_space = gym.spaces.Discrete(CorridorVecEnv.n_actions)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.inner.rng = np.random.default_rng(seed)
+        self.inner.pos[:] = 0
+        self.inner.cue = self.inner.rng.integers(0, 2, 1)
+        return self.inner._observe()[0], {}
+
+    def step(self, action):
+        last = self.inner.pos[0] == self.inner.length - 1
+        obs, reward, terminated, truncated, _ = self.inner.step(np.array([action]))
+        # The vector env has started the next episode already; a single env returns the last step's observation
+        # (unused after termination: the caller resets).
+        return (obs[0] if not last else np.zeros(4, np.float32)), float(reward[0]), bool(terminated[0]), False, {}
+
+
 def make_one(task: str) -> gym.Env:
     """One environment of ``task`` with a flat float observation (MiniGrid: its image alone; the mission is fixed)."""
+    if task.startswith("corridor-"):
+        return Corridor(int(task.split("-", 1)[1]))
     if task.startswith("popgym-"):
         module, cls = POPGYM[task.split("-", 1)[1]].split(":")
         env = getattr(importlib.import_module(module), cls)()
