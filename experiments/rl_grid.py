@@ -56,18 +56,21 @@ class Task:
 # Our agents' memory: 2 layers of M steps reach 2 M back. The corridor's horizon experiment uses M = 8 (reach 16:
 # corridor-L's cue is L - 1 steps before the choice, so L <= 17 is inside); the other tasks M = 32 (reach 64, over
 # POPGym's 52-step episodes).
+# Steps: multiples of 2048, one rollout of ours (16 envs x 64 or 128 steps) and of RecurrentPPO (16 x 128) alike.
+STEPS_CORRIDOR = 74 * 2048  # 151,552
+STEPS_LONG = 98 * 2048  # 200,704
 CORRIDOR = {"mem_len": 8, "num_steps": 64, "seq_len": 16}
 LONG = {"mem_len": 32, "num_steps": 128, "seq_len": 32}
 GRID = (
     # The horizon: inside (8, 16) and beyond (24, 32) 2 x M = 16, txl and the MLP first.
-    *(Task(f"corridor-{n}", 150_000, CORRIDOR, agents=("txl", "mlp"), metric="success", group="horizon")
+    *(Task(f"corridor-{n}", STEPS_CORRIDOR, CORRIDOR, agents=("txl", "mlp"), metric="success", group="horizon")
       for n in (8, 16, 24, 32)),
-    Task("corridor-1", 50_000, CORRIDOR, agents=("mlp",), metric="success", group="horizon"),
+    Task("corridor-1", 20 * 2048, CORRIDOR, agents=("mlp",), metric="success", group="horizon"),
     # The side-by-side table.
-    Task("corridor-16", 150_000, CORRIDOR, agents=("gtrxl", "lstm"), metric="success", group="horizon"),
-    Task("popgym-RepeatPreviousEasy", 500_000, LONG),
-    Task("popgym-CountRecallEasy", 500_000, LONG),
-    Task("MiniGrid-MemoryS7-v0", 500_000, LONG, seeds=(0, 1)),
+    Task("corridor-16", STEPS_CORRIDOR, CORRIDOR, agents=("gtrxl", "lstm"), metric="success", group="horizon"),
+    Task("popgym-RepeatPreviousEasy", STEPS_LONG, LONG),
+    Task("popgym-CountRecallEasy", STEPS_LONG, LONG),
+    Task("MiniGrid-MemoryS7-v0", STEPS_LONG, LONG, seeds=(0, 1)),
 )
 
 
@@ -227,13 +230,24 @@ def collect_results(runs: Path) -> list[dict]:
     return out
 
 
+def unique_tasks(results: list[dict], group: str | None = None) -> list[Task]:
+    """The grid's tasks with results, one per name (a task may be listed twice, its agents split between the
+    horizon experiment and the side-by-side runs), in the grid's order."""
+    names = {r["task"].name for r in results}
+    out = {}
+    for t in GRID:
+        if t.name in names and (group is None or t.group == group):
+            out.setdefault(t.name, t)
+    return list(out.values())
+
+
 def table(results: list[dict], group: str) -> str:
     agents = ("txl", "gtrxl", "lstm", "mlp")
     lines = ["| task | steps | " + " | ".join(agents) + " |", "|---|---|" + "---|" * len(agents)]
-    for task in dict.fromkeys(r["task"] for r in results if r["task"].group == group):
+    for task in unique_tasks(results, group):
         cells = []
         for agent in agents:
-            got = [r for r in results if r["task"] == task and r["agent"] == agent]
+            got = [r for r in results if r["task"].name == task.name and r["agent"] == agent]
             done = [r["score"] for r in got if r["done"]]
             if not got:
                 cells.append("")
@@ -254,12 +268,14 @@ def plot_task(results: list[dict], task: Task, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     for i, agent in enumerate(("txl", "gtrxl", "lstm", "mlp")):
-        for r in (r for r in results if r["task"] == task and r["agent"] == agent):
+        label = agent  # on its first seed's line only
+        for r in (r for r in results if r["task"].name == task.name and r["agent"] == agent):
             pts = [(int(x["global_step"]), float(x["return_mean"])) for x in r["rows"]
                    if x["return_mean"] not in ("", "nan")]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, color=f"C{i}", alpha=0.7, lw=1, label=agent if r["seed"] == task.seeds[0] else None)
+                ax.plot(xs, ys, color=f"C{i}", alpha=0.7, lw=1, label=label)
+                label = None
     ax.set(xlabel="environment steps", ylabel=task.metric, title=task.name)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -280,14 +296,15 @@ def cmd_report(args) -> None:
              "### Side by side", "", table(results, "main"), "", "Median env steps/s of each agent (one thread, the "
              "busy shared 2-core machine, each run's own iterations):", "",
              "| task | " + " | ".join(("txl", "gtrxl", "lstm", "mlp")) + " |", "|---|---|---|---|---|"]
-    for task in dict.fromkeys(r["task"] for r in results):
+    present = unique_tasks(results)
+    for task in present:
         cells = []
         for agent in ("txl", "gtrxl", "lstm", "mlp"):
-            sps = [r["sps"] for r in results if r["task"] == task and r["agent"] == agent]
+            sps = [r["sps"] for r in results if r["task"].name == task.name and r["agent"] == agent]
             cells.append(f"{np.median(sps):.0f}" if sps else "")
         parts.append(f"| {task.name} | " + " | ".join(cells) + " |")
     parts.append("")
-    for task in dict.fromkeys(r["task"] for r in results):
+    for task in present:
         png = Path(args.docs) / "rl" / f"{task.name}.png"
         plot_task(results, task, png)
         parts.append(f"![{task.name}](rl/{png.name})")
