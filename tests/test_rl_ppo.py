@@ -108,3 +108,20 @@ def test_short_corridor_is_learned_with_memory_and_not_without(tmp_path):
         last[name] = np.mean([float(r["return_mean"]) for r in rows[-4:]])
     assert last["txl"] >= 0.95, last
     assert abs(last["mlp"] - 0.5) < 0.1, last
+
+
+def test_the_single_gymnasium_corridor_matches_the_vector_one():
+    pytest.importorskip("gymnasium")
+    from txl.rl.gym_tasks import Corridor
+
+    one, vec = Corridor(3), CorridorVecEnv(1, 3)
+    obs, _ = one.reset(seed=5)
+    vobs, _ = vec.reset(seed=5)
+    for step in range(9):
+        assert np.array_equal(obs, vobs[0])
+        action = step % 2
+        obs, reward, terminated, truncated, _ = one.step(action)
+        vobs, vreward, vterminated, _, _ = vec.step(np.array([action]))
+        assert (reward, terminated, truncated) == (vreward[0], vterminated[0], False)
+        if terminated:
+            obs, _ = one.reset()

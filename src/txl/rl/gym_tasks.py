@@ -8,6 +8,8 @@ import importlib
 import gymnasium as gym
 import numpy as np
 
+from txl.rl.corridor import CorridorVecEnv
+
 POPGYM = {"RepeatPreviousEasy": "popgym.envs.repeat_previous:RepeatPreviousEasy",
           "CountRecallEasy": "popgym.envs.count_recall:CountRecallEasy"}
 
@@ -31,26 +33,25 @@ class Corridor(gym.Env):
     sb3's RecurrentPPO): the same observations, rewards and episode ends."""
 
     def __init__(self, length: int) -> None:
-        from txl.rl.envs import CorridorVecEnv
-
         self.inner = CorridorVecEnv(1, length)
         self.observation_space = gym.spaces.Box(0.0, 1.0, (CorridorVecEnv.obs_dim,), np.float32)
         self.action_space = gym.spaces.Discrete(CorridorVecEnv.n_actions)
+        self.ready = False
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        if seed is not None:
-            self.inner.rng = np.random.default_rng(seed)
-        self.inner.pos[:] = 0
-        self.inner.cue = self.inner.rng.integers(0, 2, 1)
+        if seed is not None or not self.ready:
+            # A new stream; else the next episode the inner env began when the last one ended (the same draws).
+            self.inner.reset(seed=seed)
+        self.ready = False
         return self.inner._observe()[0], {}
 
     def step(self, action):
-        last = self.inner.pos[0] == self.inner.length - 1
         obs, reward, terminated, truncated, _ = self.inner.step(np.array([action]))
-        # The vector env has started the next episode already; a single env returns the last step's observation
-        # (unused after termination: the caller resets).
-        return (obs[0] if not last else np.zeros(4, np.float32)), float(reward[0]), bool(terminated[0]), False, {}
+        # The inner env has begun the next episode already (same-step autoreset): reset() will hand it out. The
+        # observation after the last step is unused (the episode has terminated).
+        self.ready = bool(terminated[0])
+        return (np.zeros(4, np.float32) if self.ready else obs[0]), float(reward[0]), self.ready, False, {}
 
 
 def make_one(task: str) -> gym.Env:
