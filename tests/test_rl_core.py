@@ -208,3 +208,18 @@ def test_bad_config_and_shapes_are_refused():
     with pytest.raises(ValueError, match="must agree on B rows"):
         core(torch.zeros(2, 3, 5, dtype=torch.float64), core.initial_memory(3, dtype=torch.float64),
              torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_the_docs_example_runs_and_its_two_paths_agree():
+    """docs/rl.md's API example, run as written (a subprocess), with a check of its claim appended."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = re.search(r"```python\n(.*?)```", (root / "docs" / "rl.md").read_text(), re.S).group(1)
+    code += "\nassert (out - torch.stack(hs, 1)).abs().max() < 1e-5\n"
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
