@@ -243,6 +243,8 @@ def unique_tasks(results: list[dict], group: str | None = None) -> list[Task]:
 
 def table(results: list[dict], group: str) -> str:
     agents = ("txl", "gtrxl", "lstm", "mlp")
+    if not unique_tasks(results, group):
+        return "(no runs yet)"
     lines = ["| task | steps | " + " | ".join(agents) + " |", "|---|---|" + "---|" * len(agents)]
     for task in unique_tasks(results, group):
         cells = []
@@ -284,6 +286,33 @@ def plot_task(results: list[dict], task: Task, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_horizon(results: list[dict], path: Path) -> None:
+    """Final success against corridor length, a point per finished seed and the mean per agent; the reach L x M."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for i, agent in enumerate(("txl", "gtrxl", "lstm", "mlp")):
+        got = [r for r in results if r["task"].name.startswith("corridor-") and r["agent"] == agent and r["done"]]
+        if not got:
+            continue
+        lengths = sorted({int(r["task"].name.split("-")[1]) for r in got})
+        ax.scatter([int(r["task"].name.split("-")[1]) for r in got], [r["score"] for r in got], color=f"C{i}", s=12,
+                   alpha=0.6)
+        ax.plot(lengths, [np.mean([r["score"] for r in got if r["task"].name == f"corridor-{n}"]) for n in lengths],
+                color=f"C{i}", label=agent)
+    reach = CORRIDOR["mem_len"] * 2
+    ax.axvline(reach + 1, color="grey", ls="--", lw=1, label=f"reach: L - 1 = {reach}")
+    ax.set(xlabel="corridor length L (cue L - 1 steps before the choice)", ylabel="success",
+           title="Horizon: 2 layers x M = 8")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
+    plt.close(fig)
+
+
 BEGIN, END = "<!-- rl_grid report: begin -->", "<!-- rl_grid report: end -->"
 
 
@@ -304,6 +333,9 @@ def cmd_report(args) -> None:
             cells.append(f"{np.median(sps):.0f}" if sps else "")
         parts.append(f"| {task.name} | " + " | ".join(cells) + " |")
     parts.append("")
+    if any(r["task"].group == "horizon" and r["done"] for r in results):
+        plot_horizon(results, Path(args.docs) / "rl" / "horizon.png")
+        parts.append("![the horizon: success against corridor length](rl/horizon.png)")
     for task in present:
         png = Path(args.docs) / "rl" / f"{task.name}.png"
         plot_task(results, task, png)
