@@ -210,6 +210,7 @@ def test_bad_config_and_shapes_are_refused():
              torch.zeros(2, 3, dtype=torch.bool))
 
 
+@pytest.mark.slow
 def test_the_docs_example_runs_and_its_two_paths_agree():
     """docs/rl.md's API example, run as written (a subprocess), with a check of its claim appended."""
     import re
