@@ -6,8 +6,9 @@
 
 Each run lives in runs/rl/<task>/<agent>-s<seed>/ (progress.csv and a checkpoint); ``run`` skips finished runs and
 continues stopped ones where they stopped (ours exactly, from checkpoint.pt; the LSTM from its last model.zip with
-fresh environments, see ``train_lstm``), so it can be stopped at any time and started again. Runs go in GRID's order:
-the corridor's horizon experiment first. ``report`` reads whatever has finished (and, marked, what is running).
+fresh environments, see ``train_lstm``), so it can be stopped at any time and started again. Runs go in GRID's order,
+the corridor's horizon experiment first, ours before the LSTM's (``grid_runs``). ``report`` reads whatever has
+finished (and, marked, what is running).
 
 Agents: 'txl' (Transformer-XL, the paper's post-LN layer), 'gtrxl' (gated, identity-map reordered), 'mlp' (no memory)
 are experiments/ppo_txl.py; 'lstm' is sb3-contrib's RecurrentPPO with its documented defaults ('MlpLstmPolicy', an
@@ -164,12 +165,15 @@ def run_one(runs: Path, task: Task, agent: str, seed: int) -> None:
 
 
 def grid_runs(only: str | None = None):
-    for task in GRID:
-        if only and only not in task.name:
-            continue
-        for seed in task.seeds:
-            for agent in task.agents:
-                yield task, agent, seed
+    """(task, agent, seed) in the order ``run`` takes them: ours on every task first (minutes a run), then the LSTM
+    runs (hours a run: RecurrentPPO runs ~1/20 of our speed), each in GRID's order."""
+    tasks = [t for t in GRID if not only or only in t.name]
+    for lstm in (False, True):
+        for task in tasks:
+            for seed in task.seeds:
+                for agent in task.agents:
+                    if (agent == "lstm") == lstm:
+                        yield task, agent, seed
 
 
 def take(path: Path) -> bool:
