@@ -63,9 +63,12 @@ STEPS_LONG = 98 * 2048  # 200,704
 CORRIDOR = {"mem_len": 8, "num_steps": 64, "seq_len": 16}
 LONG = {"mem_len": 32, "num_steps": 128, "seq_len": 32}
 GRID = (
-    # The horizon: inside (8, 16) and beyond (24, 32) 2 x M = 16, txl and the MLP first.
+    # The horizon: inside (8, 16) and beyond (24, 32) 2 x M = 16, txl and the MLP first; then its edge, 17 (the cue
+    # exactly 16 back, one path: layer 1 at step 16 reads step 8, whose layer 0 reads step 0) and 18 (out of reach).
     *(Task(f"corridor-{n}", STEPS_CORRIDOR, CORRIDOR, agents=("txl", "mlp"), metric="success", group="horizon")
       for n in (8, 16, 24, 32)),
+    *(Task(f"corridor-{n}", STEPS_CORRIDOR, CORRIDOR, agents=("txl",), metric="success", group="horizon")
+      for n in (17, 18)),
     Task("corridor-1", 20 * 2048, CORRIDOR, agents=("mlp",), metric="success", group="horizon"),
     # The side-by-side table.
     Task("corridor-16", STEPS_CORRIDOR, CORRIDOR, agents=("gtrxl", "lstm"), metric="success", group="horizon"),
