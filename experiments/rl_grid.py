@@ -125,7 +125,7 @@ def train_lstm(path: Path, task: str, seed: int, total_steps: int, save_every: i
     class Progress(BaseCallback):
         def _on_training_start(self) -> None:
             self.returns, self.lengths, self.t0 = [], [], time.perf_counter()
-            self.last_step = self.num_timesteps
+            self.last_step, self.cycled = self.num_timesteps, False
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
@@ -139,10 +139,13 @@ def train_lstm(path: Path, task: str, seed: int, total_steps: int, save_every: i
             # collection): steps/s over collect + learn, as ours.
             now = time.perf_counter()
             wall = float(rows[-1]["wall_s"]) if rows else 0.0
+            # The first rollout of a learn() call had no update before it: no steps/s of the whole cycle.
+            sps = (self.num_timesteps - self.last_step) / (now - self.t0) if self.cycled else ""
+            self.cycled = True
             row = {"iteration": len(rows) + 1, "global_step": self.num_timesteps, "episodes": len(self.returns),
                    "return_mean": float(np.mean(self.returns)) if self.returns else float("nan"),
                    "length_mean": float(np.mean(self.lengths)) if self.lengths else float("nan"),
-                   "sps": (self.num_timesteps - self.last_step) / (now - self.t0), "wall_s": wall + now - self.t0}
+                   "sps": sps, "wall_s": wall + now - self.t0}
             rows.append(row)
             with open(progress, "a", newline="") as f:
                 csv.DictWriter(f, ppo_txl.CSV_FIELDS).writerow(row)
@@ -245,7 +248,8 @@ def unique_tasks(results: list[dict], group: str | None = None) -> list[Task]:
     for t in GRID:
         if t.name in names and (group is None or t.group == group):
             out.setdefault(t.name, t)
-    return list(out.values())
+    # The corridors by length, the other tasks in GRID's order after them.
+    return sorted(out.values(), key=lambda t: int(t.name.split("-")[1]) if t.name.startswith("corridor-") else 10**9)
 
 
 def table(results: list[dict], group: str) -> str:
@@ -265,7 +269,7 @@ def table(results: list[dict], group: str) -> str:
                 seeds = f" ({len(done)} of {len(task.seeds)} seeds)" if len(done) < len(task.seeds) else ""
                 cells.append(f"{np.mean(done):.2f}{spread}{seeds}")
             else:
-                cells.append("running: " + ", ".join(f"{r['score']:.2f} at {r['steps'] // 1000}k" for r in got))
+                cells.append("so far: " + ", ".join(f"{r['score']:.2f} at {r['steps'] // 1000}k" for r in got))
         lines.append(f"| {task.name} | {task.steps // 1000}k | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -310,7 +314,7 @@ def plot_horizon(results: list[dict], path: Path) -> None:
         ax.plot(lengths, [np.mean([r["score"] for r in got if r["task"].name == f"corridor-{n}"]) for n in lengths],
                 color=f"C{i}", label=agent)
     reach = CORRIDOR["mem_len"] * 2
-    ax.axvline(reach + 1, color="grey", ls="--", lw=1, label=f"reach: L - 1 = {reach}")
+    ax.axvline(reach + 1.5, color="grey", ls="--", lw=1, label=f"reach: L - 1 <= {reach}")
     ax.set(xlabel="corridor length L (cue L - 1 steps before the choice)", ylabel="success",
            title="Horizon: 2 layers x M = 8")
     ax.legend(fontsize=8)
@@ -327,7 +331,8 @@ def cmd_report(args) -> None:
     runs = Path(args.runs)
     results = collect_results(runs)
     parts = ["Score: mean episode return over the last 10% of each run's environment steps (corridor: the success "
-             "rate), mean ± standard deviation over seeds; a cell still running shows each seed's score so far.", "",
+             "rate), mean ± standard deviation over seeds; a cell with no finished run shows each seed's score so "
+             "far.", "",
              "### The corridor's horizon (2 layers x M = 8: reach 16 steps)", "", table(results, "horizon"), "",
              "### Side by side", "", table(results, "main"), "", "Median env steps/s of each agent (one thread, the "
              "busy shared 2-core machine, each run's own iterations):", "",
@@ -336,7 +341,8 @@ def cmd_report(args) -> None:
     for task in present:
         cells = []
         for agent in ("txl", "gtrxl", "lstm", "mlp"):
-            sps = [r["sps"] for r in results if r["task"].name == task.name and r["agent"] == agent]
+            sps = [r["sps"] for r in results
+                   if r["task"].name == task.name and r["agent"] == agent and not math.isnan(r["sps"])]
             cells.append(f"{np.median(sps):.0f}" if sps else "")
         parts.append(f"| {task.name} | " + " | ".join(cells) + " |")
     parts.append("")

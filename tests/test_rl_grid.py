@@ -28,7 +28,7 @@ def test_report_tables_finished_and_running_runs(tmp_path, monkeypatch):
     text = (docs / "rl.md").read_text()
     # Scores: the mean of the last 5 iterations (10% of 10 is 1, at least 5): (4 x 0.5 + final) / 5.
     scores = [(4 * 0.5 + f) / 5 for f in (1.0, 0.9, 0.8)]
-    assert f"| corridor-8 | 10k | {np.mean(scores):.2f} ± {np.std(scores):.2f} |  |  | running: 0.50 at 4k |" in text
+    assert f"| corridor-8 | 10k | {np.mean(scores):.2f} ± {np.std(scores):.2f} |  |  | so far: 0.50 at 4k |" in text
     assert (docs / "rl" / "corridor-8.png").exists() and (docs / "rl" / "horizon.png").exists()
     assert "### Side by side\n\n(no runs yet)" in text
     # A second report replaces its section and keeps the text around it.
