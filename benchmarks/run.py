@@ -229,7 +229,8 @@ def step_graph(model, optimizer, scaler, backend: str | None, kernels: str, prec
     from txl.step_graph import StepGraph
 
     info = DistInfo(rank=0, world_size=1, device=device)
-    graph = StepGraph(model, optimizer, scaler, backend=backend, compile=kernels == "compiled", clip=0.25,
+    graph = StepGraph(model, optimizer, scaler, step=library_train_step, backend=backend,
+                      compile=kernels == "compiled", clip=0.25,
                       precision=precision, info=info)
 
     def whole_step(model_, optimizer_, scaler_, batch, memories, *, lr, **_):

@@ -61,7 +61,8 @@ def eager(model, optimizer, scaler, info):
 
 
 def graphed(model, optimizer, scaler, info, backend):
-    graph = StepGraph(model, optimizer, scaler, backend=backend, clip=OPTIM.clip, precision="fp32", info=info)
+    graph = StepGraph(model, optimizer, scaler, step=train_step, backend=backend, clip=OPTIM.clip, precision="fp32",
+                      info=info)
     return graph, lambda batch, memories: graph(batch, memories, lr=OPTIM.lr)
 
 
@@ -153,7 +154,8 @@ def test_a_step_that_cannot_be_captured_runs_on_uncaptured_and_says_why(monkeypa
     want_model, opt, scaler = setup(tiny_config(mem_len=7))
     want, want_mem = run(eager(want_model, opt, scaler, info), want_model, [None], segments(4))
     model, opt, scaler = setup(tiny_config(mem_len=7))
-    graph = StepGraph(model, opt, scaler, capture=True, warmup=0, compile=False, clip=OPTIM.clip, precision="fp32",
+    graph = StepGraph(model, opt, scaler, step=train_step, capture=True, warmup=0, compile=False, clip=OPTIM.clip,
+                      precision="fp32",
                       info=info)
     with caplog.at_level("WARNING", logger="txl.step_graph"):
         got, memories = run(lambda b, m: graph(b, m, lr=OPTIM.lr), model, [None], segments(4))
@@ -242,7 +244,7 @@ def test_around_the_replay_the_host_launches_four_ops(monkeypatch):
 
     info = init_distributed("cpu")
     model, opt, scaler = setup(tiny_config(mem_len=7))
-    graph = StepGraph(model, opt, scaler, compile=False, clip=OPTIM.clip, precision="fp32", info=info)
+    graph = StepGraph(model, opt, scaler, step=train_step, compile=False, clip=OPTIM.clip, precision="fp32", info=info)
     memories = [None]
     batches = list(segments(5))
     for batch in batches[:4]:  # the memory full: no padding mask to rewrite any more
@@ -344,7 +346,7 @@ def test_the_captured_step_equals_eager_on_cuda(precision, kernels):
             opt = build_optimizer(model, OPTIM, capturable=captured)
             scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
             if captured:
-                graph = StepGraph(model, opt, scaler, compile=kernels == "compiled", **options)
+                graph = StepGraph(model, opt, scaler, step=train_step, compile=kernels == "compiled", **options)
                 step = lambda b, m, graph=graph: graph(b, m, lr=OPTIM.lr)  # noqa: E731
             else:
                 step = lambda b, m, model=model, opt=opt, scaler=scaler: train_step(  # noqa: E731

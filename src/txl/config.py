@@ -29,6 +29,10 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+SCORE_SEGMENT_LEN = 128
+"""Tokens per forward pass of ``txl score`` and lm-eval's ``txl`` model when neither an option nor the run's [eval]
+section gives one (here, below both: ``txl.lmeval`` reads it without the command line's modules)."""
+
 MAX_MEMORY_ROWS = 1 << 20
 """The most rows a layer keeps (mem_len + cmem_len): 1,048,576, thousands of times the paper's longest memory
 (3,800 rows, enwik8 evaluation) and far beyond what a training run fills."""

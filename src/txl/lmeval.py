@@ -198,15 +198,14 @@ def reading_context(directory, model, *, segment_len: int | None = None, **chang
     """The segment length and attention context ``txl score`` reads with: the run's ``[eval]`` section (when
     ``directory`` belongs to a run), then the model's config, each field overridden by a value given."""
     from txl.checkpoint import RUN_FILE, read_run
-    from txl.cli.score import SEGMENT_LEN
-    from txl.config import EvalConfig
+    from txl.config import SCORE_SEGMENT_LEN, EvalConfig
 
     base = read_run(directory).to_dict()["eval"] if (directory / RUN_FILE).is_file() else {}
     given = {k: v for k, v in changes.items() if v is not None}
     if segment_len is not None:
         given["tgt_len"] = int(segment_len)
     e = EvalConfig(**{**base, **given, "ext_len": None})
-    return e.segment_len(SEGMENT_LEN), e.context(model.config)
+    return e.segment_len(SCORE_SEGMENT_LEN), e.context(model.config)
 
 
 def main(argv: list[str] | None = None) -> None:

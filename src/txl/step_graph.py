@@ -40,6 +40,7 @@ import torch
 from txl.graphs import memory_dtype, static_shape_error
 from txl.model.memory import Memory, memory_length
 from txl.model.plan import resolved
+from txl.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class StepGraph:
     run as it is with the model through torch.compile at static shapes (``compile``; ``backend``: torch.compile's,
     None for inductor). Call it as ``train_step`` is called, with ``lr`` a float: ``(StepStats, memories)``.
 
+    ``step``: the step recorded (``txl.train.train_step``, handed in by the trainer that builds this object);
     ``model``: the TransformerXL the step trains; ``optimizer`` its optimiser (on CUDA built ``capturable``:
     ``txl.optim.build_optimizer(..., capturable=True)``); ``step_options``: ``train_step``'s keywords (clip,
     precision, info, loss_positions). A batch of another shape than the first (none in a run without var_len)
@@ -98,9 +100,7 @@ class StepGraph:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
                  capture: bool | None = None, compile: bool = True, backend: str | Callable | None = None,
-                 warmup: int = WARMUP_STEPS, **step_options: Any) -> None:
-        from txl.train import train_step  # txl.train builds this object
-
+                 step: Callable[..., Any], warmup: int = WARMUP_STEPS, **step_options: Any) -> None:
         why = static_shape_error(model.config) or (f"ext_len={model.config.ext_len}" if model.config.ext_len else None)
         if why is not None:
             raise ValueError(f"the captured training step needs static shapes: {why}; use --train.graphs off")
@@ -115,7 +115,7 @@ class StepGraph:
                              "which a captured step cannot: compile its model (torch.compile keeps every row), or "
                              "set --model.cluster_rows all")
         self.model, self.optimizer, self.scaler, self.device = model, optimizer, scaler, device
-        self.train_step, self.options, self.warmup = train_step, step_options, warmup
+        self.train_step, self.options, self.warmup = step, step_options, warmup
         self.forward = compile_step_model(model, backend) if compile else model
         self.lr = torch.zeros((), dtype=torch.float32, device=device)  # written before each step, read on the device
         self.static: dict[str, Any] | None = None  # the buffers, made by the first step
@@ -231,8 +231,6 @@ class StepGraph:
         self.runs += 1
 
     def __call__(self, batch: Any, memories: list[Memory | None], *, lr: float) -> tuple[Any, list[Memory | None]]:
-        from txl.train import StepStats
-
         chunks = len(memories)
         if batch.context_len:
             raise ValueError("the captured training step needs ext_len 0; use --train.graphs off")

@@ -55,6 +55,7 @@ from txl.rundir import CKPT_DIR, RunDirError, RunLock, open_run_dir
 from txl.runtime import compile_model, cpu_has_native_bf16, matmul_precision, resolve_precision
 from txl.signals import Interrupted, Stopped, StopRequest
 from txl.step_graph import StepGraph, graphs_mode, with_float_lr
+from txl.step_stats import StepStats, read_stats  # noqa: F401 (read_stats: txl.train.read_stats, as before)
 from txl.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -78,36 +79,6 @@ class TrainResult:
     test_context: str = ""
     best_step: int = 0
     """The step of the checkpoint that was tested."""
-
-
-@dataclass
-class StepStats:
-    """One step's figures. As ``train_step`` returns them, loss, tokens and grad_norm are 0-d tensors on the
-    device: reading one is a host sync (the host waits for the step to finish), so the trainer reads a log
-    interval's steps at once (``read_stats``)."""
-
-    loss: float | torch.Tensor
-    tokens: int | torch.Tensor
-    lr: float
-    grad_norm: float | torch.Tensor
-    compression_loss: float | torch.Tensor | None = None
-    """cmem_len > 0, 'conv': the attention-reconstruction loss (Rae et al. 2020), mean over chunks and processes."""
-
-
-def read_stats(steps: list[StepStats]) -> list[StepStats]:
-    """The steps' figures as Python numbers, read from the device in one transfer (one host sync)."""
-    tensors = [v.detach().double().reshape(()) for s in steps
-               for v in (s.loss, s.tokens, s.grad_norm, s.compression_loss) if isinstance(v, torch.Tensor)]
-    values = iter(torch.stack(tensors).tolist() if tensors else ())
-
-    def read(v: float | int | torch.Tensor | None) -> float | None:
-        return next(values) if isinstance(v, torch.Tensor) else v
-
-    out = []
-    for s in steps:
-        loss, tokens, grad_norm, aux = read(s.loss), read(s.tokens), read(s.grad_norm), read(s.compression_loss)
-        out.append(StepStats(float(loss), int(tokens), s.lr, float(grad_norm), None if aux is None else float(aux)))
-    return out
 
 
 # -- one step -------------------------------------------------------------------------------------------
@@ -374,7 +345,7 @@ class Trainer:
         self.step_model = StaticSteps(self.ddp) if graphs == "model" else compile_model(self.ddp, t.compile)
         self.step_graph = None  # the whole step as one CUDA graph (txl.step_graph), built by its first step
         if graphs == "step":
-            self.step_graph = StepGraph(self.model, self.optimizer, self.scaler, clip=cfg.optim.clip,
+            self.step_graph = StepGraph(self.model, self.optimizer, self.scaler, step=train_step, clip=cfg.optim.clip,
                                         precision=self.precision, info=info, loss_positions=t.loss_positions)
         self.pending: list[StepStats] = []  # steps whose figures are still on the device (settle)
 

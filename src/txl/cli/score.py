@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from txl.cli.generate import add_checkpoint_args, add_shortcut, run_section
+from txl.config import SCORE_SEGMENT_LEN
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-SEGMENT_LEN = 128
+SEGMENT_LEN = SCORE_SEGMENT_LEN
 """Tokens per forward pass when neither the option nor the run's [eval] section gives one."""
 
 
