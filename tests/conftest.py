@@ -122,3 +122,21 @@ def file_size_limit():
     yield limit
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     signal.signal(signal.SIGXFSZ, previous)
+
+
+class Counting:
+    """A torch.compile backend: ``inner``'s graphs, counted as they are made (``graphs``) and run (``runs``)."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner = torch._dynamo.lookup_backend(inner)
+        self.graphs = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run

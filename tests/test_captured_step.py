@@ -13,7 +13,7 @@ GPU: what a CUDA graph needs of it, checked on the CPU.
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import Counting, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import txl
@@ -23,24 +23,6 @@ from txl.serve.runner import Drawn, Model, Unit, draw
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 61
-
-
-class Counting:
-    """A torch.compile backend: ``aot_eager``'s graphs, counted as they are made (``graphs``) and run (``runs``)."""
-
-    def __init__(self) -> None:
-        self.inner = torch._dynamo.lookup_backend("aot_eager")
-        self.graphs = self.runs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        compiled = self.inner(gm, example_inputs)
-
-        def run(*args):
-            self.runs += 1
-            return compiled(*args)
-
-        return run
 
 
 class HostSyncs(TorchDispatchMode):

@@ -8,7 +8,7 @@ AOTAutograd make, without inductor's code generation, which takes tens of second
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import Counting, tiny_config
 
 import txl
 from txl.compiled_step import HEADROOM, CompiledStep, compiled_step_error
@@ -19,24 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS = HEADROOM + 6  # the rows move to a new buffer on the way
 LEAD = [0, 2, 4]  # a left-padded prompt batch: rows of 7, 5 and 3 tokens
-
-
-class Counting:
-    """A torch.compile backend: ``inner``'s graphs, counted as they are made (``graphs``) and run (``runs``)."""
-
-    def __init__(self, inner: str = "aot_eager") -> None:
-        self.inner = torch._dynamo.lookup_backend(inner)
-        self.graphs = self.runs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        compiled = self.inner(gm, example_inputs)
-
-        def run(*args):
-            self.runs += 1
-            return compiled(*args)
-
-        return run
 
 
 @pytest.fixture(autouse=True)
