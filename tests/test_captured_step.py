@@ -6,15 +6,14 @@ GPU: what a CUDA graph needs of it, checked on the CPU.
 * one graph per batch bucket (a counting torch.compile backend around ``aot_eager``, static shapes): no recompile
   from step to step, nor when rows join and leave within a bucket;
 * the buffers a graph reads keep their addresses from step to step;
-* no host sync inside a step (a dispatch mode counting what reads a device value on the host or copies host data
-  in), nor in the runner's whole step once its rows are seated: the next input is the last step's token, on the
-  device; the host reads the drawn ids with one small copy, outside the step.
+* no host sync inside a step (``conftest.HostSyncs``: a dispatch mode counting what reads a device value on the
+  host or copies host data in), nor in the runner's whole step once its rows are seated: the next input is the last
+  step's token, on the device; the host reads the drawn ids with one small copy, outside the step.
 """
 
 import pytest
 import torch
-from conftest import Counting, tiny_config
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import Counting, HostSyncs, tiny_config
 
 import txl
 from txl.decoding import Picker
@@ -23,27 +22,6 @@ from txl.serve.runner import Drawn, Model, Unit, draw
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 61
-
-
-class HostSyncs(TorchDispatchMode):
-    """The ops of a region that make the host wait for the device (a device value read: ``_local_scalar_dense``,
-    what ``.item()``, ``int()`` and ``.tolist()`` call; ``nonzero``'s data-dependent size; a copy to the CPU) or that
-    copy host data in (``torch.tensor`` of a list: ``lift_fresh``)."""
-
-    SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::lift_fresh"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = f"aten::{func._opname}"
-        to_cpu = name in ("aten::_to_copy", "aten::copy_") and any(
-            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and (
-            (kwargs or {}).get("device") == torch.device("cpu"))
-        if name in self.SYNCS or to_cpu:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -244,8 +222,8 @@ def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tm
         except StopIteration as stop:
             outs.append(stop.value)
         steps = events.count("step") + events.count("prefill")
-        if streamed:
-            assert events.index("read") < events.index("step")
+        if streamed:  # pipelined: each step launched before the host reads the token before it (its input)
+            assert events == ["prefill"] + ["step", "read"] * 11 + ["read"]
         else:
             assert events[:steps] == ["prefill"] + ["step"] * 11 and events[steps:] == ["read"] * 12
     assert outs[0]["ids"] == outs[1]["ids"] and outs[2]["ids"] == outs[3]["ids"] and outs[0]["ids"] != outs[2]["ids"]
