@@ -136,6 +136,19 @@ def test_no_host_sync_inside_a_step():
     assert control.seen == ["aten::lift_fresh", "aten::_local_scalar_dense", "aten::nonzero"]
 
 
+def test_the_host_sync_counter_counts_copies_to_the_host_by_one_rule():
+    """``HostSyncs``' rule for copies, whichever op copies: device to host counts, host to device and a device's own
+    copies do not (a non-CPU tensor without a device: 'meta', whose data is never touched here)."""
+    cpu, dev = torch.zeros(2), torch.empty(2, device="meta")
+    to_host = HostSyncs.to_host
+    assert to_host("aten::_to_copy", (dev,), {"device": torch.device("cpu")})  # .cpu(), .to("cpu")
+    assert to_host("aten::copy_", (cpu, dev), {})  # into pinned (or any host) memory
+    assert not to_host("aten::_to_copy", (cpu,), {"device": torch.device("meta")})  # onto the device
+    assert not to_host("aten::copy_", (dev, cpu), {})
+    assert not to_host("aten::_to_copy", (dev,), {"dtype": torch.float64})  # stays on the device
+    assert not to_host("aten::copy_", (cpu, cpu), {})
+
+
 def test_drawing_on_the_device_chooses_what_each_rows_picker_chooses():
     """``draw``: rows all greedy are one argmax with their log-probs; mixed rows each drawn by their own picker
     (a seed is the row's own: the same draw as that picker alone)."""
