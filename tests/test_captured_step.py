@@ -208,7 +208,7 @@ def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tm
     model, tokenizer, _ = loader(make_model_dir(tmp_path / "m"))()
     m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs=graphs)
     engine = Engine(m, tokenizer, SessionStore(tmp_path / "s", max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
-                    durable=False)
+                    durable=False, pipelined=True)  # the order CUDA resolves to
     job = type("Job", (), {"cancelled": False})()
     events: list[str] = []
     get = Drawn.get
