@@ -1,18 +1,18 @@
 r"""`txl serve`'s engine without HTTP: a batched read step and a batched generation, per batch size.
 
-Runs the engine's ``Model`` directly (no server): B sessions with memories of mem_len rows read one segment each
-as one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1) greedy generation steps on the
-kept batch ('generate'), the host reading every token as the server does (this tree: drawn on the device, the
-next step's input left there, one small copy a step; an older engine: drawn on the host from the (V,) log-probs it
-copies back, as its server did); batch sizes are interleaved, repeated, and the median tokens/s of each printed
-with its ratio to B = 1. ``--compile`` adds this tree's engine with compiled generation steps
-(``txl.compiled_step``), interleaved with the others after an untimed round that compiles. ``--captured`` adds the
-static-buffer decode step (``txl.captured_step``: captured as a CUDA graph per batch bucket on CUDA, the same step
-uncaptured on a CPU), and with ``--compile`` that step compiled by inductor before capture; ``--at-end`` also
-times this tree's generation with the host reading the tokens after the last step (a request with no stop rule or
-stream: no wait for the device between steps). ``--profile`` prints
-torch.profiler's top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate of a
-read per batch size against a large matmul's (whether batching can still pay).
+Runs the engine's ``Model`` directly (no server): B sessions with memories of mem_len rows read one segment each as
+one forward ('read'), or prefill their last segment and take ``--steps`` (B, 1) greedy generation steps on the kept
+batch ('generate'), the host reading every token as the server does (this tree: drawn on the device, the next step's
+input left there, one small copy a step, read after the next step is launched; an older engine: read before the next
+step, or drawn on the host from the (V,) log-probs it copies back, as its server did); batch sizes are interleaved,
+repeated, and the median tokens/s of each printed with its ratio to B = 1. ``--compile`` adds this tree's engine
+with compiled generation steps (``txl.compiled_step``), interleaved with the others after an untimed round that
+compiles. ``--captured`` adds the static-buffer decode step (``txl.captured_step``: captured as a CUDA graph per
+batch bucket on CUDA, the same step uncaptured on a CPU), and with ``--compile`` that step compiled by inductor
+before capture; ``--at-end`` also times this tree's generation with the host reading the tokens after the last step
+(a request with no stop rule or stream: no wait for the device between steps). ``--profile`` prints torch.profiler's
+top operators for one read and one generation at the largest B; ``--flops`` the FLOP rate of a read per batch size
+against a large matmul's (whether batching can still pay).
 
 ``--shapes``: 'small' (4 layers, d_model 256, the character model of the serving tests) and/or 'wt103'
 (transfo-xl-wt103's shape: 18 layers, d_model 1,024, 16 heads of 64, d_inner 4,096, the adaptive softmax with
@@ -128,6 +128,7 @@ def measure(args, shape: str) -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     import importlib
+    import importlib.util
     import sys
 
     trees = {"": "txl"}
@@ -139,14 +140,20 @@ def measure(args, shape: str) -> None:
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         models = shape_models(shape, Path(tmp), trees, args.device, args.wt103_mem_len)
-    engines = {}
+    engines, pipelined = {}, {}
     for name, package in trees.items():
         model = models[name]
         engine = importlib.import_module(f"{package}.serve.engine")
         picker = importlib.import_module(f"{package}.decoding").Picker
+        # A tree whose server launches step t + 1 before reading step t's token (txl.serve.requests.Requests.pipelined)
+        # is timed in that order; an older one reads each token first, as its server did.
+        pipelined[name] = getattr(importlib.import_module(f"{package}.serve.requests").Requests, "pipelined", False) \
+            if importlib.util.find_spec(f"{package}.serve.requests") else False
         ctx = dict(segment_len=S, mem_len=model.config.mem_len, same_length=False, clamp_len=0)
         graphs = {"graphs": "off"} if package == "txl" else {}  # the eager engine, whatever the device
         engines[name] = (engine.Model(model, **ctx, **graphs), engine.Unit, picker)
+        for twin in ("compiled ", "captured ", "captured compiled "):
+            pipelined[name + twin] = pipelined[name]
         if args.compile and package == "txl":
             engines[name + "compiled "] = (engine.Model(model, **ctx, compile=True, graphs="off"), engine.Unit, picker)
         if args.captured and package == "txl":
@@ -172,7 +179,8 @@ def measure(args, shape: str) -> None:
 
     def generate(tree: str, B: int, at_end: bool = False) -> tuple[int, float]:
         # Prefill alone per session (their lengths differ in the server), then the steps batched, greedy; the host
-        # reads every token (the server's stop rules and streaming need it), or all after the last step (at_end).
+        # reads every token (the server's stop rules and streaming need it; pipelined: each after the next step is
+        # launched), or all after the last step (at_end).
         m, Unit, Picker = engines[tree]
         on_device = "pick" in Unit.__dataclass_fields__  # this tree: drawn on the device, the input left there
         pick = Picker(temperature=0.0, vocab_size=V, **({"device": m.device} if on_device else {}))
@@ -185,6 +193,10 @@ def measure(args, shape: str) -> None:
             if on_device and at_end:
                 pending.append([r.drawn for r in rows])
                 rows = m.run("step", [Unit("step", [-1], row=r.row, pick=pick, after=r.drawn) for r in rows])
+            elif on_device and pipelined[tree]:  # step t + 1 launched, then step t's tokens read
+                after = m.run("step", [Unit("step", [-1], row=r.row, pick=pick, after=r.drawn) for r in rows])
+                [r.drawn[0].get(r.drawn[1]) for r in rows]
+                rows = after
             elif on_device:
                 tokens = [r.drawn[0].get(r.drawn[1])[0] for r in rows]
                 rows = m.run("step", [Unit("step", [t], row=r.row, pick=pick, after=r.drawn)

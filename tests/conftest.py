@@ -4,6 +4,7 @@ import typing
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from txl.config import AttnType, ModelConfig
 
@@ -140,3 +141,45 @@ class Counting:
             return compiled(*args)
 
         return run
+
+
+class HostSyncs(TorchDispatchMode):
+    """The ops of a region that make the host wait for the device or move host data in, by name in ``seen``.
+
+    * a device value read on the host: ``_local_scalar_dense`` (what ``.item()``, ``int()``, ``bool()`` and
+      ``.tolist()`` call), ``item``, ``is_nonzero``, ``equal``; a data-dependent shape: ``nonzero``;
+    * host data made into a tensor: ``lift_fresh`` (``torch.tensor`` of Python values, a copy in on a device);
+    * copies, one rule: a copy counts when it moves data from a device other than the CPU onto the CPU, whichever
+      op does it (``_to_copy`` of a non-CPU tensor to ``device=cpu``: ``.cpu()``, ``.to("cpu")``; ``copy_`` into a
+      CPU tensor from a non-CPU one: a copy into pinned memory). Such a copy makes the host wait for the device's
+      queue (or, non-blocking, is the one a caller waits for later: counted where it is made). A copy onto a device
+      does not make the host wait and is not counted. On a CPU-only run no copy counts: every tensor is on the CPU.
+
+    A region that syncs nowhere leaves ``seen`` empty; every test that asserts so also shows the counter counting.
+    """
+
+    READS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero",
+                       "aten::lift_fresh"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    @staticmethod
+    def to_host(name: str, args, kwargs) -> bool:
+        """Whether a copy op moves a non-CPU tensor onto the CPU (the rule above)."""
+        def on_device(t) -> bool:
+            return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+        if name == "aten::_to_copy":
+            return on_device(args[0]) and torch.device(kwargs.get("device") or args[0].device).type == "cpu"
+        if name == "aten::copy_":
+            return args[0].device.type == "cpu" and on_device(args[1])
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in self.READS or self.to_host(name, args, kwargs):
+            self.seen.append(name)
+        return func(*args, **kwargs)

@@ -6,15 +6,14 @@ GPU: what a CUDA graph needs of it, checked on the CPU.
 * one graph per batch bucket (a counting torch.compile backend around ``aot_eager``, static shapes): no recompile
   from step to step, nor when rows join and leave within a bucket;
 * the buffers a graph reads keep their addresses from step to step;
-* no host sync inside a step (a dispatch mode counting what reads a device value on the host or copies host data
-  in), nor in the runner's whole step once its rows are seated: the next input is the last step's token, on the
-  device; the host reads the drawn ids with one small copy, outside the step.
+* no host sync inside a step (``conftest.HostSyncs``: a dispatch mode counting what reads a device value on the
+  host or copies host data in), nor in the runner's whole step once its rows are seated: the next input is the last
+  step's token, on the device; the host reads the drawn ids with one small copy, outside the step.
 """
 
 import pytest
 import torch
-from conftest import Counting, tiny_config
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import Counting, HostSyncs, tiny_config
 
 import txl
 from txl.decoding import Picker
@@ -23,27 +22,6 @@ from txl.serve.runner import Drawn, Model, Unit, draw
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 61
-
-
-class HostSyncs(TorchDispatchMode):
-    """The ops of a region that make the host wait for the device (a device value read: ``_local_scalar_dense``,
-    what ``.item()``, ``int()`` and ``.tolist()`` call; ``nonzero``'s data-dependent size; a copy to the CPU) or that
-    copy host data in (``torch.tensor`` of a list: ``lift_fresh``)."""
-
-    SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::lift_fresh"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = f"aten::{func._opname}"
-        to_cpu = name in ("aten::_to_copy", "aten::copy_") and any(
-            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and (
-            (kwargs or {}).get("device") == torch.device("cpu"))
-        if name in self.SYNCS or to_cpu:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -158,6 +136,19 @@ def test_no_host_sync_inside_a_step():
     assert control.seen == ["aten::lift_fresh", "aten::_local_scalar_dense", "aten::nonzero"]
 
 
+def test_the_host_sync_counter_counts_copies_to_the_host_by_one_rule():
+    """``HostSyncs``' rule for copies, whichever op copies: device to host counts, host to device and a device's own
+    copies do not (a non-CPU tensor without a device: 'meta', whose data is never touched here)."""
+    cpu, dev = torch.zeros(2), torch.empty(2, device="meta")
+    to_host = HostSyncs.to_host
+    assert to_host("aten::_to_copy", (dev,), {"device": torch.device("cpu")})  # .cpu(), .to("cpu")
+    assert to_host("aten::copy_", (cpu, dev), {})  # into pinned (or any host) memory
+    assert not to_host("aten::_to_copy", (cpu,), {"device": torch.device("meta")})  # onto the device
+    assert not to_host("aten::copy_", (dev, cpu), {})
+    assert not to_host("aten::_to_copy", (dev,), {"dtype": torch.float64})  # stays on the device
+    assert not to_host("aten::copy_", (cpu, cpu), {})
+
+
 def test_drawing_on_the_device_chooses_what_each_rows_picker_chooses():
     """``draw``: rows all greedy are one argmax with their log-probs; mixed rows each drawn by their own picker
     (a seed is the row's own: the same draw as that picker alone)."""
@@ -217,7 +208,7 @@ def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tm
     model, tokenizer, _ = loader(make_model_dir(tmp_path / "m"))()
     m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs=graphs)
     engine = Engine(m, tokenizer, SessionStore(tmp_path / "s", max_in_memory=4, ttl=60), max_queue=4, max_batch=4,
-                    durable=False)
+                    durable=False, pipelined=True)  # the order CUDA resolves to
     job = type("Job", (), {"cancelled": False})()
     events: list[str] = []
     get = Drawn.get
@@ -244,8 +235,8 @@ def test_a_generation_without_stop_rules_reads_its_tokens_after_its_last_step(tm
         except StopIteration as stop:
             outs.append(stop.value)
         steps = events.count("step") + events.count("prefill")
-        if streamed:
-            assert events.index("read") < events.index("step")
+        if streamed:  # pipelined: each step launched before the host reads the token before it (its input)
+            assert events == ["prefill"] + ["step", "read"] * 11 + ["read"]
         else:
             assert events[:steps] == ["prefill"] + ["step"] * 11 and events[steps:] == ["read"] * 12
     assert outs[0]["ids"] == outs[1]["ids"] and outs[2]["ids"] == outs[3]["ids"] and outs[0]["ids"] != outs[2]["ids"]

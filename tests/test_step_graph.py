@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import HostSyncs, tiny_config
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -166,27 +166,6 @@ def test_a_step_that_cannot_be_captured_runs_on_uncaptured_and_says_why(monkeypa
     assert_same_run(got, want, model, want_model, memories, want_mem)
 
 
-class HostReads(TorchDispatchMode):
-    """Counts the ops that wait on the device: a value read to the host (``item``, ``_local_scalar_dense``), a
-    data-dependent shape (``nonzero``), a copy from a device to the host."""
-
-    SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        to_host = name in ("aten::_to_copy", "aten::copy_") and any(
-            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and (
-            kwargs.get("device", args[0].device if name == "aten::copy_" else None) == torch.device("cpu"))
-        if name in self.SYNCING or to_host:
-            self.seen.append(name)
-        return func(*args, **kwargs)
-
-
 def counted(mode: TorchDispatchMode, fn):
     def run():
         with mode:
@@ -210,7 +189,7 @@ def test_the_step_keeps_its_buffers_and_reads_nothing_back(monkeypatch):
     model, opt, scaler = setup(config)
     graph, step = graphed(model, opt, scaler, info, "aot_eager")
     memories, pointers = [None], None
-    reads = HostReads()
+    reads = HostSyncs()
     for s, batch in enumerate(segments(6)):
         if s == 0:
             stats, memories = step(batch, memories)  # allocates and compiles
@@ -230,7 +209,7 @@ def test_the_step_keeps_its_buffers_and_reads_nothing_back(monkeypatch):
 
     plain = txl.TransformerXL(tiny_config(mem_len=7, cutoffs=[20, 40]))  # the CPU's own path: 'selected' rows
     batch = next(segments(1))
-    with HostReads() as control:
+    with HostSyncs() as control:
         train_step(plain, build_optimizer(plain, OPTIM), scaler, batch, [None], lr=OPTIM.lr, clip=OPTIM.clip,
                    precision="fp32", info=info)
     assert "aten::nonzero" in control.seen

@@ -38,9 +38,15 @@ class Engine(Requests, Scheduler):
     """The worker thread, the session store it alone touches, and the queue in front of them."""
 
     def __init__(self, model: Model, tokenizer, store: SessionStore, *, max_queue: int, max_batch: int,
-                 durable: bool, metrics=None, threads: int = 0) -> None:
+                 durable: bool, metrics=None, threads: int = 0, pipelined: bool | None = None) -> None:
+        """``pipelined``: a generation launches its next step before the host reads this step's token
+        (``Requests.generate``). None: where launches are asynchronous (CUDA), so that the device works while the
+        host reads; on the CPU a launch runs to its end before it returns, so the order gains nothing there and
+        would cost a request ended by a stop rule one extra step. tests/test_serve_pipelined.py runs both orders
+        on the CPU."""
         super().__init__(model.run, max_queue=max_queue, max_batch=max_batch, metrics=metrics, threads=threads)
         self.m, self.tokenizer, self.store, self.durable = model, tokenizer, store, durable
+        self.pipelined = model.device.type == "cuda" if pipelined is None else pipelined
         # Durable writes (write, fsync, rename, fsync the directory) run on threads of their own: the sessions of a
         # batch are written at once (their fsyncs wait on the disk together, not one after another) while the
         # worker runs the next forward. A session stays active until its write returns, so nothing else touches

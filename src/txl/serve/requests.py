@@ -48,6 +48,9 @@ class Requests:
     m: Model
     tokenizer: object
     metrics: object
+    pipelined: bool = True
+    """Generation launches step t + 1 before the host reads step t's token (``generate``); False: the host reads
+    each token before the next step is launched (the tests' reference)."""
 
     def read_ids(self, state: SessionState, ids: list[int], generated: tuple[list[float], Result] | None = None,
                  *, top: int = 0, tops: list | None = None) -> Generator[Unit, Result, list[float]]:
@@ -152,7 +155,10 @@ class Requests:
         repetition penalty counts the tokens since the session's last segment boundary, the memory's are not
         kept), on the model's device by the runner (``txl.serve.runner.draw``): the host reads each token's id and
         log-prob with one small copy a step (all after the last step when no stop rule or stream needs them
-        sooner), and the next step's input never leaves the device;
+        sooner), and the next step's input never leaves the device. With ``pipelined`` (the default) step t + 1 is
+        launched before the host reads step t's token, so the device never waits for the host's stop checks and
+        streaming; a generation that a stop text or stop token ends at step t has then computed one step more,
+        whose token is dropped and whose row is never kept (``_kept``): the session ends as unpipelined;
         ``stop`` texts are found by ``txl.decoding.StopText``, which holds back what may become one.
         ``on_token(id, log-prob, top alternatives, end)`` sees each token as it is drawn, before the text its push
         releases goes out (``end``: the length of the text then, held text included), and
@@ -204,11 +210,17 @@ class Requests:
             if job.cancelled:
                 finish = "cancelled"
                 break
+            more = i + 1 < max_tokens  # the token limit is known ahead: the last token launches no step
             if deferred:
                 pending.append(r.drawn)
-                if i + 1 < max_tokens:
+                if more:
                     r = yield Unit("step", [-1], row=r.row, pick=pick, after=r.drawn)
                 continue
+            # Pipelined: step i + 1, whose input is token i on the device, is launched before the host reads token
+            # i (the scheduler runs it, with the other rows' steps, before this generator resumes), so its copy is
+            # read while the device computes the next step. If token i stops the generation, that step is dropped.
+            ahead = (yield Unit("step", [-1], row=r.row, pick=pick, after=r.drawn)) if more and self.pipelined \
+                else None
             token, top = take(r.drawn)  # drawn on the device by the runner; the host reads the id and its log-prob
             stopped = texts.push(stream.push(token))
             if on_token is not None:  # before its text goes out; ``end``: where the text pushed so far ends
@@ -219,8 +231,8 @@ class Requests:
             piece = texts.show()
             if piece and on_text is not None:
                 on_text(piece)
-            if i + 1 < max_tokens:
-                r = yield Unit("step", [token], row=r.row, pick=pick, after=r.drawn)  # its input stays on the device
+            if more:  # its input stays on the device
+                r = ahead if ahead is not None else (yield Unit("step", [token], row=r.row, pick=pick, after=r.drawn))
         for drawn in pending:  # deferred: no stop text nor token, so nothing stops them
             texts.push(stream.push(take(drawn)[0]))
         if not texts.stopped:  # the last token's text (a stop token's too)
@@ -237,9 +249,28 @@ class Requests:
         # What was generated becomes part of the session, read as text is (its scores as `txl score` gives).
         yield from self.read_ids(state, produced, (chosen, r) if produced else None)
         if produced and state.memory is start_memory:  # no segment ended: the rows stay valid for the next one
-            memory, kv = self.m.take(r.row)  # (L, m, d), (L, m, H, D) each: this row's, copied out of the batch
-            m0 = 0 if start_memory is None else start_memory.size(1)
-            state.generation = Kept(memory, kv, memory.size(1) - m0, start_memory, state.n_tokens)
+            state.generation = self._kept(r, state, start_memory)
         state.generated += len(produced)
         state.chars += len(self.tokenizer.decode(produced)) if produced else 0
         return {"text": shown, "ids": produced, "logprobs": chosen, "top_logprobs": tops, "finish_reason": finish}
+
+    def _kept(self, last: Result, state: SessionState, start_memory: torch.Tensor | None) -> Kept:
+        """The rows a generation keeps in its session: its row's memory, keys and values over the memory it started
+        from and every token of the session but the last (which no step has read), copied out of the batch.
+
+        A row may have read more: a step launched before the host read the token that stopped the generation (a
+        pipelined stop, or a cancelled request's last step). In the slots (``txl.serve.slots``) such a step wrote its
+        column into the same seat as the kept result's; in a ``Rows`` batch it appended past the kept result's views.
+        Either way its rows are the newest, after the ones kept, and every older row is as an unpipelined run left
+        it (the memory keeps every row read while generating: nothing slid out), so dropping them leaves exactly the
+        rows an unpipelined run keeps."""
+        memory, kv = self.m.take(last.row)  # (L, m', d), (L, m' (+ C), H, D) each
+        m0 = 0 if start_memory is None else start_memory.size(1)
+        inputs = len(state.tokens) - 1  # no segment ended: the session's tokens are the prompt and the generated
+        extra = memory.size(1) - (m0 + inputs)
+        if extra < 0:
+            raise RuntimeError(f"a generation's row holds {memory.size(1)} rows, fewer than the {m0 + inputs} it read")
+        if extra:
+            memory = memory[:, :memory.size(1) - extra]  # (L, m0 + inputs, d)
+            kv = None if kv is None else tuple(t[:, :t.size(1) - extra] for t in kv)  # (L, m0 + inputs (+ C), H, D)
+        return Kept(memory, kv, inputs, start_memory, state.n_tokens)

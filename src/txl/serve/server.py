@@ -62,8 +62,10 @@ class Server:
                             durable=s.durability == "request", metrics=self.metrics, threads=s.threads)
             engine.start()
             self.engine = engine
-            logger.info("model %s ready, reading with segment_len %d, %s: %d sessions in %s", self.name,
-                        s.segment_len, m.read_ctx.describe(), len(store.last_used), s.state_dir)
+            logger.info("model %s ready, reading with segment_len %d, %s, generation %s: %d sessions in %s",
+                        self.name, s.segment_len, m.read_ctx.describe(),
+                        "pipelined" if engine.pipelined else "reading each token before the next step",
+                        len(store.last_used), s.state_dir)
         except Exception as err:  # noqa: BLE001 - the server stays up and says it failed
             self.failed = True
             logger.error("the model failed to load: %s", err)
