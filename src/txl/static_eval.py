@@ -52,11 +52,17 @@ from txl.model.positions import Positions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WARMUP", "StaticEval", "ring_mask", "ring_segment", "static_eval_error"]
+__all__ = ["WARMUP", "StaticEval", "compile_segment", "ring_mask", "ring_segment", "static_eval_error"]
 
 WARMUP = 2
 """Segments run uncaptured on a side stream before the capture on CUDA (torch.compile's kernels made, cuBLAS and
 the allocator settled), as ``txl.captured_step`` warms its steps up."""
+
+
+def compile_segment(backend: str | Callable | None = None) -> Callable[..., None]:
+    """``ring_segment`` through torch.compile at static shapes, without torch's own CUDA graphs (the segment is
+    captured whole around it); ``backend``: torch.compile's (None: inductor)."""
+    return torch.compile(ring_segment, backend=backend or "inductor", dynamic=False)
 
 
 def static_eval_error(model, context: Context) -> str | None:
@@ -151,7 +157,7 @@ class StaticEval:
                              "which a captured segment cannot: compile it, or set --model.cluster_rows all")
         self.model, self.context, self.device, self.warmup = model, context, device, warmup
         self.horizon = context.mem_len + (context.same_length_style == "tensorflow") if context.same_length else 0
-        self.fn = torch.compile(ring_segment, backend=backend or "inductor", dynamic=False) if compile else ring_segment
+        self.fn = compile_segment(backend) if compile else ring_segment
         self.buffers: dict[str, torch.Tensor] | None = None  # made by the first segment
         self.keys: tuple[torch.Tensor, ...] = ()
         self.values: tuple[torch.Tensor, ...] = ()
