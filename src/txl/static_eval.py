@@ -244,7 +244,8 @@ class StaticEval:
         else:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                # thread_local: another thread's CUDA work (a checkpoint writer's copies) is not this capture's.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.fn(*args, **options)
             except RuntimeError as err:  # a capture runs nothing: the buffers are as before, the segment runs again
                 log.warning("the evaluation segment could not be captured as a CUDA graph (%s); it runs uncaptured "

@@ -175,14 +175,15 @@ def relative_bias(qv: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None 
     One matmul per head over all B*T queries: R is shared by the batch, so it is not copied B times, as a
     (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added. ``index``: (T, K) the row
     of r each (query, key) reads, for keys in any order (a ring): r (N, H, D) then holds N distances, and the
-    scores against them are gathered by it instead of realigned.
+    scores against them are gathered by it instead of realigned (evaluation: no autograd through the gather).
     """
     H, BT, _ = qv.shape
     T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
     if index is not None:
         position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, r.size(0))  # (H, B, T, N)
-        position = position.take_along_dim(index[None, None], dim=-1).transpose(0, 1)  # (B, H, T, K)
-        return position * scale + mask_bias  # (B, H, T, K)
+        position = position.take_along_dim(index[None, None], dim=-1).transpose(0, 1)  # (B, H, T, K) view
+        out = position.new_empty(position.shape)  # (B, H, T, K), laid out as SDPA reads a bias
+        return torch.add(mask_bias, position, alpha=scale, out=out)  # (B, H, T, K)
     position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
     return realign(position, mask_bias, heads_first=True, scale=scale)  # (B, H, T, K)
 
