@@ -251,6 +251,33 @@ def test_reset_starts_the_streams_again():
     assert ring.sums()[1] == B * 4 * T
 
 
+def test_the_rings_in_bf16_on_cudas_path_pass_cudas_rules():
+    """The captured segment's twin where it can run: the model resolved for CUDA, in bf16 autocast, its segment
+    compiled (aot_eager) and traced under CUDA's autocast with each graph judged by CUDA's operand rules, and the
+    uncompiled segment (a split's last, shorter one) run under them too; the per-token NLL equals the model's
+    evaluation under the same rules to bf16 rounding."""
+    from txl.testing.cuda_rules import JudgingBackend, cuda_autocast, cuda_rules
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = txl.TransformerXL(resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda"))
+    batches = segments(6, last=2)
+    backend = JudgingBackend()
+    with inference_context(model) as ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+        with cuda_rules():
+            want = model_evaluation(model, batches, ctx)
+        ring = StaticEval(model, ctx, backend=backend)
+        with cuda_autocast():
+            got = [ring(x, y).clone() for x, y in batches[:-1]]
+        with cuda_rules():
+            got.append(ring(*batches[-1]).clone())
+    torch._dynamo.reset()
+    assert ring.keys[0].dtype == torch.bfloat16  # the rings hold what the layers' matmuls make
+    assert {"mm", "nll_loss_forward", "index_copy", "gather"} <= backend.seen
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_captured_segment_equals_the_models_evaluation_on_cuda():
