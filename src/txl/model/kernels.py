@@ -181,7 +181,8 @@ def relative_bias(qv: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None 
     T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
     if index is not None:
         position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, r.size(0))  # (H, B, T, N)
-        position = position.take_along_dim(index[None, None], dim=-1).transpose(0, 1)  # (B, H, T, K) view
+        # gather of the expanded index: take_along_dim's broadcast made it ~5x slower on a CPU
+        position = position.gather(-1, index.expand(H, BT // T, T, K)).transpose(0, 1)  # (B, H, T, K) view
         out = position.new_empty(position.shape)  # (B, H, T, K), laid out as SDPA reads a bias
         return torch.add(mask_bias, position, alpha=scale, out=out)  # (B, H, T, K)
     position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
