@@ -209,6 +209,34 @@ def test_evaluate_with_graphs_reads_rings_and_equals_evaluate_without(monkeypatc
                              "other encodings place keys by their index in the window"]
 
 
+def test_txl_score_with_graphs_equals_without(tmp_path, monkeypatch, capsys):
+    """``txl score --graphs`` (through aot_eager here) reaches the rings and writes the totals ``txl score`` writes."""
+    import json
+
+    from test_generate_cli import _byte_checkpoint, run_cli
+
+    from txl import static_eval
+
+    made = []
+
+    def aot_eager(backend=None):
+        made.append(backend)
+        return torch.compile(ring_segment, backend="aot_eager", dynamic=False)
+
+    monkeypatch.setattr(static_eval, "compile_segment", aot_eager)
+    torch._dynamo.reset()
+    ckpt, text = _byte_checkpoint(tmp_path)
+    totals = []
+    for extra in ([], ["--graphs"]):
+        rc, out, err = run_cli(capsys, "score", "--checkpoint", ckpt, "--segment-len", 4, "--mem-len", 6,
+                               "--totals-only", "-o", "-", *extra, text)
+        assert rc == 0, err
+        totals.append(json.loads(out))
+    assert len(made) == 1
+    assert totals[1]["tokens"] == totals[0]["tokens"] > 0
+    assert totals[1]["nll"] == pytest.approx(totals[0]["nll"], rel=1e-6)
+
+
 @pytest.mark.parametrize(("model_changes", "context_changes", "why"), [
     (dict(attn_type="rotary"), {}, "attn_type='rotary': the ring reads the paper's relative positional table"),
     (dict(cmem_len=4, cmem_rate=2), {}, "cmem_len=4: a compressed memory is rebuilt"),

@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_shortcut(p, "--mem-len", "eval.mem_len", metavar="M")
     add_shortcut(p, "--clamp-len", "eval.clamp_len", metavar="C")
     add_shortcut(p, "--same-length", "eval.same_length", action=argparse.BooleanOptionalAction)
+    add_shortcut(p, "--graphs", "eval.graphs", action=argparse.BooleanOptionalAction)
     add_config_arguments(p, ["eval"])
     p.set_defaults(func=run)
 
