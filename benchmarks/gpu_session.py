@@ -118,7 +118,8 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
     steps += [
         bench_step("bench-eager", "eager, profiled once", work, device, 100, 120, 40,
                    "--shapes", *shapes, *phases, "--modes", "eager", "--profile", *reps),
-        bench_step("bench-graphs", "static shapes through CUDA graphs (txl.graphs), profiled once", work, device,
+        bench_step("bench-graphs", "CUDA graphs (training: txl.graphs; evaluation: key/value rings, txl.static_eval), "
+                   "profiled once", work, device,
                    200, 300, 90, "--shapes", *shapes, *phases, "--modes", "graphs", "--profile", *graphs, *reps),
         bench_step("bench-before", "eager with every change of issue 34 switched back (A/B)", work, device, 100, 120,
                    40, "--shapes", *shapes, *phases, "--modes", "eager", "--before", *every, *reps),

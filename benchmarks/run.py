@@ -247,31 +247,41 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
 
     As ``txl.evaluate``: the memory rows' keys and values come from the previous segment's cache instead of
     being projected again (the weights do not change in evaluation). The warm-up lasts at least until the
-    memory is full, and every timed segment is checked to read M = mem_len rows. ``graphs``: through
-    ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs).
+    memory is full, and every timed segment is checked to read M = mem_len rows. ``graphs``: as ``txl.evaluate``
+    runs them, over key/value rings captured as one CUDA graph (``txl.static_eval``), or, for a model the rings
+    cannot read (or an earlier txl without them), through ``txl.graphs.StaticSteps`` (``extra['rings']`` says which).
     """
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = txl.TransformerXL(model_config(shape)).to(device).eval()
-    forward = static_steps(model, graphs_backend) if graphs else compile_model(model, compile)
-    memory, cache, samples, bracket, extra = None, model.start_kv_cache(), [], Bracket(peak), {}
+    ring = static_eval(model, graphs_backend) if graphs else None
+    forward = static_steps(model, graphs_backend) if graphs and ring is None else compile_model(model, compile)
+    memory, cache, samples, bracket = None, model.start_kv_cache(), [], Bracket(peak)
+    extra = {"rings": ring is not None} if graphs else {}
     # Untimed until the memory is full and one more segment has run at its final shape: a timed segment reads
-    # M = mem_len rows, as a long evaluation does, at a shape its kernels (and compiled graphs) have met.
-    warmup = max(warmup, eval_fill_segments(shape) + 1)
+    # M = mem_len rows, as a long evaluation does, at a shape its kernels (and compiled graphs) have met; the rings
+    # also until their segment is captured.
+    warmup = max(warmup, eval_fill_segments(shape) + 1, ring.warmup + 1 if ring is not None and ring.capture else 0)
 
     def segment(x, y):
         with torch.inference_mode(), autocast(device, PRECISION[dtype_name]):
+            if ring is not None:
+                ring(x, y).sum().item()
+                return ring  # its buffers hold what the next segment reads
             out = forward(x, labels=y, memory=memory, kv_cache=cache)
         out.nll.sum().item()
         return out
+
+    def memory_rows() -> int:
+        return memory_length(memory) if ring is None else int(ring.buffers["filled"])
 
     started = time.perf_counter()
     for i, (x, y) in enumerate(batches(shape, warmup + steps + profile, gen, device)):
         if i == warmup:
             warmup_s = time.perf_counter() - started  # each segment reads its loss back: nothing left queued
             bracket.start()
-        if i >= warmup and memory_length(memory) != shape.mem_len:
-            raise AssertionError(f"timed segment {i - warmup} read {memory_length(memory)} memory rows, not the "
+        if i >= warmup and memory_rows() != shape.mem_len:
+            raise AssertionError(f"timed segment {i - warmup} read {memory_rows()} memory rows, not the "
                                  f"evaluation's mem_len {shape.mem_len}")
         if i == warmup + steps:  # the extra, profiled segment
             extra.update(profiled(device, functools.partial(segment, x, y)))
@@ -281,7 +291,8 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
         step = peak.clock() - t0
         if i >= warmup:
             samples.append(dict(step=step, peak=bracket.around()))
-        memory, cache = out.memory, out.kv_cache
+        if ring is None:
+            memory, cache = out.memory, out.kv_cache
     extra.update(warmup=warmup, warmup_steps=warmup, warmup_s=warmup_s, timed_mem_len=shape.mem_len)
     return samples, extra
 
@@ -289,6 +300,17 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
 GRAPHS_WARMUP = 3
 """Training steps the graphs mode leaves untimed at least: torch.compile's, and cudagraph trees' warm-up run and
 recording (the replays come after)."""
+
+
+def static_eval(model: txl.TransformerXL, backend: str | None):
+    """``txl.static_eval.StaticEval`` over the model's own context, as ``txl.evaluate(graphs=True)`` makes it; None
+    where the rings do not apply, or in an earlier txl (``gpu_session --baseline-src``), which has none."""
+    try:
+        from txl.static_eval import StaticEval, static_eval_error
+    except ImportError:
+        return None
+    context = model.config.context()
+    return None if static_eval_error(model, context) else StaticEval(model, context, backend=backend)
 
 
 def static_steps(model: txl.TransformerXL, backend: str | None):

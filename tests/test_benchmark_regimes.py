@@ -102,13 +102,15 @@ def test_a_switch_puts_the_earlier_code_back_inside_its_block_only():
 
 @pytest.mark.slow  # benchmark workers (34 s loaded)
 def test_the_benchmark_runs_graphs_and_a_switch_side_by_side(tmp_path, capsys):
-    """The driver end to end on the tiny shape: eager and graphs (aot_eager), with and without the SDPA pin."""
+    """The driver end to end on the tiny shape: eager and graphs (aot_eager, over rings), with and without the SDPA
+    pin."""
     bench.main(["--shapes", "tiny", "--dtypes", "fp32", "--phases", "eval", "--modes", "eager", "graphs",
                 "--graphs-backend", "aot_eager", "--steps", "1", "--warmup", "0", "--lengths", "--threads", "1",
                 "--out", str(tmp_path), "--before", "sdpa-pin"])
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["graphs"], r["before"]) for r in rows] == [(False, ["sdpa-pin"]), (True, ["sdpa-pin"])]
     assert all(r["timed_mem_len"] == 16 and r["warmup"] == 2 for r in rows)
+    assert rows[1]["rings"] is True  # the graphs row evaluates over key/value rings (txl.static_eval)
     out = capsys.readouterr().out
     assert "tiny fp32 eval: graphs / eager tokens/s = " in out and "before: sdpa-pin" in out
 

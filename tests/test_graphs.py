@@ -171,12 +171,14 @@ def test_a_training_run_with_graphs_equals_one_without(corpus, tmp_path, monkeyp
     plain run (segments of 4 against mem_len 6; the test split's shorter last segment runs plain)."""
     import txl.train
     from txl import checkpoint as ckpt
-    from txl import graphs
+    from txl import graphs, static_eval
     from txl.config import DataConfig, EvalConfig, RunConfig, TrainConfig
     from txl.data.corpora import load_run_corpus
 
     monkeypatch.setattr(graphs, "compile_static",
                         lambda model, backend=None: torch.compile(model, backend="aot_eager", dynamic=False))
+    monkeypatch.setattr(static_eval, "compile_segment", lambda backend=None: torch.compile(
+        static_eval.ring_segment, backend="aot_eager", dynamic=False))  # eval.graphs: the rings
     results = []
     for on in (False, True):
         torch._dynamo.reset()
@@ -199,20 +201,20 @@ def test_a_training_run_with_graphs_equals_one_without(corpus, tmp_path, monkeyp
 
 def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, capsys):
     """``txl eval --graphs`` (through aot_eager here) prints the figures of ``txl eval``: the same loss on the same
-    tokens, memory filling past mem_len."""
+    tokens, memory filling past mem_len (the relative model: over rings, ``txl.static_eval``)."""
     import txl.train
-    from txl import graphs
+    from txl import static_eval
     from txl.cli import main
     from txl.config import DataConfig, EvalConfig, RunConfig, TrainConfig
     from txl.data.corpora import load_run_corpus
 
     calls = []
 
-    def aot_eager(model, backend=None):
-        calls.append(model)
-        return torch.compile(model, backend="aot_eager", dynamic=False)
+    def aot_eager(backend=None):
+        calls.append(backend)
+        return torch.compile(static_eval.ring_segment, backend="aot_eager", dynamic=False)
 
-    monkeypatch.setattr(graphs, "compile_static", aot_eager)
+    monkeypatch.setattr(static_eval, "compile_segment", aot_eager)
     cfg = RunConfig(data=DataConfig(corpus=corpus, level="byte"), model=tiny_config(vocab_size=256),
                     train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=2, batch_size=2, tgt_len=4,
                                       progress=False, tensorboard=False, plot=False, eval_batches=1, eval_interval=0,
@@ -225,7 +227,7 @@ def test_txl_eval_with_graphs_equals_without(corpus, tmp_path, monkeypatch, caps
         assert main(["eval", str(tmp_path / "run"), "--max-batches", "5", "--no-progress", *flags]) == 0
         line = next(r for r in capsys.readouterr().out.splitlines() if ": loss " in r)
         figures.append(line.split(" tokens, ")[0])  # "mem_len 6, tgt_len 4, keys/query 7-10: loss ..., 200"
-    assert len(calls) == 1  # the flag reached txl.graphs
+    assert len(calls) == 1  # the flag reached txl.static_eval
     assert figures[0] == figures[1] and "loss" in figures[0]
     assert main(["eval", str(tmp_path / "run"), "--graphs", "--compile"]) == 2
     assert "--graphs already compiles" in capsys.readouterr().err

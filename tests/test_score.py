@@ -96,3 +96,29 @@ def test_streams_segments_and_reads_iterators():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         iter_scores(tiny_model(), documents([5]), **kwargs)  # raised at the call
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_scoring_over_rings_equals_scoring_without(monkeypatch, same_length):
+    """``graphs=True`` (``txl score --eval.graphs true``): every segment of every group through the key/value rings of
+    ``txl.static_eval``, compiled once (the counting backend), the last group's rows and each group's last segment
+    padded to that one shape: the same per-token log-probabilities and totals as the plain path."""
+    from conftest import Counting
+
+    from txl import static_eval
+
+    counter = Counting()
+    monkeypatch.setattr(static_eval, "compile_segment", lambda backend=None: torch.compile(
+        static_eval.ring_segment, backend=counter, dynamic=False))
+    torch._dynamo.reset()
+    model = tiny_model()
+    docs = documents([40, 1, 17, 0, 7, 23, 12])  # groups of 3, 3 and 1 documents
+    kw = dict(segment_len=7, mem_len=10, same_length=same_length, context_id=0, keep_logprobs=True, batch_size=3)
+    plain = score_documents(model, docs, **kw)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        rings = score_documents(model, docs, graphs=True, **kw)
+    assert counter.graphs == 1 and counter.runs == 11  # 6, 3 and 2 segments: one graph for all
+    for r, p in zip(rings, plain, strict=True):
+        assert r.n_tokens == p.n_tokens
+        np.testing.assert_allclose(r.logprobs, p.logprobs, **TOL)
+        assert math.isclose(r.nll, p.nll, rel_tol=1e-6, abs_tol=1e-6)

@@ -569,7 +569,8 @@ class EvalConfig:
     compile: bool = False
     """Evaluate through torch.compile (validation during training and the final test)."""
     graphs: bool = False
-    """Evaluate at one static shape through CUDA graphs (``txl.graphs``; as ``TrainConfig.graphs``)."""
+    """Evaluate (and ``txl score``) with each segment captured as one CUDA graph over key/value rings written in place
+    (``txl.static_eval``; compiled on a CPU), or at one static shape (``txl.graphs``) where the rings do not apply."""
 
     def __post_init__(self) -> None:
         _check("EvalConfig", "batch_size", self.batch_size >= 1, "must be a positive integer", self.batch_size)

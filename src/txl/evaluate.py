@@ -8,6 +8,7 @@ section 3.2: the effective context grows with the memory); the context is an arg
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,9 @@ from txl.labels import IGNORE_INDEX
 from txl.model import TransformerXL
 from txl.model.transformer import check_token_ids
 from txl.runtime import compile_model
+from txl.static_eval import StaticEval, static_eval_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,8 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     ``context``: the attention context (``EvalConfig.context(model.config)``); None is the model's own.
     In a process group each rank reads its share of the streams and the sums are all-reduced.
     ``max_batches`` > 0 stops early (periodic validation). ``compile`` runs the forward through torch.compile;
-    ``graphs`` at one static shape through CUDA graphs (``txl.graphs``).
+    ``graphs`` the segment captured as a CUDA graph over key/value rings written in place (``txl.static_eval``), or,
+    where those do not apply, at one static shape through CUDA graphs (``txl.graphs``).
     ``on_segment(done, total)`` is called after each segment (a progress bar: ``txl.metrics.segment_progress``).
     """
     from txl.data import eval_iterator
@@ -110,7 +115,11 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     context = model.config.context() if context is None else context
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
                        world_size=info.world_size, device=device)
-    forward = StaticSteps(model) if graphs else compile_model(model, compile)
+    why = static_eval_error(model, context) if graphs else "graphs off"
+    ring = StaticEval(model, context) if why is None else None
+    if graphs and ring is None:
+        log.info("eval graphs: through txl.graphs.StaticSteps (the memory copied in and out), not rings: %s", why)
+    forward = StaticSteps(model) if graphs and ring is None else compile_model(model, compile)
     total = min(len(it), max_batches) if max_batches else len(it)
     start = time.perf_counter()
     # Sums kept on the device and read once at the end: reading them per segment would wait for each one.
@@ -124,14 +133,20 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
         for i, batch in enumerate(it):
             if max_batches and i >= max_batches:
                 break
-            with autocast(device, precision):
-                out = forward(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache, context=context)
-            memory, cache = out.memory, out.kv_cache
-            nll_sum += out.nll.double().sum()
-            count += (batch.labels != IGNORE_INDEX).sum()
+            if ring is not None:  # the sums accumulate in its buffers
+                with autocast(device, precision):
+                    ring(batch.input_ids, batch.labels)
+            else:
+                with autocast(device, precision):
+                    out = forward(batch.input_ids, labels=batch.labels, memory=memory, kv_cache=cache,
+                                  context=context)
+                memory, cache = out.memory, out.kv_cache
+                nll_sum += out.nll.double().sum()
+                count += (batch.labels != IGNORE_INDEX).sum()
             if on_segment is not None:
                 on_segment(i + 1, total)
-    nll_sum, count = all_reduce_sum(torch.stack([nll_sum, count.double()]).tolist(), info)
+    sums = ring.sums() if ring is not None else torch.stack([nll_sum, count.double()])
+    nll_sum, count = all_reduce_sum(sums.tolist(), info)
     if count == 0:
         raise ValueError(f"nothing to evaluate: the split has {len(tokens)} tokens")
     return EvalResult(loss=nll_sum / count, tokens=int(count), seconds=time.perf_counter() - start, metric=metric)

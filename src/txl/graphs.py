@@ -23,6 +23,9 @@ What a CUDA graph writes, it writes into its own buffers, which its next replay 
 cache, loss and per-token NLL a caller keeps are copied out of them (a copy of the memory per step, small
 beside the step); ``hidden`` and ``log_probs`` are the graph's own, valid until the next call.
 
+Evaluation (``txl.evaluate(graphs=True)``, ``txl score``) runs over key/value rings instead where it can
+(``txl.static_eval``: nothing copied in or out); what those cannot take comes here.
+
 The optimiser step stays outside the graphs: ``txl.optim.build_optimizer``'s fused Adam is a few
 multi-tensor kernels whatever the parameter count.
 """

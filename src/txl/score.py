@@ -18,6 +18,7 @@ Token 0 of a document has no context; it is scored only when ``context_id`` is g
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +31,11 @@ from txl.decoding import read
 from txl.evaluate import inference_context
 from txl.labels import IGNORE_INDEX
 from txl.model import Memory, TransformerXL
+from txl.static_eval import StaticEval, static_eval_error
 
 __all__ = ["DocumentScore", "ScoredSegment", "iter_scores", "score_documents"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,9 +130,21 @@ def _group(documents: Sequence[Iterable[int]], batch_size: int) -> list[list[int
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def _ring_read(ring: StaticEval, rows: int, width: int, x: torch.Tensor, y: torch.Tensor, device: torch.device
+               ) -> torch.Tensor:
+    """``read``'s (B, S) log-probabilities through the rings (``txl.static_eval``): every segment at the rings' one
+    shape, ``rows`` x ``width`` (segment_len), the rows and positions past the group's padded (read, never scored; a
+    short segment is a group's last, and the next group starts the streams again), so each replays one graph."""
+    B, S = x.shape
+    pad_x = torch.zeros(rows, width, dtype=x.dtype)  # (rows, segment_len); padding reads token 0
+    pad_y = torch.full_like(pad_x, IGNORE_INDEX)  # (rows, segment_len); padding is not scored
+    pad_x[:B, :S], pad_y[:B, :S] = x, y
+    return (-ring(pad_x.to(device), pad_y.to(device))[:B, :S]).double().cpu()  # (B, S)
+
+
 def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, context_id: int | None,
-                 keep_logprobs: bool, device: torch.device,
-                 context: Context) -> Iterator[ScoredSegment | DocumentScore]:
+                 keep_logprobs: bool, device: torch.device, context: Context,
+                 ring: tuple[StaticEval, int, int] | None = None) -> Iterator[ScoredSegment | DocumentScore]:
     for row in rows:
         first = row.reader.take(1) if context_id is None else np.array([context_id])
         row.done = len(first) == 0
@@ -148,7 +164,9 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
                 x[b, 0], x[b, 1:len(ids)] = row.carry, torch.from_numpy(ids[:-1])
                 y[b, :len(ids)] = torch.from_numpy(ids)
                 row.carry = int(ids[-1])
-        if n:
+        if n and ring is not None:
+            logprobs = _ring_read(*ring, x, y, device).numpy()  # (B, S)
+        elif n:
             lp, out = read(model, x.to(device), y.to(device), memory, context=context, kv_cache=cache)
             memory, cache = out.memory, out.kv_cache
             logprobs = lp.numpy()  # (B, S)
@@ -173,7 +191,7 @@ def _score_group(model: TransformerXL, rows: list[_Row], *, segment_len: int, co
 def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, segment_len: int = 128,
                 batch_size: int = 8, mem_len: int | None = None, same_length: bool | None = None,
                 clamp_len: int | None = None, context_id: int | None = None,
-                keep_logprobs: bool = False) -> Iterator[ScoredSegment | DocumentScore]:
+                keep_logprobs: bool = False, graphs: bool = False) -> Iterator[ScoredSegment | DocumentScore]:
     """Stream the scores of ``documents`` (each a sequence or an iterator of token ids).
 
     Yields a :class:`ScoredSegment` for each document and segment as it is computed, and a
@@ -181,7 +199,8 @@ def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, seg
     evaluation context (``mem_len``, ``same_length``, ``clamp_len``) defaults to the model's config
     (a Hugging Face wt103 checkpoint carries the paper's: mem_len 1600, same_length, clamp_len 1000);
     ``ext_len`` is 0. The model is in eval mode without autograd while scoring, and left as it was.
-    Arguments are checked when this is called, not at the first ``next()``.
+    Arguments are checked when this is called, not at the first ``next()``. ``graphs``: every segment captured as
+    one CUDA graph over key/value rings (``txl.static_eval``; compiled on a CPU), where the model allows it.
     """
     _check(segment_len, batch_size, model.config.vocab_size, context_id)
     if mem_len is not None and (isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 0):
@@ -189,12 +208,20 @@ def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, seg
     device = next(model.parameters()).device
     changes = dict(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
     context = model.config.context(**changes)
+    why = static_eval_error(model, context) if graphs else "graphs off"
+    if graphs and why is not None:
+        log.info("score graphs: the segments run uncaptured, not over rings: %s", why)
+    # One shape for every segment and group: the largest group's rows (fewer documents than batch_size: theirs).
+    ring = (StaticEval(model, context), min(batch_size, len(documents)), segment_len) if why is None and documents \
+        else None
 
     def items() -> Iterator[ScoredSegment | DocumentScore]:
         for group in _group(documents, batch_size):
             rows = [_Row(doc=i, reader=_Reader(documents[i])) for i in group]
+            if ring is not None:
+                ring[0].reset()  # each group's documents start from position 0 with nothing in memory
             segments = _score_group(model, rows, segment_len=segment_len, context_id=context_id,
-                                    keep_logprobs=keep_logprobs, device=device, context=context)
+                                    keep_logprobs=keep_logprobs, device=device, context=context, ring=ring)
             while True:
                 # The context covers the forward passes only: nothing leaks to the caller between yields.
                 with inference_context(model, **changes):

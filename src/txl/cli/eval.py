@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fp32 (default, exact); auto: bf16 on a GPU that supports it, else fp32")
     p.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--graphs", action="store_true",
-                   help="every segment at one static shape through CUDA graphs (txl.graphs; as --eval.graphs)")
+                   help="every segment captured as a CUDA graph over key/value rings (txl.static_eval; as "
+                        "--eval.graphs)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--sweep-mem", default=None, metavar="M1,M2,...",
                    help="evaluate once per memory length; table (mem_sweep.tsv) and plot (mem_sweep.png) go into "

@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_shortcut(p, "--mem-len", "eval.mem_len", metavar="M")
     add_shortcut(p, "--clamp-len", "eval.clamp_len", metavar="C")
     add_shortcut(p, "--same-length", "eval.same_length", action=argparse.BooleanOptionalAction)
+    add_shortcut(p, "--graphs", "eval.graphs", action=argparse.BooleanOptionalAction)
     add_config_arguments(p, ["eval"])
     p.set_defaults(func=run)
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         written = 0
         for item in iter_scores(model, docs, segment_len=segment_len, batch_size=e.batch_size,
                                 mem_len=ctx.mem_len, clamp_len=ctx.clamp_len, same_length=ctx.same_length,
-                                context_id=codec.context_id):
+                                context_id=codec.context_id, graphs=e.graphs):
             name = args.files[item.doc]
             if isinstance(item, DocumentScore):
                 if item.n_tokens == 0:  # nothing to score: no figure (a NaN is not a measurement)

@@ -337,7 +337,8 @@ class RelativeAttention(Attention):
         if shifted is None:
             shifted = q + self.global_bias(v, "v")  # (B, T, H, D)
         qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
-        return (qv, r), functools.partial(kernels.relative_bias, scale=self.scale)
+        inputs = (qv, r) if positions.index is None else (qv, r, positions.index)  # keys in ring order: gathered
+        return inputs, functools.partial(kernels.relative_bias, scale=self.scale)
 
 
 class ShawAttention(Attention):

@@ -166,16 +166,25 @@ def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
 
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
 
-def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def relative_bias(qv: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = None, *, mask_bias: torch.Tensor,
+                  scale: float = 1.0) -> torch.Tensor:
     """Terms (b) + (d) of the relative attention: (H, B*T, D) (q + v), (K, H, D) W_kR R -> (B, H, T, K), times
     ``scale`` (1/sqrt(D) for an unscaled qv; the model's attention hands it unscaled, the scale applied in the pass
     that realigns).
 
     One matmul per head over all B*T queries: R is shared by the batch, so it is not copied B times, as a
-    (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added.
+    (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added. ``index``: (T, K) the row
+    of r each (query, key) reads, for keys in any order (a ring): r (N, H, D) then holds N distances, and the
+    scores against them are gathered by it instead of realigned (evaluation: no autograd through the gather).
     """
     H, BT, _ = qv.shape
     T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
+    if index is not None:
+        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, r.size(0))  # (H, B, T, N)
+        # gather of the expanded index: take_along_dim's broadcast made it ~5x slower on a CPU
+        position = position.gather(-1, index.expand(H, BT // T, T, K)).transpose(0, 1)  # (B, H, T, K) view
+        out = position.new_empty(position.shape)  # (B, H, T, K), laid out as SDPA reads a bias
+        return torch.add(mask_bias, position, alpha=scale, out=out)  # (B, H, T, K)
     position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
     return realign(position, mask_bias, heads_first=True, scale=scale)  # (B, H, T, K)
 

@@ -80,6 +80,9 @@ class Positions(NamedTuple):
     """(K, H, D) W_kR R of this layer already projected (read from a KVCache's table)."""
     absolute: torch.Tensor | None = None
     """(K, d) added to the layer's input rows (memory rows get the first M): the absolute encodings."""
+    index: torch.Tensor | None = None
+    """(T, K) int64: the row of ``projected`` query i reads for key j, where the keys are not in distance order (a
+    ring, ``txl.static_eval``): the positional scores are gathered by it instead of realigned by ``rel_shift``."""
 
 
 def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
