@@ -7,8 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import Counting, tiny_config
-from test_step_graph import HostReads
+from conftest import Counting, HostSyncs, tiny_config
 
 import txl
 from txl.evaluate import evaluate, inference_context
@@ -126,7 +125,7 @@ def test_the_compiled_segment_is_one_graph_on_fixed_buffers_and_reads_nothing_ba
     with inference_context(model) as ctx:
         want = model_evaluation(model, batches, ctx)
         ring = StaticEval(model, ctx, backend=counter)
-        compiled, reads, got, pointers = ring.fn, HostReads(), [], None
+        compiled, reads, got, pointers = ring.fn, HostSyncs(), [], None
 
         def counted(*args, **kwargs):
             with reads:
@@ -148,7 +147,7 @@ def test_the_compiled_segment_is_one_graph_on_fixed_buffers_and_reads_nothing_ba
         torch.testing.assert_close(g, w, **TOL)
 
     plain = txl.TransformerXL(tiny_config(mem_len=7, cutoffs=[20, 40]))  # the CPU's own path: 'selected' rows
-    with inference_context(plain) as ctx, HostReads() as control:
+    with inference_context(plain) as ctx, HostSyncs() as control:
         StaticEval(plain, ctx, compile=False)(*batches[0])
     assert "aten::nonzero" in control.seen
 
