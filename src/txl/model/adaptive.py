@@ -9,11 +9,19 @@ log-probability is log p(cluster) + log p(token | cluster). Tail cluster i (1-ba
 column shortlist + i - 1, the order of Hugging Face and the TensorFlow original (the original PyTorch
 code reads column -i, i.e. the cluster rows reversed; the converter reorders such checkpoints).
 
-Which rows a tail cluster computes is ``ModelConfig.cluster_rows``: only its own tokens ('selected', found with
-``nonzero``: the least work, a host sync per cluster), or every token with the others masked out ('all':
-static shapes and no sync, for torch.compile and CUDA graphs); 'auto' picks 'selected' eagerly on the CPU and
-'all' elsewhere (``txl.model.plan``). A token's cluster is a sum of comparisons with the cutoffs, so no tensor of
-the cutoffs is made per call and the compiler sees plain elementwise ops.
+Which rows a tail cluster scores is ``ModelConfig.cluster_rows``: only its own tokens ('selected', found with
+``nonzero``: the least work, a data-dependent shape and a host sync per cluster); a fixed number of rows that its
+tokens fill in order ('capacity': static shapes for torch.compile and CUDA graphs, about the work of 'selected'); or
+every token ('all': exact for any batch, 2.4x the training step's FLOPs at NVIDIA's WikiText-103 shape). 'auto'
+picks 'selected' eagerly on the CPU and 'capacity' elsewhere and under torch.compile (``txl.model.plan``).
+
+'capacity' rows. Static shapes cost what the worst batch costs: a path exact for every batch scores every token
+against the widest tail, whatever the batch holds. So a tail's capacity is sized for a batch of Zipf-distributed
+labels (p(id) ~ 1 / (id + 1), ids most frequent first; a word-level corpus puts fewer in the tails than that):
+their expected count plus 6 standard deviations (``tail_rows``). A label beyond it is loud: the model's input
+check raises where labels are read on the host (``check_rows``), and on a device its NLL is NaN, read back with the
+loss. A tail is scored in 4 pieces, so at most a quarter of its logits and their gradients exist at a time beside
+those kept for backward: the peak memory stays under 'selected''s (benchmarks/adaptive_softmax.py).
 
 Under autocast the output weights are cast once per call and sliced after (tied to the input embedding,
 they are one (V, e) table: per-slice casts would copy it piece by piece, and the head's cat again); with
@@ -29,6 +37,8 @@ FSDP2 release).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -54,17 +64,30 @@ def cluster_widths(config: ModelConfig) -> list[int]:
 
 
 def rows_mode(rows: str) -> str:
-    """The planned ``cluster_rows`` ('selected' or 'all'), except under torch.compile: always 'all' there
-    (``nonzero``'s data-dependent shape would break the graph)."""
-    return "all" if torch.compiler.is_compiling() else rows
+    """The planned ``cluster_rows``, except under torch.compile: 'capacity' for 'selected' there (``nonzero``'s
+    data-dependent shape would break the graph)."""
+    return "capacity" if rows == "selected" and torch.compiler.is_compiling() else rows
+
+
+def zipf_share(lo: int, hi: int, vocab_size: int) -> float:
+    """The share of ids lo <= id < hi among Zipf-distributed ids, p(id) ~ 1 / (id + 1): H(hi) - H(lo) over H(V),
+    with the harmonic number H(n) ~ ln n + 0.5772 + 1 / 2n (within 1 / 12n^2)."""
+    def harmonic(n: int) -> float:
+        return math.log(n) + 0.5772156649015329 + 0.5 / n if n else 0.0
+    return (harmonic(hi) - harmonic(lo)) / harmonic(vocab_size)
+
+
+def tail_rows(n: int, share: float) -> int:
+    """'capacity' rows of a tail cluster with ``share`` of n labels: the expected count plus 6 standard deviations
+    (a Poisson count's) and 8, a multiple of 8, at most n (a small batch keeps every row)."""
+    expected = n * share
+    return min(n, -(-math.ceil(expected + 6 * math.sqrt(expected) + 8) // 8) * 8)
 
 
 def cluster_of(target: torch.Tensor, cutoffs: list[int]) -> torch.Tensor:
-    """(N,) ids -> (N,) int64 cluster index (0 = head): how many cutoffs each id reaches.
-
-    Comparisons with Python ints, not ``bucketize`` against a tensor of the cutoffs: no tensor is made per call,
-    and the compiler sees plain elementwise ops (its fused bucketize kernel failed in Triton on a GPU).
-    """
+    """(N,) ids -> (N,) int64 cluster index (0 = head): how many cutoffs each id reaches. Comparisons with Python
+    ints, not ``bucketize``: no tensor per call, plain elementwise ops for the compiler (its bucketize failed in
+    Triton on a GPU)."""
     cluster = (target >= cutoffs[0]).long()  # (N,)
     for c in cutoffs[1:]:
         cluster += target >= c
@@ -100,9 +123,10 @@ class AdaptiveEmbedding(nn.Module):
                 emb = F.linear(emb, self.projs[0])  # (B, T, d)
             return emb * self.scale
         flat = ids.reshape(-1)  # (N,)
-        if rows_mode(self.rows) == "all":
-            # Shapes that do not depend on the ids (torch.compile, CUDA graphs, no host sync): every cluster
-            # embeds every token (ids clamped into its range) and keeps the rows that are its own. Same values.
+        if rows_mode(self.rows) != "selected":
+            # Shapes that do not depend on the ids: every cluster embeds every token (ids clamped into its range)
+            # and keeps its own rows. A lookup and a d x e_i projection a token: the output layer's work is the
+            # tails' V_i x e_i, which 'capacity' keeps to the tails' tokens.
             out = None
             for i, layer in enumerate(self.layers):
                 lo, hi = self.bounds[i], self.bounds[i + 1]
@@ -257,24 +281,21 @@ class AdaptiveLogSoftmax(nn.Module):
     def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,) negative log-likelihood in token order; 0 where target is IGNORE_INDEX.
 
-        Each tail cluster scores the tokens whose target falls in it (``cluster_rows``). The head's term is
-        ``F.nll_loss`` (no reduction): -log p of the column, and 0 for an ignored target, in one kernel where a
-        gather, the negation and two masks took four; an ignored id (-100) is in no cluster and scores no tail. A
-        tail's log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric), as before.
+        Each tail cluster scores the rows ``cluster_rows`` says. The head's term is ``F.nll_loss`` (no reduction):
+        -log p of the column, 0 for an ignored target (in no cluster: it scores no tail), in one kernel. A tail's
+        log-probability is subtracted: -h - t is -(h + t) exactly (rounding is symmetric).
         """
         hidden, clusters = self._prepare(hidden)
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: the head alone
             return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
         cluster = cluster_of(target, self.bounds[1:-1])  # (N,): 0 for the head and for an ignored target
-        # Which head column scores each token: itself in the shortlist, else its cluster's logit at shortlist - 1 + i.
-        # A cluster-i token's id is >= cutoff_i >= shortlist + i - 1 (the cutoffs increase), so the column is the
-        # smaller of the two: one kernel, where a where on cluster == 0 took three. An ignored target stays -100.
+        # The head column of each token: itself in the shortlist, else its cluster's logit at shortlist - 1 + i. A
+        # cluster-i id is >= cutoff_i >= shortlist + i - 1 (the cutoffs increase): the smaller of the two.
         head_col = torch.minimum(target, cluster + (self.shortlist - 1))  # (N,)
         nll = F.nll_loss(head, head_col, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
-        if rows_mode(self.rows) == "all":
-            tails = [self._log_softmax(hidden, clusters[i]) for i in range(1, self.n_clusters + 1)]
-            return nll - self._tails_static(tails, target, cluster)
+        if rows_mode(self.rows) != "selected":
+            return self._tails_static(nll, hidden, clusters, target, cluster)
         for i in range(1, self.n_clusters + 1):
             idx = (cluster == i).nonzero().squeeze(1)  # (N_i,)
             if idx.numel() or self.every_cluster:
@@ -283,21 +304,48 @@ class AdaptiveLogSoftmax(nn.Module):
                 nll = nll.index_add(0, idx, tail_logp, alpha=-1)
         return nll
 
-    def _tails_static(self, tails: list[torch.Tensor], target: torch.Tensor, cluster: torch.Tensor) -> torch.Tensor:
-        """(N,) each token's log-probability within its tail cluster (0 for the head's tokens), read from ``tails``,
-        every tail cluster's (N, W_i) log-probabilities of every token ('all' rows: shapes that do not depend on
-        the targets).
+    def capacities(self, n: int) -> list[int]:
+        """Rows each tail cluster scores out of n: all n ('all'), or ``tail_rows`` of its Zipf share ('capacity')."""
+        V = self.vocab_size
+        return [n if self.rows == "all" else tail_rows(n, zipf_share(lo, hi, V))
+                for lo, hi in zip(self.bounds[1:-1], self.bounds[2:])]
 
-        ``nonzero()`` has a data-dependent output shape: a host sync eagerly on a GPU, a graph break (or an
-        unbacked size) for the compiler. Here every token is scored by every tail cluster (its target clamped
-        into the cluster's range) and keeps only its own cluster's log-probability: one graph, no sync, the
-        same values, and more work, which the narrow tails of div_val > 1 keep small (benchmarks/README.md).
-        """
-        logp = None
-        for i, tail in enumerate(tails, start=1):
+    def check_rows(self, target: torch.Tensor) -> None:
+        """Raise a ValueError if a tail cluster holds more of ``target``'s labels than its 'capacity' rows: where the
+        labels are read on the host (``TransformerXL.check_inputs``); on a device their NLL is NaN instead."""
+        if self.rows != "capacity" or not self.n_clusters:
+            return
+        target = target.reshape(-1)
+        counts = torch.bincount(cluster_of(target[target != IGNORE_INDEX], self.bounds[1:-1]), minlength=len(
+            self.bounds) - 1).tolist()[1:]
+        for i, (count, cap) in enumerate(zip(counts, self.capacities(target.numel())), start=1):
+            if count > cap:
+                raise ValueError(
+                    f"{count} of {target.numel()} labels fall in tail cluster {i} (ids {self.bounds[i]} to "
+                    f"{self.bounds[i + 1] - 1}), more than the {cap} rows cluster_rows='capacity' gives it (sized for "
+                    "Zipf-distributed labels, ids most frequent first): set --model.cluster_rows all (every row, "
+                    "exact for any batch), or 'selected' in eager mode")
+
+    def _tails_static(self, nll: torch.Tensor, hidden: torch.Tensor, clusters: list[Cluster], target: torch.Tensor,
+                      cluster: torch.Tensor) -> torch.Tensor:
+        """``nll`` less each tail token's log-probability within its cluster, in shapes that do not depend on the
+        targets (no ``nonzero``: no host sync, one graph): tail i scores a fixed number of rows (``capacities``),
+        which its tokens fill in token order. A token beyond them gets NaN (see the module docstring)."""
+        N, lost = target.size(0), torch.zeros_like(cluster, dtype=torch.bool)
+        for i, cap in enumerate(self.capacities(N), start=1):
             lo, hi = self.bounds[i], self.bounds[i + 1]
-            tail_logp = tail.gather(1, (target - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1)  # (N,)
-            # Other clusters' tokens add 0: masked_fill, one kernel forward and backward (where's zeros two).
-            tail_logp = tail_logp.masked_fill(cluster != i, 0.0)  # (N,)
-            logp = tail_logp if logp is None else logp + tail_logp
-        return logp
+            mine = cluster == i  # (N,)
+            slot = mine.cumsum(0) - 1  # (N,): a cluster-i token's place among them
+            kept = mine & (slot < cap)  # (N,)
+            # (cap,) the token in each place (token 0 where none is: scored, never read); a token not kept is
+            # written to place cap, cut off.
+            rows = torch.zeros(cap + 1, dtype=torch.long, device=target.device).scatter(
+                0, torch.where(kept, slot, cap), torch.arange(N, device=target.device))[:cap]
+            pieces = []
+            for part in rows.split(-(-cap // 4)):  # a quarter of the logits at a time (the module docstring)
+                tail = self._log_softmax(hidden[part], clusters[i])  # (cap / 4, W_i)
+                pieces.append(tail.gather(1, (target[part] - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1))
+            tail_logp = torch.cat(pieces).gather(0, slot.clamp(0, cap - 1))  # (N,) each token's place read back
+            nll = nll - tail_logp.masked_fill(~kept, 0.0)  # other clusters' tokens subtract 0
+            lost |= mine & ~kept
+        return nll.masked_fill(lost, float("nan"))
