@@ -1,0 +1,116 @@
+"""The adaptive softmax's rows (``ModelConfig.cluster_rows``) side by side at NVIDIA's WikiText-103 shape, counted
+on the CPU: the FLOPs of a training step against the FLOP model, and the softmax's peak memory.
+
+    python -m benchmarks.adaptive_softmax              # NVIDIA's shape ('selected' computes for real: a minute)
+    python -m benchmarks.adaptive_softmax --scale 8    # vocabulary, cutoffs and batch 8x smaller (seconds)
+
+1. A training step of the whole model (forward and backward, float32, CUDA's plan: ``plan.resolve(config,
+   'cuda')``, the softmax widths padded to 64), its FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode``
+   on fake tensors (``FakeTensorMode``: shapes only, nothing computed), against ``benchmarks.flops``'s model
+   (the tails at their Zipf shares of the labels). 'selected' cannot run on fake tensors (``nonzero`` reads
+   values): its row is the 'capacity' step with the softmax's own count swapped for 'selected''s (table 2).
+2. The adaptive softmax alone, (N, d) hidden states to the summed NLL of Zipf-distributed labels and back: its
+   FLOPs and peak memory (``torch.distributed._tools.mem_tracker.MemTracker``: the bytes of live tensors, the
+   weights and their gradients included, at their most), 'selected' and 'capacity' computed, 'all' on fake
+   tensors (its logits alone are 6 GB here). The rest of the step is the same in every mode, and the softmax
+   runs last forward and first backward, so a step's peak differs by what the softmax's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.flop_counter import FlopCounterMode
+
+import txl
+from benchmarks.flops import SHAPES, Shape, flops_per_token, token_probs
+from benchmarks.run import model_config
+from txl.model import plan
+from txl.model.adaptive import AdaptiveLogSoftmax
+
+ROWS = ("selected", "capacity", "all")
+
+
+def scaled(shape: Shape, scale: int) -> Shape:
+    """``shape`` with the vocabulary, the cutoffs and the batch ``scale`` times smaller (the tails' Zipf shares
+    nearly unchanged: they go with the log of the cutoffs' ratios)."""
+    if scale == 1:
+        return shape
+    return dataclasses.replace(shape, vocab_size=shape.vocab_size // scale, batch=max(1, shape.batch // scale),
+                               cutoffs=tuple(c // scale for c in shape.cutoffs))
+
+
+def cuda_config(shape: Shape, rows: str) -> txl.ModelConfig:
+    """The shape's model as CUDA computes it, with ``rows``."""
+    return plan.resolve(model_config(shape, cluster_rows=rows), "cuda")
+
+
+def step_flops(shape: Shape, rows: str) -> int:
+    """FLOPs of one training step (forward with labels and a full memory, backward) of the whole model, counted on
+    fake tensors. The input checks read token values, which fake tensors have none of: skipped, as on a GPU."""
+    B, T, M = shape.batch, shape.tgt_len, shape.mem_len
+    with FakeTensorMode(), mock.patch("txl.model.transformer.reads_values", lambda t: False):
+        model = txl.TransformerXL(cuda_config(shape, rows))
+        ids = torch.zeros(B, T, dtype=torch.long)
+        memory = [torch.zeros(B, M, shape.d_model) for _ in range(shape.n_layer)]
+        with FlopCounterMode(display=False) as counter:
+            model(ids, labels=ids, memory=memory).loss.backward()
+    return counter.get_total_flops()
+
+
+def labels(shape: Shape, seed: int = 0) -> torch.Tensor:
+    """(N,) Zipf-distributed labels for one training step of ``shape`` (N = B T)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.multinomial(token_probs(shape).float(), shape.batch * shape.tgt_len, replacement=True, generator=g)
+
+
+def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = False) -> tuple[int, int]:
+    """(FLOPs, peak bytes) of the adaptive softmax alone: (N, d) hidden states to the summed NLL of ``target``, and
+    backward to the hidden states and the weights. On fake tensors (``fake``) nothing is computed."""
+    n = target.numel()
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        softmax = AdaptiveLogSoftmax(cuda_config(shape, rows))
+        hidden = torch.zeros(n, shape.d_model, requires_grad=True)
+        target = torch.zeros(n, dtype=torch.long) if fake else target  # values unread by 'capacity' and 'all'
+        tracker = MemTracker()
+        tracker.track_external(softmax, hidden)
+        with tracker, FlopCounterMode(display=False) as counter:
+            softmax.nll(hidden, target).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return counter.get_total_flops(), peak
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_softmax", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", type=int, default=1, help="vocabulary, cutoffs and batch this many times smaller")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = scaled(SHAPES["nvidia"], args.scale)
+    target = labels(shape)
+    counts = torch.bincount(torch.bucketize(target, torch.tensor(shape.cutoffs), right=True)).tolist()
+    print(f"NVIDIA's shape{f' / {args.scale}' if args.scale > 1 else ''}: B {shape.batch}, T {shape.tgt_len}, "
+          f"M {shape.mem_len}, V {shape.vocab_size:,}, cutoffs {list(shape.cutoffs)}, N {target.numel():,} labels "
+          f"(Zipf), per cluster {counts}; 'capacity' rows per tail "
+          f"{AdaptiveLogSoftmax(cuda_config(shape, 'capacity')).capacities(target.numel())}")
+    soft = {rows: softmax_cost(shape, rows, target, fake=rows == "all") for rows in ROWS}
+    formula = flops_per_token(shape, "train") * shape.batch * shape.tgt_len
+    step = {rows: step_flops(shape, rows) for rows in ("capacity", "all")}
+    step["selected"] = step["capacity"] - soft["capacity"][0] + soft["selected"][0]
+    print("\n| cluster_rows | step TFLOP (counted) | / formula | softmax TFLOP | softmax peak MB | / 'selected' |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for rows in ROWS:
+        flop, peak = soft[rows]
+        print(f"| {rows} | {step[rows] / 1e12:.3f} | {step[rows] / formula:.3f} | {flop / 1e12:.3f} | "
+              f"{peak / 2**20:,.0f} | {peak / soft['selected'][1]:.3f} |")
+    print(f"\nformula (benchmarks.flops, train): {formula / 1e12:.3f} TFLOP a step")
+
+
+if __name__ == "__main__":
+    main()
