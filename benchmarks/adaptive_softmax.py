@@ -2,7 +2,7 @@
 on the CPU: the FLOPs of a training step against the FLOP model, and the softmax's peak memory.
 
     python -m benchmarks.adaptive_softmax              # NVIDIA's shape ('selected' computes for real: a minute)
-    python -m benchmarks.adaptive_softmax --scale 8    # vocabulary, cutoffs and batch 8x smaller (seconds)
+    python -m benchmarks.adaptive_softmax --scale 8    # vocabulary and cutoffs 8x smaller (seconds)
 
 1. A training step of the whole model (forward and backward, float32, CUDA's plan: ``plan.resolve(config,
    'cuda')``, the softmax widths padded to 64), its FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode``
@@ -37,12 +37,10 @@ from txl.model.adaptive import AdaptiveLogSoftmax
 ROWS = ("selected", "capacity", "all")
 
 
-def scaled(shape: Shape, scale: int) -> Shape:
-    """``shape`` with the vocabulary, the cutoffs and the batch ``scale`` times smaller (the tails' Zipf shares
-    nearly unchanged: they go with the log of the cutoffs' ratios)."""
-    if scale == 1:
-        return shape
-    return dataclasses.replace(shape, vocab_size=shape.vocab_size // scale, batch=max(1, shape.batch // scale),
+def scaled(shape: Shape, scale: int, d_model: int | None = None) -> Shape:
+    """``shape`` with the vocabulary and the cutoffs ``scale`` times smaller (the tails' Zipf shares nearly the same:
+    they go with the log of the cutoffs' ratios), the labels of a step as many, and d_model if given."""
+    return dataclasses.replace(shape, vocab_size=shape.vocab_size // scale, d_model=d_model or shape.d_model,
                                cutoffs=tuple(c // scale for c in shape.cutoffs))
 
 
@@ -88,7 +86,7 @@ def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = Fal
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_softmax", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=int, default=1, help="vocabulary, cutoffs and batch this many times smaller")
+    p.add_argument("--scale", type=int, default=1, help="vocabulary and cutoffs this many times smaller")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
