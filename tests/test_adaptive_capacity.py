@@ -8,9 +8,12 @@ Tolerance, float32: the NLL bit for bit (each row is scored the same way); gradi
 1e-6 times the tensor's largest magnitude (a weight's gradient sums its rows in another order and row blocks).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from conftest import Counting, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import txl
 from benchmarks import adaptive_softmax as bench
@@ -127,6 +130,33 @@ def test_labels_beyond_a_tails_rows_are_an_error_on_the_host_and_nan_on_a_device
     assert lost.any() and torch.equal(got.isnan(), lost)
     torch.testing.assert_close(got[~lost], want[~lost], rtol=0, atol=0)
     assert all(g.isfinite().all() for g in grads)
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that make a host wait for a device: a value read (``_local_scalar_dense``), a data-dependent shape."""
+
+    SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows, syncs", [("capacity", 0), ("selected", 5)])
+def test_the_static_rows_make_no_host_sync_in_a_training_step(rows, syncs):
+    """Forward and backward of the whole model as a GPU runs it (token values not read on the host, div_val 2):
+    'capacity' reads nothing back; 'selected' runs a nonzero per cluster of the embedding (3) and per tail of the
+    softmax (2)."""
+    model = with_rows(txl.TransformerXL(tiny_config(cutoffs=[20, 40], div_val=2)), rows)
+    ids = zipf(4 * 6, 61).view(4, 6)
+    with mock.patch("txl.model.transformer.reads_values", lambda t: False), HostReads() as reads:
+        model(ids[:, :5], labels=ids[:, 1:]).loss.backward()
+    assert len(reads.seen) == syncs, reads.seen
 
 
 @pytest.mark.slow  # a compile: ~8 s here (tests/test_compile.py compiles the whole word-level model, its tails static)
