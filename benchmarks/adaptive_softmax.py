@@ -4,16 +4,19 @@ on the CPU: the FLOPs of a training step against the FLOP model, and the softmax
     python -m benchmarks.adaptive_softmax              # NVIDIA's shape ('selected' computes for real: a minute)
     python -m benchmarks.adaptive_softmax --scale 8    # vocabulary and cutoffs 8x smaller (seconds)
 
-1. A training step of the whole model (forward and backward, float32, CUDA's plan: ``plan.resolve(config,
-   'cuda')``, the softmax widths padded to 64), its FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode``
-   on fake tensors (``FakeTensorMode``: shapes only, nothing computed), against ``benchmarks.flops``'s model
-   (the tails at their Zipf shares of the labels). 'selected' cannot run on fake tensors (``nonzero`` reads
-   values): its row is the 'capacity' step with the softmax's own count swapped for 'selected''s (table 2).
-2. The adaptive softmax alone, (N, d) hidden states to the summed NLL of Zipf-distributed labels and back: its
-   FLOPs and peak memory (``torch.distributed._tools.mem_tracker.MemTracker``: the bytes of live tensors, the
-   weights and their gradients included, at their most), 'selected' and 'capacity' computed, 'all' on fake
-   tensors (its logits alone are 6 GB here). The rest of the step is the same in every mode, and the softmax
-   runs last forward and first backward, so a step's peak differs by what the softmax's does.
+One table, a row per ``cluster_rows`` (the softmax as CUDA's plan computes it: widths padded to 64; float32):
+
+* the adaptive softmax alone, (N, d) hidden states to the summed NLL of Zipf-distributed labels and back: its FLOPs
+  (``torch.utils.flop_counter.FlopCounterMode``) and peak memory (``torch.distributed._tools.mem_tracker.MemTracker``:
+  the bytes of live tensors, the weights and their gradients included, at their most); 'selected' and 'capacity'
+  computed, 'all' on fake tensors (``FakeTensorMode``: shapes only; its logits alone are 6 GB here). The rest of a
+  step is the same in every mode and the softmax runs last forward and first backward: a step's peak differs by
+  what the softmax's does;
+* the FLOP model of ``benchmarks.flops`` (the tails at their Zipf shares) with its softmax term replaced by the
+  softmax's counted FLOPs (how issue 45 measured 'all' at 2.42x);
+* a whole training step (forward with a full memory, backward; dropout 0, which adds no FLOPs) counted on fake
+  tensors; 'selected' cannot run on them (``nonzero`` reads values): its step is 'capacity''s with the softmax's
+  count swapped for 'selected''s.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import txl
 from benchmarks.flops import SHAPES, Shape, flops_per_token, softmax_params, token_probs
 from benchmarks.run import model_config
-from txl.model import plan
-from txl.model.adaptive import AdaptiveLogSoftmax
+from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 
 ROWS = ("selected", "capacity", "all")
 
@@ -44,9 +46,15 @@ def scaled(shape: Shape, scale: int, d_model: int | None = None) -> Shape:
                                cutoffs=tuple(c // scale for c in shape.cutoffs))
 
 
-def cuda_config(shape: Shape, rows: str) -> txl.ModelConfig:
-    """The shape's model as CUDA computes it, with ``rows``."""
-    return plan.resolve(model_config(shape, cluster_rows=rows), "cuda")
+def as_on_cuda(model: torch.nn.Module, rows: str) -> torch.nn.Module:
+    """``model``'s adaptive modules computing ``rows`` with the softmax widths padded to 64, as CUDA's plan sets them
+    (``txl.model.plan``)."""
+    for module in model.modules():
+        if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
+            module.rows = rows
+        if isinstance(module, AdaptiveLogSoftmax):
+            module.pad = 64
+    return model
 
 
 def step_flops(shape: Shape, rows: str) -> int:
@@ -54,7 +62,7 @@ def step_flops(shape: Shape, rows: str) -> int:
     fake tensors. The input checks read token values, which fake tensors have none of: skipped, as on a GPU."""
     B, T, M = shape.batch, shape.tgt_len, shape.mem_len
     with FakeTensorMode(), mock.patch("txl.model.transformer.reads_values", lambda t: False):
-        model = txl.TransformerXL(cuda_config(shape, rows))
+        model = as_on_cuda(txl.TransformerXL(model_config(shape, dropout=0.0)), rows)
         ids = torch.zeros(B, T, dtype=torch.long)
         memory = [torch.zeros(B, M, shape.d_model) for _ in range(shape.n_layer)]
         with FlopCounterMode(display=False) as counter:
@@ -73,7 +81,7 @@ def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = Fal
     backward to the hidden states and the weights. On fake tensors (``fake``) nothing is computed."""
     n = target.numel()
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        softmax = AdaptiveLogSoftmax(cuda_config(shape, rows))
+        softmax = as_on_cuda(AdaptiveLogSoftmax(model_config(shape)), rows)
         hidden = torch.zeros(n, shape.d_model, requires_grad=True)
         target = torch.zeros(n, dtype=torch.long) if fake else target  # values unread by 'capacity' and 'all'
         tracker = MemTracker()
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"NVIDIA's shape{f' / {args.scale}' if args.scale > 1 else ''}: B {shape.batch}, T {shape.tgt_len}, "
           f"M {shape.mem_len}, V {shape.vocab_size:,}, cutoffs {list(shape.cutoffs)}, N {target.numel():,} labels "
           f"(Zipf), per cluster {counts}; 'capacity' rows per tail "
-          f"{AdaptiveLogSoftmax(cuda_config(shape, 'capacity')).capacities(target.numel())}")
+          f"{as_on_cuda(AdaptiveLogSoftmax(model_config(shape)), 'capacity').capacities(target.numel())}")
     soft = {rows: softmax_cost(shape, rows, target, fake=rows == "all") for rows in ROWS}
     tokens = shape.batch * shape.tgt_len
     formula = flops_per_token(shape, "train") * tokens
