@@ -13,9 +13,9 @@ from txl.model.dropout import FastDropout
 
 EXPECTED = {  # device type -> what the defaults resolve to; written out, so a change to the table is seen here
     "cpu": dict(cluster_rows="selected", softmax_pad=1, dropout_impl="fast"),
-    "cuda": dict(cluster_rows="all", softmax_pad=64, dropout_impl="torch"),
-    "mps": dict(cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
-    "xpu": dict(cluster_rows="all", softmax_pad=1, dropout_impl="torch"),
+    "cuda": dict(cluster_rows="capacity", softmax_pad=64, dropout_impl="torch"),
+    "mps": dict(cluster_rows="capacity", softmax_pad=1, dropout_impl="torch"),
+    "xpu": dict(cluster_rows="capacity", softmax_pad=1, dropout_impl="torch"),
 }
 
 
@@ -62,7 +62,7 @@ def test_a_model_plans_where_it_is_built_and_again_where_it_moves():
     assert all(m.gaps for m in model.modules() if isinstance(m, FastDropout))
     assert not any(layer.attn.pin_sdpa for layer in model.layers)
     model.to("meta")
-    assert model.plan.device_type == "meta" and model.softmax.rows == "all" and not model.drop.gaps
+    assert model.plan.device_type == "meta" and model.softmax.rows == "capacity" and not model.drop.gaps
     assert all(layer.attn.pin_sdpa for layer in model.layers)
     assert model.config == tiny_config(cutoffs=[20, 40], dropout=0.1)  # what the model is: unchanged
 
@@ -101,7 +101,7 @@ def test_an_unknown_device_type_is_refused_with_the_known_ones():
 
 
 def test_a_checkpoint_computes_the_same_under_the_cpu_and_the_cuda_plan():
-    """Built from ``resolve(config, 'cuda')`` on the CPU the model runs CUDA's path (every tail cluster on every row,
+    """Built from ``resolve(config, 'cuda')`` on the CPU the model runs CUDA's path (the tails' static 'capacity' rows,
     softmax widths padded to 64, torch's dropout kernel); the CPU plan's checkpoint loads into it and gives the same
     loss, log-probabilities and gradients up to rounding."""
     config = tiny_config(cutoffs=[20, 40])
@@ -110,7 +110,7 @@ def test_a_checkpoint_computes_the_same_under_the_cpu_and_the_cuda_plan():
     cpu = TransformerXL(config)
     cuda = TransformerXL(plan.resolve(config, "cuda"))
     cuda.load_state_dict(cpu.state_dict())
-    assert (cuda.softmax.rows, cuda.softmax.pad, cpu.softmax.rows, cpu.softmax.pad) == ("all", 64, "selected", 1)
+    assert (cuda.softmax.rows, cuda.softmax.pad, cpu.softmax.rows, cpu.softmax.pad) == ("capacity", 64, "selected", 1)
     outs = []
     for model in (cpu, cuda):
         out = model(ids[:, :-1], labels=ids[:, 1:], return_log_probs=True)

@@ -19,7 +19,7 @@ SameLengthStyle = Literal["pytorch", "tensorflow"]
 AttnImpl = Literal["fused", "reference"]
 DropoutImpl = Literal["fast", "torch"]
 CompressFn = Literal["mean", "max", "conv"]
-ClusterRows = Literal["auto", "selected", "all"]
+ClusterRows = Literal["auto", "selected", "capacity", "all"]
 CastWeights = Literal["auto", "per_use", "grouped"]
 
 

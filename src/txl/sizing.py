@@ -92,20 +92,11 @@ def saved_bytes(model: nn.Module, batch: int, tgt_len: int, mem_len: int) -> int
     return sum(seen.values())
 
 
-def zipf_shares(config: ModelConfig) -> list[float]:
-    """Share of tokens in the head and each tail cluster if frequency ~ 1 / rank (Zipf)."""
-    def harmonic(n: int) -> float:
-        return math.log(n) + 0.5772 + 1 / (2 * n) if n else 0.0
-    bounds = [0, *config.cutoffs, config.vocab_size]
-    total = harmonic(config.vocab_size)
-    return [(harmonic(bounds[i + 1]) - harmonic(bounds[i])) / total for i in range(len(bounds) - 1)]
-
-
 def softmax_bytes(config: ModelConfig, tokens: int) -> int:
     """What the adaptive softmax saves for ``tokens`` targets: per cluster, its float32 log-probabilities
     (log_softmax's backward reads its output) and its projected input; the head's weight with the cluster rows
     concatenated to it is a new tensor too."""
-    from txl.model.adaptive import cluster_bounds, cluster_widths
+    from txl.model.adaptive import cluster_bounds, cluster_widths, zipf_shares
 
     bounds, widths = cluster_bounds(config), cluster_widths(config)
     n_clusters = len(config.cutoffs)

@@ -27,7 +27,8 @@ Not in the table, because the device does not decide them:
 * ``cast_weights='auto'``: 'grouped' except in a process group of more than one (DDP's overlap of all-reduce and
   backward) or with parameters that are not plain tensors (FSDP's); decided per forward by the wrapper around the
   model, the same on every device, so ``resolve`` keeps it.
-* ``cluster_rows`` under torch.compile: 'all' on every device (``nonzero``'s data-dependent shape breaks a graph).
+* ``cluster_rows`` under torch.compile: 'capacity' for 'selected' on every device (``nonzero``'s data-dependent
+  shape breaks a graph).
 * which SDPA kernel runs (``kernels.SDPA_BACKENDS``): a kernel choice inside one op, not an operand dtype; the CPU
   calls the op without the backend context only because the context costs time there (``ComputePlan.pin_sdpa``).
 """
@@ -62,9 +63,9 @@ class Choice:
 
 
 CHOICES = (
-    Choice("cluster_rows", "auto", cpu="selected", cuda="all", other="all",
-           why="'selected' is the least work but a host sync per cluster (nonzero) off the CPU; 'all' keeps shapes "
-               "static (no sync, what CUDA graphs need)"),
+    Choice("cluster_rows", "auto", cpu="selected", cuda="capacity", other="capacity",
+           why="'selected' is the least work but a host sync per cluster (nonzero) off the CPU; 'capacity' keeps "
+               "shapes static (no sync, what CUDA graphs need) at about the same work"),
     Choice("softmax_pad", 0, cpu=1, cuda=64, other=1,
            why="tensor-core kernels need widths that are multiples of 64; on the CPU padding only adds work"),
     Choice("dropout_impl", "fast", cpu="fast", cuda="torch", other="torch",
@@ -134,7 +135,7 @@ class ComputePlan:
     device_type: str
     """The device type it was resolved for (a type the table does not name resolves as 'other')."""
     cluster_rows: str
-    """'selected' or 'all': which rows each tail cluster of the adaptive input and softmax computes."""
+    """'selected', 'capacity' or 'all': which rows each tail cluster of the adaptive input and softmax computes."""
     softmax_pad: int
     """The multiple each output matmul's width of the softmax is padded to (1: none)."""
     gap_dropout: bool

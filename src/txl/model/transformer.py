@@ -440,6 +440,8 @@ class TransformerXL(nn.Module):
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
                 raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
                                  f"(use {IGNORE_INDEX} to ignore a position)")
+            if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
+                self.softmax.check_rows(labels)
 
 
 def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
