@@ -1,7 +1,7 @@
 """The Transformer-XL model: pure PyTorch modules, no I/O.
 
 Start with ``plain``: the whole model as the paper writes it, top to bottom, in torch ops and nn modules
-(``ModelConfig.attn_impl='reference'``). It is the oracle every other path is tested against.
+(``ComputeConfig.attn_impl='reference'``). It is the oracle every other path is tested against.
 
 Modules, bottom up (each imports only torch, ``txl.config``, ``txl.labels`` and the modules listed before it).
 What the model is:

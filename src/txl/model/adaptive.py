@@ -9,7 +9,7 @@ log-probability is log p(cluster) + log p(token | cluster). Tail cluster i (1-ba
 column shortlist + i - 1, the order of Hugging Face and the TensorFlow original (the original PyTorch
 code reads column -i, i.e. the cluster rows reversed; the converter reorders such checkpoints).
 
-Which rows a tail cluster computes is ``ModelConfig.cluster_rows``: only its own tokens ('selected', found with
+Which rows a tail cluster computes is ``ComputeConfig.cluster_rows``: only its own tokens ('selected', found with
 ``nonzero``: the least work, a host sync per cluster), or every token with the others masked out ('all':
 static shapes and no sync, for torch.compile and CUDA graphs); 'auto' picks 'selected' eagerly on the CPU and
 'all' elsewhere (``txl.model.plan``). A token's cluster is a sum of comparisons with the cutoffs, so no tensor of
@@ -17,8 +17,8 @@ the cutoffs is made per call and the compiler sees plain elementwise ops.
 
 Under autocast the output weights are cast once per call and sliced after (tied to the input embedding,
 they are one (V, e) table: per-slice casts would copy it piece by piece, and the head's cat again); with
-``ModelConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf. Where
-``ModelConfig.cast_weights`` groups, one copy kernel casts and lays out all of them, the head's cluster rows and
+``ComputeConfig.softmax_pad`` each matmul's width is padded with zero rows scored -inf. Where
+``ComputeConfig.cast_weights`` groups, one copy kernel casts and lays out all of them, the head's cluster rows and
 the padding included (``txl.model.casting.cast_rows``), and one casts their gradients back.
 
 Selected rows: a tail cluster that no token of the batch falls in is skipped, so its parameters get no gradient.
@@ -36,7 +36,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, plan
+from txl.model import casting
 from txl.model.kernels import compute_dtype
 
 
@@ -78,7 +78,7 @@ class AdaptiveEmbedding(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
+        self.rows = "selected"  # the model's plan sets it
         self.d_proj = config.d_model
         self.scale = config.d_model ** 0.5
         widths = cluster_widths(config)
@@ -134,13 +134,12 @@ class AdaptiveLogSoftmax(nn.Module):
         super().__init__()
         self.bounds = cluster_bounds(config)
         self.every_cluster = False  # see the module docstring
-        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
-        self.pad = plan.resolved("softmax_pad", config.softmax_pad, "cpu")  # the model's plan sets it
+        self.rows, self.pad = "selected", 1  # the model's plan sets them
         self.vocab_size = config.vocab_size
         self.shortlist = self.bounds[1]
         self.n_clusters = config.n_clusters
         self.div_val = config.div_val
-        self.cast_weights = config.cast_weights
+        self.cast_weights = "auto"  # the model's plan sets it
         widths = cluster_widths(config)
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
@@ -202,7 +201,7 @@ class AdaptiveLogSoftmax(nn.Module):
         return params + list(self.projs)
 
     def _cast_clusters(self, params: list[torch.Tensor], dtype: torch.dtype, pad: int) -> list[Cluster]:
-        """``_clusters`` in one grouped op (``casting.cast_rows``), where ``ModelConfig.cast_weights`` groups: every
+        """``_clusters`` in one grouped op (``casting.cast_rows``), where ``ComputeConfig.cast_weights`` groups: every
         cluster's weight, bias and projection cast and laid out (the head's cluster rows after its shortlist, the
         padding after each) by one copy kernel, their gradients cast back by one. The same tensors."""
         n_layers, C = len(self.layers), self.n_clusters
