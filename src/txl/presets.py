@@ -218,8 +218,8 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
                              f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
         hints = field_types(SECTIONS[section])
         if section == "model" and name in MOVED_FIELDS:
-            raise ValueError(f"--model.{name} is --compute.{name} now (how the model is computed, not what it is: "
-                             "the run's [compute] section)")
+            raise ValueError(f"unknown field model.{name}: it is compute.{name} now (--compute.{name}; how the model "
+                             "is computed, not what it is)")
         if name not in hints:
             raise ValueError(f"unknown field {section}.{name}{did_you_mean(name, hints)}; valid {section} fields are: "
                              f"{', '.join(sorted(hints))}")
