@@ -131,3 +131,32 @@ def test_a_checkpoint_trained_under_one_plan_trains_on_under_another(tmp_path):
     assert grads[0][1].keys() == grads[1][1].keys()
     for name, grad in grads[0][1].items():
         torch.testing.assert_close(grad, grads[1][1][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow  # a two-step training run, then three evaluations
+def test_txl_eval_computes_a_run_as_it_ran_or_as_asked(corpus, tmp_path, monkeypatch):
+    """``txl eval RUN`` computes the model as the run did (its [compute]); ``--compute.FIELD`` changes how, not the
+    figure (the plain path's loss equals the fused one's)."""
+    import txl.evaluate
+    from txl.cli import main
+    from txl.config import DataConfig, TrainConfig
+    from txl.data.corpora import load_run_corpus
+
+    cfg = RunConfig(data=DataConfig(corpus=corpus, level="byte"), model=tiny_config(vocab_size=256),
+                    compute=ComputeConfig(softmax_pad=8),
+                    train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=2, batch_size=2, tgt_len=4,
+                                      progress=False, tensorboard=False, plot=False, eval_batches=1, eval_interval=0,
+                                      device="cpu", precision="fp32", sample_tokens=0))
+    txl.train.train(cfg, corpus=load_run_corpus(cfg.data))
+    seen, real = [], txl.evaluate.evaluate
+
+    def spy(model, *args, **kwargs):
+        result = real(model, *args, **kwargs)
+        seen.append((model.compute, result.loss))
+        return result
+
+    monkeypatch.setattr(txl.evaluate, "evaluate", spy)
+    for flags in ([], ["--compute.attn_impl", "reference"]):
+        assert main(["eval", str(tmp_path / "run"), "--max-batches", "3", "--no-progress", *flags]) == 0
+    assert [compute for compute, _ in seen] == [cfg.compute, cfg.compute.replace(attn_impl="reference")]
+    assert seen[0][1] == pytest.approx(seen[1][1], rel=1e-5)
