@@ -325,11 +325,12 @@ class Context:
 
 @dataclass(kw_only=True)
 class ComputeConfig:
-    """How the model is computed (not what it is: ``ModelConfig``): the same numbers up to rounding, and another draw
-    of the same dropout distribution ('dropout_impl'). A model resolves it for the device its parameters live on
-    (``txl.model.plan.compute_plan``), and its forward reads that plan; a checkpoint stores its ``ModelConfig`` and
-    loads under any compute config. A finished experiment run that differs from its config only here is the same
-    run (experiments.common.train_or_skip)."""
+    """How the model is computed, not what it is (``ModelConfig``): paths and kernels of the same numbers.
+
+    The same numbers up to rounding, and another draw of the same dropout distribution ('dropout_impl'). A model
+    resolves it for the device its parameters live on (``txl.model.plan.compute_plan``), and its forward reads that
+    plan; a checkpoint stores its ``ModelConfig`` and loads under any compute config. A finished experiment run that
+    differs from its config only here is the same run (experiments.common.train_or_skip)."""
 
     attn_impl: AttnImpl = "fused"
     """Which path computes the model; the numbers are the same up to rounding.
