@@ -1,4 +1,4 @@
-"""The adaptive softmax's rows (``ModelConfig.cluster_rows``) side by side at NVIDIA's WikiText-103 shape, counted
+"""The adaptive softmax's rows (``ComputeConfig.cluster_rows``) side by side at NVIDIA's WikiText-103 shape, counted
 on the CPU: the FLOPs of a training step against the FLOP model, and the softmax's peak memory.
 
     python -m benchmarks.adaptive_softmax              # NVIDIA's shape ('selected' computes for real: a minute)

@@ -50,7 +50,7 @@ def median_ms(fn, reps: int, warmup: int = 2) -> float:
 
 
 def adam(shape: bench.Shape) -> tuple[float, float]:
-    model = txl.TransformerXL(bench.model_config(shape)).train()
+    model = bench.build_model(shape).train()
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     plain = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -63,7 +63,7 @@ def train_step_ms(shape: bench.Shape, reuse: bool, compiled: bool = False) -> fl
     if reuse:
         retain_freed_memory()
     torch.manual_seed(0)
-    model = txl.TransformerXL(bench.model_config(shape)).train()
+    model = bench.build_model(shape).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))
     step_model = compile_model(model, compiled)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -88,7 +88,7 @@ def pages(shape_name: str, threads: int) -> tuple[float, float]:
 @torch.inference_mode()
 def kv_cache(shape: bench.Shape) -> tuple[float, float]:
     torch.manual_seed(0)
-    model = txl.TransformerXL(bench.model_config(shape)).eval()
+    model = bench.build_model(shape).eval()
     (x0, _), (x, _) = bench.batches(shape, 2, torch.Generator().manual_seed(0))
     first = model(x0, kv_cache=txl.KVCache())
     return (median_ms(lambda: model(x, memory=first.memory), 5),

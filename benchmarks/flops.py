@@ -43,7 +43,8 @@ class Shape:
     eval_batch: int | None = None
     """Evaluation batch (None: batch)."""
     model: tuple[tuple[str, object], ...] = ()
-    """ModelConfig fields set with ``--model.FIELD VALUE`` (e.g. dropout_impl, attn_impl), for every phase."""
+    """ModelConfig and ComputeConfig fields set with ``--model.FIELD`` / ``--compute.FIELD VALUE`` (e.g. dropout,
+    attn_impl), for every phase."""
 
     def for_phase(self, phase: str) -> Shape:
         """The shape a phase runs: evaluation may read shorter segments against a longer memory."""
@@ -65,7 +66,7 @@ class Shape:
         return dataclasses.replace(self, **changes)
 
     def with_model(self, fields: dict[str, object]) -> Shape:
-        """The shape with ModelConfig fields overridden (``--model.FIELD VALUE``)."""
+        """The shape with ModelConfig or ComputeConfig fields overridden (``--model.FIELD``, ``--compute.FIELD``)."""
         return dataclasses.replace(self, model=tuple(sorted({**dict(self.model), **fields}.items())))
 
 

@@ -163,7 +163,7 @@ def plan(device: str, work: Path, *, smoke: bool = False, oracle_site: str | Non
              (py, "-m", "benchmarks.serve_step", "--device", device, "--batch", *serve_batch, "--compile",
               "--repeats", "1" if smoke else "3", "--steps", "2" if smoke else "32"), 150, 60),
         bench_step("bench-reference", "reference attention beside fused", work, device, 100, 300, 60,
-                   "--shapes", *shapes, *phases, "--model.attn_impl", "reference", *reps),
+                   "--shapes", *shapes, *phases, "--compute.attn_impl", "reference", *reps),
         Step("serve-http", "txl serve, sessions read concurrently",
              (py, "-m", "benchmarks.serve_throughput", "--sessions", *(["1", "2"] if smoke else ["1", "4", "16"]),
               "--seconds", "1" if smoke else "5", "--rounds", "1"), 180, 60,

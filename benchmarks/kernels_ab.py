@@ -66,7 +66,7 @@ def measure(name: str, rounds: int) -> None:
     shape = bench.SHAPES[name]
     H, B, T, M = shape.n_head, shape.batch, shape.tgt_len, shape.mem_len
     K = M + T
-    model = txl.TransformerXL(bench.model_config(shape)).train()
+    model = bench.build_model(shape).train()
     x = torch.randint(0, shape.vocab_size, (B, T + 1))
     memory = model.init_memory(B, M)
     step = interleaved({"step": lambda: train_step(model, x, memory)}, 2)["step"]
@@ -89,7 +89,7 @@ def measure(name: str, rounds: int) -> None:
                         rounds)
     print(f"{name}: realign forward a layer {1e3 * t['kernel']:.1f} ms, plain ops {1e3 * t['plain']:.1f} ms: "
           f"{1e3 * (t['plain'] - t['kernel']) * shape.n_layer:.0f} ms a step (evaluation)")
-    models = {impl: txl.TransformerXL(bench.model_config(shape, dropout_impl=impl)).train()
+    models = {impl: bench.build_model(shape, dropout_impl=impl).train()
               for impl in ("fast", "torch")}
     t = interleaved({impl: (lambda m=m: train_step(m, x, memory)) for impl, m in models.items()},
                     max(2, rounds // 2))

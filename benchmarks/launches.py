@@ -139,13 +139,13 @@ def _inside(event, names: tuple[str, ...]) -> bool:
     return False
 
 
-def train_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int = 4, tgt_len: int = 24,
-                 seed: int = 0, device: torch.device = CPU) -> Counts:
+def train_counts(config: txl.ModelConfig, compute: txl.ComputeConfig | None = None, *, precision: str = "bf16",
+                 batch: int = 4, tgt_len: int = 24, seed: int = 0, device: torch.device = CPU) -> Counts:
     """The counts of one ``txl.train.train_step`` (forward, backward, clip, fused Adam), memory carried from a
     first, uncounted step (the second sees a full memory when tgt_len >= mem_len, as every step after it)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = txl.TransformerXL(config).to(device).train()
+    model = txl.TransformerXL(config, compute).to(device).train()
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4))
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     info = DistInfo(rank=0, world_size=1, device=device)
@@ -166,15 +166,16 @@ def train_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int
     return count(lambda: step(1))  # each count runs step 1 again: the same full memory, the same shapes
 
 
-def eval_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int = 4, tgt_len: int = 8,
-                mem_len: int = 80, seed: int = 0, device: torch.device = CPU) -> Counts:
+def eval_counts(config: txl.ModelConfig, compute: txl.ComputeConfig | None = None, *, precision: str = "bf16",
+                batch: int = 4, tgt_len: int = 8, mem_len: int = 80, seed: int = 0,
+                device: torch.device = CPU) -> Counts:
     """The counts of one evaluation segment as ``txl.evaluate`` runs it (no_grad, memory and key/value cache
     carried) once the memory is full (NVIDIA's evaluation geometry: short segments, long memory)."""
     from txl.evaluate import autocast
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = txl.TransformerXL(config).to(device).eval()
+    model = txl.TransformerXL(config, compute).to(device).eval()
     ctx = config.context(mem_len=mem_len)
     n = mem_len // tgt_len + 1
     stream = zipf_tokens(config.vocab_size, (batch, (n + 1) * tgt_len + 1), gen).to(device)
@@ -195,37 +196,34 @@ def eval_counts(config: txl.ModelConfig, *, precision: str = "bf16", batch: int 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
-                   help="a ModelConfig field of the narrow NVIDIA-structured model (e.g. --model attn_impl reference)")
+                   help="a ModelConfig field of the narrow NVIDIA-structured model (e.g. --model mem_len 48)")
+    p.add_argument("--compute", nargs=2, action="append", default=[], metavar=("FIELD", "VALUE"),
+                   help="a ComputeConfig field (e.g. --compute attn_impl reference)")
     p.add_argument("--cuda-mode", action="store_true", help="also the rows in the mode a GPU runs (on a CPU)")
     p.add_argument("--device", default="cpu", help="count on this device (cuda: the real thing, no emulation needed)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
     config = narrow_nvidia(**{k: _parse(v) for k, v in args.model})
+    compute = txl.ComputeConfig(**{k: _parse(v) for k, v in args.compute})
     print(f"device {device}")
     print("phase  precision  launched  copies  cat  syncs  _local_scalar_dense  nonzero")
     for phase, fn in (("train", train_counts), ("eval", eval_counts)):
         for precision in ("bf16", "fp32"):
-            r = fn(config, precision=precision, device=device).row()
+            r = fn(config, compute, precision=precision, device=device).row()
             print(f"{phase:6} {precision:9} {r['launched']:9} {r['copies']:7} {r['cat']:4} {r['syncs']:6} "
                   f"{r['_local_scalar_dense']:20} {r['nonzero']:8}")
     if args.cuda_mode:
-        cuda = config.replace(dropout_impl="torch", **cuda_fields(config))
+        cuda = compute.replace(dropout_impl="torch", cluster_rows="all")  # the 'auto's as CUDA resolves them
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda():
-                r = fn(cuda).row()
+                r = fn(config, cuda).row()
             print(f"{phase} bf16 as on CUDA (dropout_impl torch, fused dropout, cluster_rows all, ids not read): "
                   f"{r}")
         for phase, fn in (("train", train_counts), ("eval", eval_counts)):
             with as_on_cuda(dropout=False):
-                r = fn(cuda).row()
+                r = fn(config, cuda).row()
             print(f"{phase} bf16 as on CUDA but dropout decomposed as on the CPU (the count before i34more): {r}")
-
-
-def cuda_fields(config: txl.ModelConfig) -> dict:
-    """The ModelConfig fields whose 'auto' resolves differently on CUDA, set as there (none before issue 34)."""
-    fields = dict(cluster_rows="all")
-    return {k: v for k, v in fields.items() if hasattr(config, k)}
 
 
 def as_on_cuda(dropout: bool = True):

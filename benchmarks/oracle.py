@@ -38,6 +38,7 @@ import torch
 import txl
 from benchmarks.flops import SHAPES, Shape
 from benchmarks.instruments import Profile, cpu_model
+from benchmarks.run import build_model
 from txl.convert.hf import config_to_hf, state_dict_to_hf
 from txl.runtime import retain_freed_memory
 
@@ -49,11 +50,8 @@ def build_pair(shape: Shape, seed: int = 0, **changes) -> tuple[txl.TransformerX
     from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
     torch.manual_seed(seed)
-    config = txl.ModelConfig(vocab_size=shape.vocab_size, n_layer=shape.n_layer, d_model=shape.d_model,
-                             n_head=shape.n_head, d_head=shape.d_head, d_inner=shape.d_inner, mem_len=shape.mem_len,
-                             dropout=shape.dropout, dropatt=0.0, cutoffs=list(shape.cutoffs), div_val=shape.div_val,
-                             **changes)
-    ours = txl.TransformerXL(config)
+    ours = build_model(shape, dropatt=0.0, **changes)  # ComputeConfig fields among the changes go to its own config
+    config = ours.config
     oracle = TransfoXLLMHeadModel(TransfoXLConfig(**config_to_hf(config)))
     # strict=False: the oracle also lists its shared u, v under every layer (the same Parameter objects) and
     # its inverse frequencies, which it computes; the check below is what matters.
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default=None, metavar="SHAPE:PHASE", help="print the profiler tables instead")
     p.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a txl ModelConfig field for txl's model only (e.g. dropout_impl=torch)")
+                   help="a txl ModelConfig or ComputeConfig field for txl's model only (e.g. dropout_impl=torch)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     retain_freed_memory()

@@ -73,6 +73,7 @@ from benchmarks.flops import (  # noqa: F401 (Shape, SHAPES, ... are this driver
 )
 from benchmarks.instruments import Bracket, MatmulPeak, Profile, device_name, make_clock, peak_rss_mb
 from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
+from txl.config import SECTIONS as ALL_SECTIONS
 from txl.config import OptimConfig
 from txl.data import Batch
 from txl.distributed import DistInfo
@@ -106,15 +107,37 @@ DEFAULT_PHASES = ("train", "train-recompute", "eval")
 # Dai et al. 2019, Table 9: evaluation speed-up over Al-Rfou et al. (2018) on a GPU, by attention length.
 PAPER_SPEEDUP = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}
 CPU = torch.device("cpu")
+SECTIONS = [s for s in ("model", "compute") if s in ALL_SECTIONS]
+"""The config sections a benchmark's options set, for every shape (an earlier txl has no [compute])."""
 
 
-def model_config(shape: Shape, **changes) -> txl.ModelConfig:
+def _fields(shape: Shape, changes: dict) -> tuple[dict, dict]:
+    """The shape's model fields with its --model.FIELD / --compute.FIELD overrides, then the phase's own changes,
+    split into ModelConfig's and ComputeConfig's. An earlier txl (``gpu_session --baseline-src``) has no
+    ComputeConfig: its ModelConfig takes them all."""
     fields = dict(vocab_size=shape.vocab_size, n_layer=shape.n_layer, d_model=shape.d_model, n_head=shape.n_head,
                   d_head=shape.d_head, d_inner=shape.d_inner, mem_len=shape.mem_len, dropout=shape.dropout,
                   cutoffs=list(shape.cutoffs), div_val=shape.div_val)
-    fields.update(shape.model)  # --model.FIELD overrides, then the phase's own changes
+    fields.update(shape.model)
     fields.update(changes)
-    return txl.ModelConfig(**fields)
+    how = set(getattr(getattr(txl, "ComputeConfig", None), "__dataclass_fields__", ()))
+    return {k: v for k, v in fields.items() if k not in how}, {k: v for k, v in fields.items() if k in how}
+
+
+def model_config(shape: Shape, **changes) -> txl.ModelConfig:
+    """What the shape's model is (``_fields``)."""
+    return txl.ModelConfig(**_fields(shape, changes)[0])
+
+
+def compute_config(shape: Shape, **changes) -> txl.ComputeConfig:
+    """How the shape's model computes (``_fields``; this txl's)."""
+    return txl.ComputeConfig(**_fields(shape, changes)[1])
+
+
+def build_model(shape: Shape, **changes) -> txl.TransformerXL:
+    """The shape's model, computed as its compute fields say (an earlier txl: all in its ModelConfig)."""
+    what, how = _fields(shape, changes)
+    return txl.TransformerXL(txl.ModelConfig(**what), *([txl.ComputeConfig(**how)] if how else []))
 
 
 def batches(shape: Shape, n: int, generator: torch.Generator, device: torch.device | None = None):
@@ -182,14 +205,14 @@ def worker_train(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: M
                  step_kernels: str = "compiled", device: torch.device = CPU) -> tuple[list[dict], dict]:
     """Timed training steps of the library's train_step (memory carried), peak samples around each; with
     ``profile``, one more step under torch.profiler (its top operators in ``extra['profile']``). ``recompute``:
-    ``ModelConfig.recompute_attention`` (None: the model's default, or ``--model``'s). ``graphs``: the steps
+    ``ComputeConfig.recompute_attention`` (None: the default, or ``--compute``'s). ``graphs``: the steps
     through ``txl.graphs.StaticSteps`` (static shapes, CUDA graphs), as ``train.graphs`` 'model' runs them;
     ``stepped``: the whole step captured (``txl.step_graph``, 'step'), its model compiled unless ``step_kernels`` is
     'eager'. ``extra['warmup_s']``: the untimed steps' wall time (compilation and capture), apart from the rows."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     changes = {} if recompute is None else dict(recompute_attention=recompute)
-    model = txl.TransformerXL(model_config(shape, **changes)).to(device).train()
+    model = build_model(shape, **changes).to(device).train()
     capturable = stepped and device.type == "cuda"
     # The trainer's (fused Adam); the keyword only when asked for: an earlier txl (--baseline-src) has none.
     optimizer = build_optimizer(model, OptimConfig(lr=2.5e-4), **({"capturable": True} if capturable else {}))
@@ -253,7 +276,7 @@ def worker_eval(shape: Shape, dtype_name: str, warmup: int, steps: int, peak: Ma
     """
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = txl.TransformerXL(model_config(shape)).to(device).eval()
+    model = build_model(shape).to(device).eval()
     ring = static_eval(model, graphs_backend) if graphs else None
     forward = static_steps(model, graphs_backend) if graphs and ring is None else compile_model(model, compile)
     memory, cache, samples, bracket = None, model.start_kv_cache(), [], Bracket(peak)
@@ -355,9 +378,9 @@ def worker_speedup(shape: Shape, lengths: list[int], reps: int,
     clock = make_clock(device)
     for length in lengths:
         torch.manual_seed(0)
-        xl = txl.TransformerXL(model_config(shape, mem_len=length, dropout=0.0)).to(device).eval()
-        vanilla = txl.TransformerXL(model_config(shape, mem_len=0, dropout=0.0, attn_type="al_rfou",
-                                                 learned_positions=length)).to(device).eval()
+        xl = build_model(shape, mem_len=length, dropout=0.0).to(device).eval()
+        vanilla = build_model(shape, mem_len=0, dropout=0.0, attn_type="al_rfou",
+                              learned_positions=length).to(device).eval()
         short = min(ORIGINAL_EVAL_TGT_LEN, length)
         n = SPEEDUP_WARMUP + reps
         tokens = torch.randint(0, shape.vocab_size, (1, (n + 2) * length + n * short + 1), generator=gen).to(device)
@@ -417,7 +440,7 @@ def worker_bf16_check(shape: Shape) -> dict:
     """
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = txl.TransformerXL(model_config(shape)).train()
+    model = build_model(shape).train()
     (x0, y0), (x, y) = batches(shape, 2, gen)
     with torch.no_grad():
         memory = model(x0, labels=y0).memory
@@ -446,7 +469,8 @@ def run_worker(args) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as the txl command does
-    model_fields = {**switches.model_fields(args.before), **apply_overrides({}, overrides_from(args)).get("model", {})}
+    given = apply_overrides({}, overrides_from(args))
+    model_fields = {**switches.model_fields(args.before), **given.get("model", {}), **given.get("compute", {})}
     shape = SHAPES[args.shape].resized(batch=args.batch, tgt_len=args.tgt_len, mem_len=args.mem_len)
     shape = shape.with_model(model_fields)
     common = dict(shape=args.shape, threads=args.threads, device=str(device), device_name=device_name(device),
@@ -723,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds one measurement (a fresh subprocess) may take; default: no limit")
     p.add_argument("--force-bf16", action="store_true",
                    help="time the bf16 phases even on a CPU without bf16 matrix instructions (very slow there)")
-    add_config_arguments(p, ["model"])  # e.g. --model.dropout_impl torch, --model.attn_impl reference
+    add_config_arguments(p, SECTIONS)  # e.g. --model.dropout 0, --compute.attn_impl reference
     p.add_argument("--worker", choices=[*PHASES, "speedup", "bf16check"], help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -736,7 +760,7 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = p.parse_known_args(argv)
     try:  # a misspelt --model.FIELD or a bad value: one line naming it, before any work
         if extra:
-            raise unknown_option_error(extra, ["model"], p.prog)
+            raise unknown_option_error(extra, SECTIONS, p.prog)
         apply_overrides({}, overrides_from(args))
     except ValueError as err:
         p.error(str(err))

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.run --before sdpa-pin ...`` runs its workers with that change undone (``benchmarks.gpu_session``
 runs each phase with and without every switch). A switch undoes its change for the duration of a ``before``
-block in the worker process, by a ModelConfig field (``model``) or by putting the earlier function back
+block in the worker process, by a ModelConfig or ComputeConfig field (``model``) or by putting the earlier function back
 (``patch``); nothing is changed in the library for it. The whole earlier tree is the other way to compare
 (``gpu_session --baseline-src``): it needs no switch, but it cannot isolate one change.
 
@@ -21,7 +21,7 @@ class Switch:
     what: str
     """The change, in a few words."""
     model: dict[str, object] = field(default_factory=dict)
-    """ModelConfig fields that give the behaviour before the change."""
+    """ModelConfig or ComputeConfig fields that give the behaviour before the change."""
     patch: Callable[[], contextlib.AbstractContextManager] | None = None
     """A context that puts the earlier code back while it is open."""
 
@@ -48,7 +48,8 @@ def _unpinned_sdpa() -> Iterator[None]:
 SWITCHES: dict[str, Switch] = {
     "sdpa-pin": Switch("SDPA pinned to flash / memory-efficient / math (no cuDNN plan per shape)",
                        patch=_unpinned_sdpa),
-    # The model-side changes, each a ModelConfig field whose old value gives the behaviour at a4a52e2.
+    # The model-side changes, each a (ModelConfig's until issue 45, ComputeConfig's since) field whose old value gives
+    # the behaviour at a4a52e2.
     "cluster-rows": Switch("adaptive clusters on every row, masked (no nonzero sync per cluster)",
                            model={"cluster_rows": "selected"}),
     "softmax-pad": Switch("output matmul widths padded to multiples of 64", model={"softmax_pad": 1}),
@@ -60,18 +61,19 @@ SWITCHES: dict[str, Switch] = {
 
 
 def available() -> list[str]:
-    """The switches this txl has: those whose ModelConfig fields exist (all of them once the changes are in)."""
-    from txl.config import ModelConfig
+    """The switches this txl has: those whose fields exist (all of them once the changes are in)."""
+    import txl.config
 
-    fields = set(ModelConfig.__dataclass_fields__)
+    fields = {name for kind in ("ModelConfig", "ComputeConfig")
+              for name in getattr(getattr(txl.config, kind, None), "__dataclass_fields__", ())}
     return [name for name, switch in SWITCHES.items() if set(switch.model) <= fields]
 
 
 def model_fields(names: list[str]) -> dict[str, object]:
-    """The ModelConfig fields the named switches set back; a switch this txl lacks is refused in one line."""
+    """The fields the named switches set back; a switch this txl lacks is refused in one line."""
     missing = [name for name in names if name not in available()]
     if missing:
-        raise SystemExit(f"--before {' '.join(missing)}: this txl's ModelConfig lacks "
+        raise SystemExit(f"--before {' '.join(missing)}: this txl's ModelConfig and ComputeConfig lack "
                          f"{', '.join(f for name in missing for f in SWITCHES[name].model)}; the switches here: "
                          f"{', '.join(available())}")
     out: dict[str, object] = {}

@@ -22,7 +22,7 @@ import torch
 
 from experiments import ROOT
 from txl.cli.options import add_config_arguments, overrides_from, unknown_option_error
-from txl.config import KERNEL_FIELDS, RunConfig
+from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
 from txl.evaluate import inference_context
 from txl.model import TransformerXL
@@ -67,7 +67,7 @@ def load_trimmed_corpus(name: str, data_dir: str | Path, *, valid_tokens: int, t
 
 # -- training -----------------------------------------------------------------------------------------
 
-CONFIG_SECTIONS = ["model", "optim", "train"]
+CONFIG_SECTIONS = ["model", "compute", "optim", "train"]
 """The config sections an experiment driver takes as ``--SECTION.FIELD``, applied to every run it trains."""
 
 
@@ -185,7 +185,7 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
         if not same_run(saved, cfg):
             raise ValueError(f"{out} holds an unfinished run of another config; delete it or choose another --out")
         # It goes on as it started: with the kernels it was started with (its dropout draws, among others).
-        cfg = cfg.replace(model=cfg.model.replace(**{f: getattr(saved.model, f) for f in KERNEL_FIELDS}))
+        cfg = cfg.replace(compute=saved.compute)
         resume = out
         log.info("%s: resuming an interrupted run", out)
     start = time.perf_counter()
@@ -200,12 +200,12 @@ def train_or_skip(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
 
 
 def same_run(saved: RunConfig, cfg: RunConfig) -> bool:
-    """Whether a saved run is the run ``cfg`` describes: equal configs, except for the kernel choices
-    (``txl.config.KERNEL_FIELDS``), which compute the same model (so a run from before a default kernel
-    changed is still the experiment's row)."""
+    """Whether a saved run is the run ``cfg`` describes: equal configs, except for how they are computed (the
+    ``[compute]`` section), which computes the same model (so a run from before a default kernel changed is still
+    the experiment's row)."""
     def strip(c: RunConfig) -> dict[str, Any]:
         d = c.to_dict()
-        d["model"] = {k: v for k, v in d["model"].items() if k not in KERNEL_FIELDS}
+        d.pop("compute")
         return d
     return strip(saved) == strip(cfg)
 

@@ -150,7 +150,7 @@ def diagnose(run_dir: Path, v: Variant, args: argparse.Namespace, corpus: Corpus
     out = {}
     for what, changes in (("no_compressed", dict(cmem_len=0)),
                           ("uncompressed", dict(cmem_len=v.cmem_rate * v.cmem_len, cmem_rate=1, cmem_fn="mean"))):
-        other = TransformerXL(model.config.replace(**changes)).eval()
+        other = TransformerXL(model.config.replace(**changes), model.compute).eval()
         other.load_state_dict(weights, strict=False)
         _, out[what] = longrange.answer_scores(other, corpus.valid, targets, mem_len=v.mem_len, seg_len=args.tgt_len,
                                                n_streams=args.streams, same_length=False)

@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.metadata
 import os
 import typing
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from txl.config import AttnType, ModelConfig
+from txl.config import AttnType, ComputeConfig, ModelConfig
 
 ATTN_TYPES: tuple[str, ...] = typing.get_args(AttnType)
 """Every attention type, from the config's Literal: a new encoding is tested everywhere this is used."""
@@ -75,6 +76,16 @@ def tiny_config(**overrides) -> ModelConfig:
     call it too (``from conftest import tiny_config``)."""
     base = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=6, dropout=0.0)
     return ModelConfig(**{**base, **overrides})
+
+
+def tiny_model(**overrides):
+    """``TransformerXL`` of ``tiny_config`` with the ``overrides`` that are ComputeConfig fields (how it computes)
+    given to its ComputeConfig and the others to its ModelConfig: for a test whose cases change either."""
+    from txl.model import TransformerXL
+
+    how = {f.name for f in dataclasses.fields(ComputeConfig)}
+    return TransformerXL(tiny_config(**{k: v for k, v in overrides.items() if k not in how}),
+                         ComputeConfig(**{k: v for k, v in overrides.items() if k in how}))
 
 
 def assert_training_equal(fast, reference, tokens: torch.Tensor, tol: dict) -> None:

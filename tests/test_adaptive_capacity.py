@@ -43,10 +43,11 @@ def zipf(n: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
     return torch.multinomial(probs, n, replacement=True, generator=torch.Generator().manual_seed(seed))
 
 
-def softmax_of(**changes) -> AdaptiveLogSoftmax:
+def softmax_of(softmax_pad: int = 1, **changes) -> AdaptiveLogSoftmax:
     config = tiny_config(vocab_size=2000, cutoffs=[200, 600, 1200], **changes)
     torch.manual_seed(0)
     softmax = AdaptiveLogSoftmax(config)
+    softmax.pad = softmax_pad  # the plan's ``ComputeConfig.softmax_pad``
     for p in softmax.parameters():
         torch.nn.init.normal_(p, 0.0, 0.5)
     return softmax

@@ -18,9 +18,9 @@ from txl.model.positions import attention_mask
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def tiny(attn_type: str, **changes) -> txl.TransformerXL:
+def tiny(attn_type: str, compute: txl.ComputeConfig | None = None, **changes) -> txl.TransformerXL:
     config = tiny_config(vocab_size=50, attn_type=attn_type, learned_positions=16, **changes)
-    model = txl.TransformerXL(config)
+    model = txl.TransformerXL(config, compute)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -33,7 +33,7 @@ def test_fused_and_explicit_paths_agree(attn_type):
     with them) and the reference attention (every score materialised, the paper's equation) give the same
     log-probabilities and memories, segment after segment."""
     fused = tiny(attn_type)
-    reference = txl.TransformerXL(fused.config.replace(attn_impl="reference")).eval()
+    reference = txl.TransformerXL(fused.config, txl.ComputeConfig(attn_impl="reference")).eval()
     reference.load_state_dict(fused.state_dict())
     tokens = torch.randint(0, 50, (3, 16))
     mem_fused = mem_reference = mem_grad = None
@@ -86,7 +86,7 @@ def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, mon
     backward. Every gradient equals the ones of the two paths that keep them (autograd's): recompute_attention=False
     (the default) and the explicit path (taken by a dropatt that drops nothing)."""
     torch.manual_seed(0)
-    model = tiny(attn_type, untie_r=True, recompute_attention=True).train()
+    model = tiny(attn_type, txl.ComputeConfig(recompute_attention=True), untie_r=True).train()
     tokens = torch.randint(0, 50, (3, 12))
     memory = model(tokens[:, :5]).memory  # a real memory, so that keys outnumber queries
     x, y = tokens[:, 5:11], tokens[:, 6:12]
@@ -115,7 +115,7 @@ def test_bf16_autocast_training_step_tracks_fp32(attn_type, recompute):
     """bf16 autocast (CPU) runs forward and backward through every attention path; loss and gradients stay
     close to fp32's (the benchmark's 1e-2 loss criterion, on a tiny model)."""
     torch.manual_seed(0)
-    model = tiny(attn_type, recompute_attention=recompute).train()
+    model = tiny(attn_type, txl.ComputeConfig(recompute_attention=recompute)).train()
     tokens = torch.randint(0, 50, (2, 13))
     memory = model(tokens[:, :6]).memory
     x, y = tokens[:, 6:12], tokens[:, 7:13]

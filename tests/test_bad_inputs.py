@@ -162,13 +162,16 @@ CASES = [
     ("no-such-command", ["frobnicate"],
      "argument COMMAND: invalid choice: 'frobnicate' ...", 2),
     ("train-unknown-flag", ["train", "--bogus"],
-     "unrecognised argument '--bogus'; config fields are set as --data.FIELD, --model.FIELD, --optim.FIELD, "
-     "--train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
+     "unrecognised argument '--bogus'; config fields are set as --data.FIELD, --model.FIELD, --compute.FIELD, "
+     "--optim.FIELD, --train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
     ("train-unknown-field", ["train", "--model.mem_lenn", "3"],
      "unknown field model.mem_lenn (did you mean mem_len?); valid model fields are: ...", 2),
+    ("train-moved-field", ["train", "--model.attn_impl", "reference"],
+     "unknown field model.attn_impl: it is compute.attn_impl now (--compute.attn_impl; how the model is computed, "
+     "not what it is)", 2),
     ("train-unknown-section", ["train", "--modle.mem_len", "3"],
      "unrecognised argument '--modle.mem_len'; config fields are set as --data.FIELD, --model.FIELD, "
-     "--optim.FIELD, --train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
+     "--compute.FIELD, --optim.FIELD, --train.FIELD, --eval.FIELD, --sample.FIELD VALUE (see txl train --help)", 2),
     ("train-flag-without-value", ["train", "--model.mem_len"],
      "argument --model.mem_len: expected one argument", 2),
     ("train-lr-not-number", ["train", "--optim.lr", "fast"],

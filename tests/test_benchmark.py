@@ -50,11 +50,15 @@ def test_resized_overrides_train_and_eval_alike():
 
 
 def test_model_fields_override_every_shape_and_bad_ones_are_refused(capsys):
-    shape = bench.SHAPES["tiny"].with_model({"dropout_impl": "torch", "attn_impl": "reference"})
-    config = bench.model_config(shape, recompute_attention=False)
-    assert (config.dropout_impl, config.attn_impl, config.recompute_attention) == ("torch", "reference", False)
-    assert config.n_layer == bench.SHAPES["tiny"].n_layer
-    for argv, match in ((["--model.dropout_impl", "fastest"], "model.dropout_impl='fastest' is not allowed"),
+    shape = bench.SHAPES["tiny"].with_model({"dropout_impl": "torch", "attn_impl": "reference", "dropout": 0.2})
+    compute = bench.compute_config(shape, recompute_attention=False)
+    assert (compute.dropout_impl, compute.attn_impl, compute.recompute_attention) == ("torch", "reference", False)
+    config = bench.model_config(shape)
+    assert config.n_layer == bench.SHAPES["tiny"].n_layer and config.dropout == 0.2
+    model = bench.build_model(shape)
+    assert (model.config, model.compute) == (config, bench.compute_config(shape))
+    for argv, match in ((["--compute.dropout_impl", "fastest"], "compute.dropout_impl='fastest' is not allowed"),
+                        (["--model.attn_impl", "reference"], "model.attn_impl: it is compute.attn_impl now"),
                         (["--model.dropuot", "0.1"],
                          "unknown field model.dropuot (did you mean dropout?); valid model fields are")):
         with pytest.raises(SystemExit):  # were it accepted: one tiny step, not the whole default benchmark
@@ -77,7 +81,7 @@ def test_library_step_trains_and_carries_memory(one_thread):
     """Two benchmark steps on the tiny shape: the loss on a fixed batch goes down, memory is (B, M, d) per layer."""
     shape = bench.SHAPES["tiny"]
     torch.manual_seed(0)
-    model = txl.TransformerXL(bench.model_config(shape, dropout=0.0)).train()
+    model = bench.build_model(shape, dropout=0.0).train()
     optimizer = bench.build_optimizer(model, bench.OptimConfig(lr=1e-2))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     (x, y), = bench.batches(shape, 1, torch.Generator().manual_seed(0))
@@ -120,11 +124,11 @@ def test_run_as_a_module_times_the_tiny_shape(tmp_path):
     """python -m benchmarks.run end to end (its workers are `-m benchmarks.run` subprocesses), one step each."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--shapes", "tiny", "--dtypes", "fp32", "--phases",
                           "eval", "--warmup", "0", "--steps", "1", "--threads", "1", "--lengths", "--out",
-                          str(tmp_path), "--model.attn_impl", "reference"], cwd=ROOT, check=True, capture_output=True,
+                          str(tmp_path), "--compute.attn_impl", "reference"], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["shape"], r["compile"], r["batch"]) for r in records] == [("eval", "tiny", False, 2)]
-    assert records[0]["model"] == {"attn_impl": "reference"}  # --model.FIELD reached the worker
+    assert records[0]["model"] == {"attn_impl": "reference"}  # --compute.FIELD reached the worker
     assert records[0]["tokens_per_s"] > 0 and "tiny     fp32  eager    eval" in out
 
 

@@ -128,12 +128,12 @@ def test_the_flex_benchmark_compares_both_kernels_on_the_same_operands(capsys):
 
 def test_every_switch_this_txl_has_builds_its_before_model_and_others_are_refused(monkeypatch):
     for name in switches.available():
-        config = bench.model_config(bench.SHAPES["tiny"], **switches.model_fields([name]))
+        model = bench.build_model(bench.SHAPES["tiny"], **switches.model_fields([name]))
         for field, value in switches.SWITCHES[name].model.items():
-            assert getattr(config, field) == value
+            assert getattr(model.compute, field, getattr(model.config, field, None)) == value
     monkeypatch.setitem(switches.SWITCHES, "fake", switches.Switch("x", model={"no_such_field": 1}))
     assert "fake" not in switches.available() and "sdpa-pin" in switches.available()
-    with pytest.raises(SystemExit, match="--before fake: this txl's ModelConfig lacks no_such_field"):
+    with pytest.raises(SystemExit, match="--before fake: this txl's ModelConfig and ComputeConfig lack no_such_field"):
         switches.model_fields(["fake"])
 
 

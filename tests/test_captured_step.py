@@ -13,7 +13,7 @@ GPU: what a CUDA graph needs of it, checked on the CPU.
 
 import pytest
 import torch
-from conftest import Counting, HostSyncs, tiny_config
+from conftest import Counting, HostSyncs, tiny_model
 
 import txl
 from txl.decoding import Picker
@@ -33,7 +33,7 @@ def fresh_graphs():
 
 def model_of(**overrides) -> txl.TransformerXL:
     torch.manual_seed(0)
-    model = txl.TransformerXL(tiny_config(vocab_size=V, **overrides)).eval()
+    model = tiny_model(vocab_size=V, **overrides).eval()
     with torch.no_grad():  # every weight away from its initialisation, so every term counts
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

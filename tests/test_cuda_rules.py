@@ -6,6 +6,7 @@ The switches are covered by a combinatorial design, not their product: ``EACH`` 
 switch at least once, ``PAIRS`` (slow) every pair of values of two switches.
 """
 
+import dataclasses
 import itertools
 import random
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from conftest import ATTN_TYPES, tiny_config
 
 import txl
-from txl.config import KERNEL_FIELDS, ModelConfig, OptimConfig
+from txl.config import ComputeConfig, ModelConfig, OptimConfig
 from txl.data import Batch
 from txl.distributed import DistInfo
 from txl.evaluate import evaluate
@@ -45,7 +46,7 @@ FACTORS: dict[str, tuple] = {
     "softmax_pad": (0, 1, 64),
     "cast_weights": ("auto", "per_use", "grouped"),
 }
-"""Every how-switch (``config.KERNEL_FIELDS``) with each of its values, 'auto' included (resolved as CUDA resolves
+"""Every how-switch (``ComputeConfig``'s fields) with each of its values, 'auto' included (resolved as CUDA resolves
 it), and the what-switches whose paths differ: the encoding, the precision, pre-/post-LN, the adaptive softmax's
 div_val, the compressed memory and its function, same_length's mask, attention dropout."""
 
@@ -55,11 +56,14 @@ def valid(row: dict) -> bool:
     return not (row.get("cmem_fn") and row.get("same_length"))
 
 
-def config_of(row: dict) -> ModelConfig:
-    """The tiny model of a row (dropout 0.1, so the samplers run; two tail clusters), resolved for CUDA."""
-    fields = {k: v for k, v in row.items() if k not in ("precision", "cmem_fn")}
+def config_of(row: dict) -> tuple[ModelConfig, ComputeConfig]:
+    """The tiny model of a row (dropout 0.1, so the samplers run; two tail clusters), and how it computes, resolved
+    for CUDA."""
+    how = {f.name for f in dataclasses.fields(ComputeConfig)}
+    fields = {k: v for k, v in row.items() if k not in ("precision", "cmem_fn", *how)}
     compress = dict(cmem_len=4, cmem_rate=2, cmem_fn=row["cmem_fn"]) if row.get("cmem_fn") else {}
-    return plan.resolve(tiny_config(dropout=0.1, cutoffs=[20, 40], learned_positions=16, **compress, **fields), "cuda")
+    return (tiny_config(dropout=0.1, cutoffs=[20, 40], learned_positions=16, **compress, **fields),
+            plan.resolve(ComputeConfig(**{k: v for k, v in row.items() if k in how}), "cuda"))
 
 
 def each_value_design() -> list[dict]:
@@ -113,7 +117,7 @@ def row_id(row: dict) -> str:
 
 def model_of(row: dict) -> txl.TransformerXL:
     torch.manual_seed(0)
-    return txl.TransformerXL(config_of(row))
+    return txl.TransformerXL(*config_of(row))
 
 
 def train_segments(model: txl.TransformerXL, precision: str, *, steps: int = 3) -> list[float]:
@@ -159,7 +163,7 @@ def test_the_designs_cover_every_value_and_every_pair():
     for (a, b) in itertools.combinations(FACTORS, 2):
         for x, y in itertools.product(FACTORS[a], FACTORS[b]):
             assert not valid({a: x, b: y}) or ((a, x), (b, y)) in pairs, (a, x, b, y)
-    assert set(KERNEL_FIELDS) <= set(FACTORS)  # every how-switch is a factor
+    assert {f.name for f in dataclasses.fields(ComputeConfig)} <= set(FACTORS)  # every how-switch is a factor
     assert len(EACH) <= 6 and len(PAIRS) < 60
 
 

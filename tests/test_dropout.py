@@ -11,8 +11,9 @@ from conftest import tiny_config
 from torch import nn
 
 import txl
+from txl.config import RunConfig
 from txl.model.dropout import FastDropout as Dropout
-from txl.model.dropout import FastReLUDropout, ReLUDropout, rare_positions
+from txl.model.dropout import FastReLUDropout, rare_positions
 
 
 def test_identity_in_eval_and_at_zero():
@@ -127,21 +128,23 @@ def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
     assert torch.equal(y, x)  # with dropout the input is left alone
 
 
-@pytest.mark.parametrize("impl, plain, relu", [("fast", Dropout, FastReLUDropout), ("torch", nn.Dropout, ReLUDropout)])
-def test_dropout_impl_chooses_the_modules(impl, plain, relu):
-    model = txl.TransformerXL(tiny_config(dropout=0.1, dropout_impl=impl))  # with dropout: the modules exist
-    assert type(model.drop) is plain and type(model.layers[0].attn.drop) is plain
-    assert type(model.layers[0].ff.relu_drop) is relu and model.layers[0].ff.relu_drop.p == 0.1
+@pytest.mark.parametrize("impl", ["fast", "torch"])
+def test_dropout_impl_chooses_the_sampler(impl):
+    """The same modules either way (the compute config is not the model): the plan says whether they draw gaps."""
+    model = txl.TransformerXL(tiny_config(dropout=0.1), txl.ComputeConfig(dropout_impl=impl))
+    assert type(model.drop) is Dropout and type(model.layers[0].attn.drop) is Dropout
+    assert type(model.layers[0].ff.relu_drop) is FastReLUDropout and model.layers[0].ff.relu_drop.p == 0.1
+    assert all(m.gaps == (impl == "fast") for m in model.modules() if isinstance(m, (Dropout, FastReLUDropout)))
 
 
 def test_a_saved_fast16_config_reads_as_fast():
     """'fast16' is gone (issue 45): a saved config that names it (and the retired state_dtype, residual_dtype)
     loads, as 'fast'."""
     saved = {**tiny_config().to_dict(), "dropout_impl": "fast16", "state_dtype": "compute", "residual_dtype": "auto"}
-    config = txl.ModelConfig.from_dict(saved)
-    assert config.dropout_impl == "fast" and not hasattr(config, "state_dtype")
+    run = RunConfig.from_dict({"model": saved})
+    assert run.compute.dropout_impl == "fast" and not hasattr(run.model, "state_dtype")
     with pytest.raises(ValueError, match="dropout_impl='fast16' is unknown"):
-        tiny_config(dropout_impl="fast16")
+        txl.ComputeConfig(dropout_impl="fast16")
 
 
 def test_the_default_model_draws_gaps():
@@ -150,12 +153,16 @@ def test_the_default_model_draws_gaps():
                if isinstance(m, nn.Dropout))
 
 
-def test_torch_dropout_is_nn_dropout_exactly():
-    """'torch': exactly p and torch's own stream, the draws F.dropout makes from the same seed."""
+@pytest.mark.parametrize("module", [Dropout, FastReLUDropout])
+def test_torch_dropout_is_nn_dropout_exactly(module):
+    """'torch' (no gaps): exactly p and torch's own stream, the draws F.dropout makes from the same seed."""
     x = torch.randn(7, 13, requires_grad=True)
+    relu = module is FastReLUDropout
+    drop = module(0.1)
+    drop.gaps = False
     torch.manual_seed(5)
-    got = ReLUDropout(0.1).train()(x)
+    got = drop.train()(x)
     torch.manual_seed(5)
-    want = F.dropout(torch.relu(x), 0.1, training=True)
+    want = F.dropout(torch.relu(x) if relu else x, 0.1, training=True)
     assert torch.equal(got, want)
-    assert torch.equal(ReLUDropout(0.1).eval()(x), torch.relu(x))
+    assert torch.equal(drop.eval()(x), torch.relu(x) if relu else x)

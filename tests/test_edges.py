@@ -595,13 +595,12 @@ def test_resume_of_a_finished_run_writes_each_final_row_once(corpus, tmp_path, c
 def test_older_run_json_without_later_fields_still_loads(trained, capsys):
     ckpt = txl.checkpoint.find_checkpoint(trained)
     data = json.loads((ckpt / "run.json").read_text())
-    for section, name in (("model", "attn_impl"), ("model", "dropout_impl"), ("train", "compile"),
-                          ("train", "loss_positions"), ("eval", "compile")):
+    for section, name in (("train", "compile"), ("train", "loss_positions"), ("eval", "compile")):
         data[section].pop(name)
-    data.pop("sample")
+    data.pop("sample"), data.pop("compute")
     (ckpt / "run.json").write_text(json.dumps(data))
     run = txl.checkpoint.read_run(ckpt)  # the documented older version: later fields take their defaults
-    assert (run.model.attn_impl, run.train.loss_positions, run.train.compile) == ("fused", "all", False)
+    assert (run.compute.attn_impl, run.train.loss_positions, run.train.compile) == ("fused", "all", False)
     assert main(["eval", str(trained), "--no-progress"]) == 0
 
 

@@ -163,7 +163,7 @@ def test_a_run_with_other_kernels_is_the_same_run(ptb_dir, tmp_path):
     """A finished row trained with other kernel choices (here the defaults of before: nn.Dropout, recomputed
     attention) is skipped, not refused; a real change of config still is."""
     args = ablation_args(ptb_dir, tmp_path, "--variants", "relative-rec")
-    assert ablation.main([*args, "--model.dropout_impl", "torch", "--model.recompute_attention", "true"]) == 0
+    assert ablation.main([*args, "--compute.dropout_impl", "torch", "--compute.recompute_attention", "true"]) == 0
     done = next((tmp_path / "runs").rglob("done.json"))
     before = done.read_text()
     assert ablation.main(args) == 0

@@ -48,10 +48,10 @@ def where(device: str) -> tuple[torch.device, str, Callable[[], contextlib.Abstr
     return torch.device(device), device, contextlib.nullcontext
 
 
-def model_on(config: txl.ModelConfig, device: str) -> txl.TransformerXL:
-    """``config``'s model on the case's device, built as the device it stands for resolves it."""
+def model_on(config: txl.ModelConfig, device: str, compute: txl.ComputeConfig | None = None) -> txl.TransformerXL:
+    """``config``'s model on the case's device, computed as the device it stands for resolves ``compute``."""
     dev, kind, _ = where(device)
-    return txl.TransformerXL(plan.resolve(config, kind)).to(dev)
+    return txl.TransformerXL(config, plan.resolve(compute or txl.ComputeConfig(), kind)).to(dev)
 
 
 @pytest.fixture
@@ -98,14 +98,14 @@ def test_hf_parity_on_cuda(exact, overrides):
 
 
 def kernel_pair(attn_type: str, device: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
-    """The default attention kernel and the reference attention (``attn_impl``) with the same perturbed weights."""
+    """The default attention kernel and the reference path (``compute.attn_impl``) with the same perturbed weights."""
     config = tiny_config(**{**dict(vocab_size=50, attn_type=attn_type, learned_positions=16), **changes})
     torch.manual_seed(0)
     fast = model_on(config, device)
     with torch.no_grad():
         for p in fast.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    reference = model_on(config.replace(attn_impl="reference"), device)
+    reference = model_on(config, device, txl.ComputeConfig(attn_impl="reference"))
     reference.load_state_dict(fast.state_dict())
     return fast, reference
 
@@ -284,7 +284,7 @@ def test_training_run_with_auto_precision(device, tmp_path):
     text = tmp_path / "code.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(300)))
     cfg = RunConfig(data=DataConfig(corpus=str(text), level="byte"),
-                    model=plan.resolve(tiny(cutoffs=[], div_val=1, vocab_size=256), kind),
+                    model=tiny(cutoffs=[], div_val=1, vocab_size=256), compute=plan.resolve(txl.ComputeConfig(), kind),
                     train=TrainConfig(out_dir=str(tmp_path / "run"), max_steps=30, batch_size=4, tgt_len=16,
                                       progress=False, tensorboard=False, plot=False, eval_batches=2,
                                       eval_interval=0, device=dev.type,

@@ -113,7 +113,7 @@ def test_the_plan_holds_the_issues_checks_in_order(tmp_path):
     ways = "--modes eager compiled graphs step step-eager --profile"
     assert ways in by["bench-46"] and "--shapes base-gpu" in by["bench-big"] and ways in by["bench-big"]
     assert "--lengths 800,1800,2800,3800" in by["speedup"] and "--reps 10" in by["speedup"]
-    assert "--model.attn_impl reference" in by["bench-reference"] and "--device cuda" in by["serve-engine"]
+    assert "--compute.attn_impl reference" in by["bench-reference"] and "--device cuda" in by["serve-engine"]
     assert "benchmarks.parallel_one --device cuda" in by["parallel-one"]
     assert "benchmarks.serve_step --device cuda" in by["serve-compiled"] and "--compile" in by["serve-compiled"]
     first = [s for s in steps if s.name in ("env", "bench-46", "gpu-tests", "bench-eager", "bench-graphs",

@@ -278,7 +278,7 @@ def test_static_steps_in_bf16_on_cudas_path_pass_cudas_rules():
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = txl.TransformerXL(plan.resolve(tiny_config(mem_len=7), "cuda"))
+    model = txl.TransformerXL(tiny_config(mem_len=7), plan.resolve(txl.ComputeConfig(), "cuda"))
     tokens = torch.randint(0, 61, (2, 40))
     bf16 = dict(atol=3e-2, rtol=3e-2)
     backend = JudgingBackend()

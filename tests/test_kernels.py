@@ -18,14 +18,16 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 CONTEXTS = {"plain": dict(), "same_length": dict(same_length=True), "clamp_len": dict(clamp_len=3)}
 
 
-def pair(attn_type: str, **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
-    """A fused model and a reference one with the same (perturbed, so that every bias matters) weights."""
+def pair(attn_type: str, compute: txl.ComputeConfig | None = None,
+         **changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
+    """A fused model (computed as ``compute`` says) and a reference one with the same (perturbed, so that every bias
+    matters) weights."""
     config = tiny_config(**{**dict(vocab_size=50, attn_type=attn_type, learned_positions=8), **changes})
-    fused = txl.TransformerXL(config)
+    fused = txl.TransformerXL(config, compute)
     with torch.no_grad():
         for p in fused.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    reference = txl.TransformerXL(config.replace(attn_impl="reference"))
+    reference = txl.TransformerXL(config, txl.ComputeConfig(attn_impl="reference"))
     reference.load_state_dict(fused.state_dict())
     return fused, reference
 
@@ -50,7 +52,7 @@ def test_shared_biases_reach_the_queries_through_the_projection(recompute):
     u as the q/k/v projection's bias, v - u added to its queries, both views of one tensor per layer, and the
     1/sqrt(D) scale in the kernels' matmuls: loss, memories and every gradient (u's and v's summed over the layers)
     equal the reference's, which adds u and v and scales term by term."""
-    fused, reference = pair("relative", untie_r=False, recompute_attention=recompute)
+    fused, reference = pair("relative", txl.ComputeConfig(recompute_attention=recompute), untie_r=False)
     assert fused.config.n_layer > 1 and fused.u.requires_grad
     assert_training_equal(fused, reference, torch.randint(0, 50, (2, 16)), TOL)
 
@@ -80,9 +82,8 @@ def test_explicit_kernel_and_dropatt_equal_the_reference(attn_type, keep):
     """The kernel that keeps the probabilities (by choice, or because dropatt drops them): with dropout and dropatt
     on, the same seed draws the same masks (nn.Dropout over the same number of elements, in the same order)."""
     # dropout_impl 'torch': nn.Dropout's draws, which the plain path (F.dropout) makes too
-    changes = dict(recompute_attention=False) if keep != "dropatt" else dict(dropout=0.1, dropatt=0.2,
-                                                                            dropout_impl="torch")
-    fused, reference = pair(attn_type, **changes)
+    changes = {} if keep != "dropatt" else dict(dropout=0.1, dropatt=0.2)
+    fused, reference = pair(attn_type, txl.ComputeConfig(dropout_impl="torch"), **changes)
     tokens = torch.randint(0, 50, (2, 11))
     with torch.no_grad():
         memory = fused.eval()(tokens[:, :5]).memory
@@ -121,9 +122,9 @@ def test_attention_input_gradients_equal_the_reference(attn_type):
 
 
 def test_bad_attn_impl_is_one_clear_line():
-    with pytest.raises(ValueError, match=r"ModelConfig.attn_impl='flash' is unknown; choose one of 'fused', "
+    with pytest.raises(ValueError, match=r"ComputeConfig.attn_impl='flash' is unknown; choose one of 'fused', "
                                          r"'reference'"):
-        txl.ModelConfig(vocab_size=10, attn_impl="flash")
+        txl.ComputeConfig(attn_impl="flash")
 
 
 # -- torch.compile --------------------------------------------------------------------------------
@@ -179,8 +180,8 @@ def test_inductor_compiled_loss_equals_eager(one_thread):
 def test_training_keeps_one_probability_tensor_per_layer_or_none(attn_type, recompute, kept):
     """What autograd holds from forward to backward: with recompute_attention no (.., T, K) score-sized tensor,
     without it exactly one per layer (the probabilities: neither the bias nor the scores are kept beside them)."""
-    config = tiny_config(vocab_size=50, attn_type=attn_type, learned_positions=8, recompute_attention=recompute)
-    model = txl.TransformerXL(config).train()
+    config = tiny_config(vocab_size=50, attn_type=attn_type, learned_positions=8)
+    model = txl.TransformerXL(config, txl.ComputeConfig(recompute_attention=recompute)).train()
     tokens = torch.randint(0, 50, (2, 12))
     memory = model(tokens[:, :6]).memory
     B, T, K = 2, 6, 12

@@ -1,6 +1,6 @@
 """What a step asks of a GPU, held on the CPU (issue 34): no host sync inside a training or evaluation step in
 the mode CUDA runs (``benchmarks.launches`` counts them), and the switches that remain
-(``ModelConfig.cluster_rows``, ``softmax_pad``, ``cast_weights``) giving the numbers they gave before. Also: the
+(``ComputeConfig.cluster_rows``, ``softmax_pad``, ``cast_weights``) giving the numbers they gave before. Also: the
 adaptive softmax compiles with cutoffs (no ``bucketize``) and equals eager; a memory on another device is named in
 one line.
 """
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 
 import txl
 from benchmarks import launches
@@ -29,11 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # (CUDA graphs and torch.compile need that), and the switches that remain giving the numbers they gave before.
 
 
-def cuda_mode() -> txl.ModelConfig:
-    """The narrow NVIDIA-structured model with the fields whose 'auto' resolves otherwise on CUDA set as there
-    (cluster_rows 'all'), dropout as torch's kernel."""
-    config = launches.narrow_nvidia(dropout_impl="torch")
-    return config.replace(**launches.cuda_fields(config))
+CUDA = txl.ComputeConfig(dropout_impl="torch", cluster_rows="all")
+"""The fields whose 'auto' resolves otherwise on CUDA set as there (cluster_rows 'all'), dropout as torch's kernel."""
 
 
 @pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
@@ -41,20 +38,20 @@ def test_training_step_makes_no_host_sync_as_on_cuda():
     """Forward, backward, clipping and the fused Adam step of ``txl.train.train_step``: no ``.item()``,
     ``int(tensor)``, ``nonzero`` (nor a bool-mask index, which runs one) anywhere in it."""
     with launches.as_on_cuda():
-        counts = launches.train_counts(cuda_mode())
+        counts = launches.train_counts(launches.narrow_nvidia(), CUDA)
     assert counts.syncs == {}, counts.syncs
 
 
 def test_evaluation_segment_makes_no_host_sync_as_on_cuda():
     with launches.as_on_cuda():
-        counts = launches.eval_counts(cuda_mode())
+        counts = launches.eval_counts(launches.narrow_nvidia(), CUDA)
     assert counts.syncs == {}, counts.syncs
 
 
 @pytest.mark.slow  # a 16-layer NVIDIA-structured step counted op by op (or a compile): seconds here
 def test_the_cpu_default_still_selects_cluster_rows_with_nonzero():
     """On the CPU 'auto' keeps the cheaper per-cluster selection (a sync there costs nothing); the counter sees it."""
-    counts = launches.train_counts(launches.narrow_nvidia(dropout_impl="torch"))
+    counts = launches.train_counts(launches.narrow_nvidia(), txl.ComputeConfig(dropout_impl="torch"))
     assert counts.syncs["aten::nonzero"] >= 3  # one per tail cluster, and the label check's bool-mask index
 
 
@@ -62,11 +59,11 @@ def test_the_cpu_default_still_selects_cluster_rows_with_nonzero():
 def test_cuda_mode_counts_dropout_as_the_one_fused_kernel_cuda_runs():
     """``as_on_cuda`` swaps F.dropout's CPU decomposition (bernoulli_, div_, mul) for ``native_dropout``, what
     ``at::dropout`` runs on a CUDA tensor: 2 fewer launches per dropout in forward, the same in backward."""
-    config = cuda_mode()
+    config = launches.narrow_nvidia()
     with launches.as_on_cuda():
-        fused = launches.train_counts(config)
+        fused = launches.train_counts(config, CUDA)
     with launches.as_on_cuda(dropout=False):
-        cpu = launches.train_counts(config)
+        cpu = launches.train_counts(config, CUDA)
     assert fused.ops["aten::native_dropout"] > 0 and fused.ops["aten::bernoulli_"] == 0
     assert cpu.launched - fused.launched == 2 * fused.ops["aten::native_dropout"], (cpu.launched, fused.launched)
     assert (cpu.copies, cpu.cats) == (fused.copies, fused.cats)
@@ -91,7 +88,7 @@ def test_read_stats_reads_device_figures_once_and_keeps_python_numbers():
 def word_model(**changes) -> txl.TransformerXL:
     """Three clusters (shortlist 20, tails 40 and 60), weights perturbed so that every bias counts."""
     torch.manual_seed(0)
-    model = txl.TransformerXL(tiny_config(**{"vocab_size": 120, "cutoffs": [20, 60], **changes}))
+    model = tiny_model(**{"vocab_size": 120, "cutoffs": [20, 60], **changes})
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -136,8 +133,8 @@ def test_static_cluster_rows_and_padded_widths_give_the_same_numbers(div_val, ch
 def test_a_padded_plain_softmax_gives_the_same_log_probs_and_nll():
     """No cutoffs: one matmul 61 wide, padded to 64 with -inf columns that the log-probabilities leave out."""
     torch.manual_seed(0)
-    padded = txl.TransformerXL(tiny_config(softmax_pad=64)).eval()
-    plain = txl.TransformerXL(tiny_config(softmax_pad=1)).eval()
+    padded = tiny_model(softmax_pad=64).eval()
+    plain = tiny_model(softmax_pad=1).eval()
     plain.load_state_dict(padded.state_dict())
     x, y = torch.randint(0, 61, (2, 5)), torch.randint(0, 61, (2, 5))
     a, b = padded(x, labels=y, return_log_probs=True), plain(x, labels=y, return_log_probs=True)
@@ -147,7 +144,7 @@ def test_a_padded_plain_softmax_gives_the_same_log_probs_and_nll():
 
 
 def test_padded_softmax_widths_are_multiples_of_the_pad():
-    model = txl.TransformerXL(tiny_config(vocab_size=267, cutoffs=[20, 40, 200], softmax_pad=64))
+    model = tiny_model(vocab_size=267, cutoffs=[20, 40, 200], softmax_pad=64)
     widths = [w.size(0) for w, _, _ in model.softmax._clusters(torch.float32, torch.device("cpu"))]
     assert widths == [64, 64, 192, 128]  # 20 + 3 cluster logits, 20, 160, 67, each up to a multiple of 64
 
@@ -264,7 +261,7 @@ def test_weights_cast_in_one_group_give_what_autocast_gives_bit_for_bit(change):
     results = []
     for mode in ("per_use", "grouped"):
         torch.manual_seed(0)
-        results.append(_train_and_eval_bf16(txl.TransformerXL(tiny_config(cast_weights=mode, **change)), x, y))
+        results.append(_train_and_eval_bf16(tiny_model(cast_weights=mode, **change), x, y))
     assert len(results[0]) == len(results[1])
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
 
@@ -274,7 +271,7 @@ def test_grouped_casts_are_one_op_each_way_and_the_parameters_come_back():
     forward, and after one that raised inside a layer, the model holds its own float32 Parameters again."""
     from txl.model import casting
 
-    model = txl.TransformerXL(tiny_config(cast_weights="grouped"))
+    model = tiny_model(cast_weights="grouped")
     before = dict(model.named_parameters())
     x = zipf((2, 5), vocab=61)
     counts = launches.count(lambda: _bf16_backward(model, x))
@@ -291,7 +288,7 @@ def test_grouped_casts_are_one_op_each_way_and_the_parameters_come_back():
         _bf16_backward(model, x)
     handle.remove()
     assert all(p is before[n] and type(p) is torch.nn.Parameter for n, p in model.named_parameters())
-    per_use = launches.count(lambda: _bf16_backward(txl.TransformerXL(tiny_config(cast_weights="per_use")), x))
+    per_use = launches.count(lambda: _bf16_backward(tiny_model(cast_weights="per_use"), x))
     assert per_use.copies - counts.copies >= 2 * len(casting.matmul_weights(model.layers)) - 2, (per_use.copies,
                                                                                                counts.copies)
 
@@ -314,7 +311,7 @@ def test_auto_groups_plain_float32_parameters_under_autocast_only():
     assert not casting.groupable([*plain, Sharded(torch.zeros(2))], torch.bfloat16)
     assert not casting.groupable([], torch.bfloat16)
     x = zipf((2, 5), vocab=61)
-    fp32 = [launches.count(lambda m=mode: txl.TransformerXL(tiny_config(cast_weights=m))(x, labels=x).loss.backward())
+    fp32 = [launches.count(lambda m=mode: tiny_model(cast_weights=m)(x, labels=x).loss.backward())
             for mode in ("auto", "per_use")]  # without autocast 'auto' casts nothing: the same ops
     assert fp32[0].ops["aten::_foreach_copy_"] == 0 and fp32[0].ops == fp32[1].ops
 
@@ -323,7 +320,12 @@ def test_relu_dropout_on_a_linear_output_is_not_undone_by_autograd():
     """A linear layer's 3-d output is a view of its 2-d matmul: an in-place ReLU on it needs a gradient, so it runs
     out of place there (autograd would clone the whole base and copy twice in backward); the same numbers, and
     in place still where nothing is lost (no gradient, or not a view)."""
-    from txl.model.dropout import ReLUDropout
+    from txl.model.dropout import FastReLUDropout
+
+    def ReLUDropout(p: float, *, inplace: bool) -> FastReLUDropout:  # noqa: N802 - torch's sampler ('torch')
+        module = FastReLUDropout(p, inplace=inplace)
+        module.gaps = False
+        return module
 
     linear = torch.nn.Linear(8, 16)
     x = torch.randn(2, 3, 8)

@@ -34,8 +34,8 @@ def test_parity_over_segments(name, impl):
     """Both paths: the default and the plain one (txl.model.plain, the oracle of the others)."""
     hf = hf_model(**CONFIGS[name])
     ours = ours_from_hf(hf)
-    if impl != ours.config.attn_impl:
-        plain = txl.TransformerXL(ours.config.replace(attn_impl=impl)).eval()
+    if impl != ours.plan.attn_impl:
+        plain = txl.TransformerXL(ours.config, txl.ComputeConfig(attn_impl=impl)).eval()
         plain.load_state_dict(ours.state_dict())
         ours = plain
     cfg = ours.config

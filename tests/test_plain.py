@@ -27,7 +27,7 @@ def pair(**changes) -> tuple[txl.TransformerXL, txl.TransformerXL]:
     with torch.no_grad():
         for p in fast.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    plain = txl.TransformerXL(config.replace(attn_impl="reference"))
+    plain = txl.TransformerXL(config, txl.ComputeConfig(attn_impl="reference"))
     plain.load_state_dict(fast.state_dict())
     return fast, plain
 
@@ -153,9 +153,9 @@ def test_the_recorded_hugging_face_checkpoint_runs_the_same_on_both_paths():
     pytest.importorskip("safetensors")
     from txl.pretrained import from_pretrained
 
-    fast = from_pretrained(GOLDEN).eval()
-    plain = txl.TransformerXL(fast.config.replace(attn_impl="reference")).eval()
-    plain.load_state_dict(fast.state_dict())
+    fast = from_pretrained(GOLDEN)
+    plain = from_pretrained(GOLDEN, compute=txl.ComputeConfig(attn_impl="reference"))
+    assert (fast.plan.attn_impl, plain.plan.attn_impl, plain.config) == ("fused", "reference", fast.config)
     tokens = torch.randint(0, fast.config.vocab_size, (2, 9))
     with torch.no_grad():
         a, b = fast(tokens), plain(tokens)

@@ -163,11 +163,11 @@ def test_gate_starts_near_identity():
 
 @pytest.mark.parametrize("attn_type", ATTN_TYPES)
 def test_attention_equals_the_packages_reference(attn_type):
-    """The plain layer's attention + residual + LN equals txl.model's Attention with attn_impl='reference'."""
+    """The plain layer's attention + residual + LN equals txl.model's Attention layer."""
     core = make_core(attn_type, "plain")
     layer = core.layers[0]
     cfg = ModelConfig(vocab_size=10, n_layer=2, d_model=16, n_head=2, d_inner=32, attn_type=attn_type,
-                      attn_impl="reference", dropout=0.0, learned_positions=6, mem_len=4)
+                      dropout=0.0, learned_positions=6, mem_len=4)
     ref = build_attention(cfg).double()
     own = {"qkv.weight": layer.attn.qkv.weight, "out.weight": layer.attn.out.weight,
            "norm.weight": layer.norm1.weight, "norm.bias": layer.norm1.bias}

@@ -119,7 +119,7 @@ def test_the_compiled_segment_is_one_graph_on_fixed_buffers_and_reads_nothing_ba
     monkeypatch.setattr(transformer, "reads_values", lambda t: False)  # as on CUDA: no value checks
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = txl.TransformerXL(resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda"))
+    model = txl.TransformerXL(tiny_config(mem_len=7, cutoffs=[20, 40]), resolve(txl.ComputeConfig(), "cuda"))
     batches = segments(21, last=3)
     counter = Counting()
     with inference_context(model) as ctx:
@@ -285,7 +285,7 @@ def test_the_rings_in_bf16_on_cudas_path_pass_cudas_rules():
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = txl.TransformerXL(resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda"))
+    model = txl.TransformerXL(tiny_config(mem_len=7, cutoffs=[20, 40]), resolve(txl.ComputeConfig(), "cuda"))
     batches = segments(6, last=2)
     backend = JudgingBackend()
     with inference_context(model) as ctx, torch.autocast("cpu", dtype=torch.bfloat16):

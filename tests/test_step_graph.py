@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import txl
-from txl.config import DataConfig, EvalConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from txl.config import ComputeConfig, DataConfig, EvalConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from txl.data import Batch
 from txl.distributed import init_distributed
 from txl.model.plan import resolve
@@ -34,9 +34,9 @@ STEPS, T, B = 20, 3, 4
 OPTIM = OptimConfig(lr=3e-3, clip=0.25)
 
 
-def setup(config: ModelConfig):
+def setup(config: ModelConfig, compute: ComputeConfig | None = None):
     torch.manual_seed(0)
-    model = txl.TransformerXL(config)
+    model = txl.TransformerXL(config, compute)
     return model, build_optimizer(model, OPTIM), torch.amp.GradScaler("cpu", enabled=False)
 
 
@@ -185,8 +185,7 @@ def test_the_step_keeps_its_buffers_and_reads_nothing_back(monkeypatch):
 
     monkeypatch.setattr(transformer, "reads_values", lambda t: False)
     info = init_distributed("cpu")
-    config = resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda")
-    model, opt, scaler = setup(config)
+    model, opt, scaler = setup(tiny_config(mem_len=7, cutoffs=[20, 40]), resolve(ComputeConfig(), "cuda"))
     graph, step = graphed(model, opt, scaler, info, "aot_eager")
     memories, pointers = [None], None
     reads = HostSyncs()
@@ -314,14 +313,14 @@ def test_the_captured_step_equals_eager_on_cuda(precision, kernels):
 
     device = torch.device("cuda")
     info = init_distributed("cuda")
-    config = resolve(tiny_config(mem_len=7, cutoffs=[20, 40]), "cuda")
+    config, compute = tiny_config(mem_len=7, cutoffs=[20, 40]), resolve(ComputeConfig(), "cuda")
     tol = dict(atol=1e-4, rtol=1e-4) if precision == "fp32" else dict(atol=2e-2, rtol=2e-2)
     runs, options = [], dict(clip=OPTIM.clip, precision=precision, info=info)
     with matmul_precision(device, tf32=False):
         for captured in (False, True):
             torch._dynamo.reset()
             torch.manual_seed(0)
-            model = txl.TransformerXL(config).to(device).train()
+            model = txl.TransformerXL(config, compute).to(device).train()
             opt = build_optimizer(model, OPTIM, capturable=captured)
             scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
             if captured:

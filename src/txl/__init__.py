@@ -14,14 +14,15 @@ __version__ = "0.1.0"
 """The one version source: pyproject.toml reads it (setuptools dynamic version)."""
 
 _EXPORTS = {
-    "Context": "txl.config", "ModelConfig": "txl.config",
+    "ComputeConfig": "txl.config", "Context": "txl.config", "ModelConfig": "txl.config",
     "KVCache": "txl.model", "LMOutput": "txl.model", "Memory": "txl.model", "TransformerXL": "txl.model",
     "from_pretrained": "txl.pretrained", "save_hf": "txl.pretrained", "save_pretrained": "txl.pretrained",
     "generate": "txl.generation", "generate_stream": "txl.generation",
     "iter_scores": "txl.score", "score_documents": "txl.score",
 }
-__all__ = ["Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL", "from_pretrained", "generate",
-           "generate_stream", "iter_scores", "save_hf", "save_pretrained", "score_documents"]
+__all__ = ["ComputeConfig", "Context", "KVCache", "LMOutput", "Memory", "ModelConfig", "TransformerXL",
+           "from_pretrained", "generate", "generate_stream", "iter_scores", "save_hf", "save_pretrained",
+           "score_documents"]
 
 
 def __getattr__(name: str) -> Any:
@@ -41,7 +42,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from txl.config import Context, ModelConfig
+    from txl.config import ComputeConfig, Context, ModelConfig
     from txl.generation import generate, generate_stream
     from txl.model import KVCache, LMOutput, Memory, TransformerXL
     from txl.pretrained import from_pretrained, save_hf, save_pretrained

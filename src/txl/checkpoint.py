@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from txl.config import MACHINE_KEY, SECTIONS, RunConfig
+from txl.config import MACHINE_KEY, SECTIONS, ComputeConfig, RunConfig
 from txl.data.tokenizer import read_meta, save_tokenizer
 from txl.fileio import atomic_write, fsync_dir, fsync_tree, remove_partial, write_json
 from txl.model import TransformerXL
@@ -252,8 +252,9 @@ class Checkpointer:
 # (model.attn_impl, dropout_impl, recompute_attention; train.compile, tf32, loss_positions; eval.compile;
 # the [sample] section; any field added since) lacks only such fields: that documented older version loads,
 # each missing field taking its default, which by the rule for adding a field reproduces the older behaviour
-# (except the kernel choices of txl.config.KERNEL_FIELDS, whose defaults changed since: such a run resumes with
-# today's kernels, which compute the same model; its dropout masks are other draws of the same distribution).
+# (except the [compute] section, ModelConfig's how-fields until issue 45 (txl.config.MOVED_FIELDS: a saved model
+# section's move there), whose defaults changed since: such a run resumes with today's kernels, which compute the
+# same model; its dropout masks are other draws of the same distribution).
 FIRST_RUN_FIELDS = {
     "data": ("corpus", "data_dir", "level", "cache_dir", "max_bytes"),
     "model": ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "cutoffs", "div_val",
@@ -363,12 +364,12 @@ def read_run(path: Path) -> RunConfig:
 
 
 def load(path: str | os.PathLike, *, which: str = "latest", with_state: bool = True,
-         device: torch.device | str = "cpu") -> Checkpoint:
+         device: torch.device | str = "cpu", compute: ComputeConfig | None = None) -> Checkpoint:
     """Load a checkpoint's model, run config and (optionally) training state; corrupt files raise
-    a ValueError that names the file."""
+    a ValueError that names the file. The model computes as ``compute`` says (None: as the run did)."""
     ckpt = find_checkpoint(path, which)
     run = read_run(ckpt)
-    model = from_pretrained(ckpt, device=device)
+    model = from_pretrained(ckpt, device=device, compute=run.compute if compute is None else compute)
     state = read_train_state(ckpt) if with_state else None
     return Checkpoint(path=ckpt, model=model, run=run, state=state)
 

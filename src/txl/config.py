@@ -37,11 +37,10 @@ MAX_MEMORY_ROWS = 1 << 20
 """The most rows a layer keeps (mem_len + cmem_len): 1,048,576, thousands of times the paper's longest memory
 (3,800 rows, enwik8 evaluation) and far beyond what a training run fills."""
 
-KERNEL_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "cast_weights")
-"""ModelConfig fields that choose how the model is computed, not what: the same numbers up to rounding
-('dropout_impl': another draw of the same distribution). A finished experiment run that differs from its config
-only in them is the same run (experiments.common.train_or_skip)."""
-
+MOVED_FIELDS = ("attn_impl", "recompute_attention", "dropout_impl", "cluster_rows", "softmax_pad", "cast_weights")
+"""How-fields a saved model section may hold: ModelConfig's until issue 45, ``ComputeConfig``'s since (they choose
+how the model is computed, not what). A saved run's move to its compute section (``RunConfig.from_dict``); a model
+read alone drops them (``ModelConfig.from_dict``): its weights load under any compute config."""
 RETIRED_FIELDS = ("state_dtype", "residual_dtype")
 """How-fields a saved config may hold that are gone (issue 45: measured no win on the GPU): where autocast rounded
 the memory, u, v and the residual stream. Read configs drop them: the model they describe is the same."""
@@ -51,13 +50,20 @@ RETIRED_VALUES = {("dropout_impl", "fast16"): "fast"}
 
 
 def retire(values: dict[str, Any]) -> dict[str, Any]:
-    """A saved model section with ``RETIRED_FIELDS`` dropped and ``RETIRED_VALUES`` replaced (checkpoints of before
-    issue 45 load)."""
+    """A saved model or compute section with ``RETIRED_FIELDS`` dropped and ``RETIRED_VALUES`` replaced (checkpoints
+    of before issue 45 load)."""
     out = {k: v for k, v in values.items() if k not in RETIRED_FIELDS}
     for (name, old), new in RETIRED_VALUES.items():
         if out.get(name) == old:
             out[name] = new
     return out
+
+
+def split_compute(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A saved model section's what-fields and its how-fields (``MOVED_FIELDS``), both retired (``retire``)."""
+    model = retire(model)
+    return ({k: v for k, v in model.items() if k not in MOVED_FIELDS},
+            {k: v for k, v in model.items() if k in MOVED_FIELDS})
 
 
 @dataclass(kw_only=True)
@@ -134,50 +140,6 @@ class ModelConfig:
     pre_ln: bool = False
     """Layer norm before each sub-layer (pre-LN) instead of after the residual (the paper's post-LN)."""
     layer_norm_eps: float = 1e-5
-    attn_impl: AttnImpl = "fused"
-    """Which path computes the model; the numbers are the same up to rounding.
-    'fused': the fast path (``txl.model.transformer``, its kernels in ``txl.model.kernels``): the fused kernel
-    ``scaled_dot_product_attention`` with the positional scores as its additive mask, realigned without
-    rel_shift's padded copy; in training a FlashAttention-style backward (see recompute_attention); the key/value
-    cache's projected position table.
-    'reference': the plain path (``txl.model.plain``): the whole model, embedding to softmax, in torch ops and nn
-    modules as the paper writes it (no custom autograd Function, no kernel switch: dropout_impl, cluster_rows,
-    softmax_pad, cast_weights and recompute_attention do not apply); the oracle every
-    other path is tested against. Timings of both: benchmarks/README.md."""
-    recompute_attention: bool = False
-    """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
-    (B, H, T, M+T) probabilities of every layer (192 MiB at the base benchmark shape; their size grows with
-    the memory). No effect on the numbers; costs ~5% of a training step (benchmarks/README.md, phase
-    train-recompute): turn it on when memory is short (long memories, large batches on a GPU). Ignored with
-    dropatt > 0, whose dropped probabilities are kept."""
-    dropout_impl: DropoutImpl = "fast"
-    """How dropout masks are drawn (``txl.model.dropout``). 'fast': ``nn.Dropout``'s distribution (each element
-    dropped independently with probability p, kept ones scaled by 1 / (1 - p)) drawn on CPU as the gaps between
-    dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
-    devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed)."""
-    cluster_rows: ClusterRows = "auto"
-    """Which rows each tail cluster of the adaptive input and softmax computes (``txl.model.adaptive``); the
-    numbers are the same. 'selected': only the tokens that fall in it, found with ``nonzero`` (the least work,
-    but a host sync per cluster on a GPU, and shapes that change with the batch). 'all': every token, the
-    others masked out (static shapes, no sync: what torch.compile and CUDA graphs need; the tails' matmuls
-    then cover every token: at NVIDIA's WikiText-103 shape about 6x the softmax's work). 'auto': 'selected'
-    eagerly on the CPU, 'all' on other devices and under torch.compile (before issue 34: 'selected' eagerly
-    on every device)."""
-    cast_weights: CastWeights = "auto"
-    """Under autocast, how the layers' float32 matmul weights and biases reach the compute dtype
-    (``txl.model.casting``); the same numbers (the adaptive softmax's weights, biases and projections too, grouped
-    in one op of their own, ``casting.cast_rows``; with 'per_use' it casts each once per forward). 'per_use':
-    autocast casts each where it is used and backward casts each gradient back (two copy kernels per weight and
-    step). 'grouped': all of them in one op at the start of the forward, their gradients in one at the end of
-    backward (the gradients then all arrive after the last layer's: DDP could not overlap its all-reduce with
-    backward). 'auto': 'grouped', except in a process group of more than one or with parameters that are not plain
-    tensors (FSDP's); no effect without autocast."""
-    softmax_pad: int = 0
-    """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
-    cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
-    GPU's tensor-core kernels get the aligned widths they need (NVIDIA's 20,003-wide head ran a Turing-era
-    kernel). 1: no padding. 0 (auto): 64 on CUDA, 1 elsewhere (on the CPU padding only adds work)."""
-
     # Initialisation, as the original: normal(0, init_std), projections normal(0, proj_init_std).
     init_std: float = 0.02
     proj_init_std: float = 0.01
@@ -239,14 +201,6 @@ class ModelConfig:
         if self.attn_type == "rotary" and self.d_head % 2:
             raise ValueError(f"ModelConfig.attn_type='rotary' rotates pairs of channels: d_head={self.d_head} must be "
                              "even; choose n_head so that d_model // n_head is even, or set d_head")
-        if not isinstance(self.softmax_pad, int) or isinstance(self.softmax_pad, bool) or self.softmax_pad < 0:
-            raise ValueError(f"ModelConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
-                             "1: no padding, 64: widths padded to multiples of 64)")
-        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
-                           ("cast_weights", CastWeights)):
-            if getattr(self, name) not in typing.get_args(kind):
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is unknown; choose one of "
-                                 f"{', '.join(map(repr, typing.get_args(kind)))}")
         if self.same_length_style not in typing.get_args(SameLengthStyle):
             raise ValueError(
                 f"ModelConfig.same_length_style={self.same_length_style!r} is unknown; choose 'pytorch' "
@@ -296,7 +250,7 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a dict, rejecting unknown keys with a message that lists the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
-        data = retire(data)
+        data, _ = split_compute(data)  # a config saved before issue 45: its how-fields are not the model's
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
@@ -367,6 +321,72 @@ class Context:
         if self.ext_len:
             parts.append(f"ext_len {self.ext_len}")
         return ", ".join(parts)
+
+
+@dataclass(kw_only=True)
+class ComputeConfig:
+    """How the model is computed, not what it is (``ModelConfig``): paths and kernels of the same numbers.
+
+    The same numbers up to rounding, and another draw of the same dropout distribution ('dropout_impl'). A model
+    resolves it for the device its parameters live on (``txl.model.plan.compute_plan``), and its forward reads that
+    plan; a checkpoint stores its ``ModelConfig`` and loads under any compute config. A finished experiment run that
+    differs from its config only here is the same run (experiments.common.train_or_skip)."""
+
+    attn_impl: AttnImpl = "fused"
+    """Which path computes the model; the numbers are the same up to rounding.
+    'fused': the fast path (``txl.model.transformer``, its kernels in ``txl.model.kernels``): the fused kernel
+    ``scaled_dot_product_attention`` with the positional scores as its additive mask, realigned without
+    rel_shift's padded copy; in training a FlashAttention-style backward (see recompute_attention); the key/value
+    cache's projected position table.
+    'reference': the plain path (``txl.model.plain``): the whole model, embedding to softmax, in torch ops and nn
+    modules as the paper writes it (no custom autograd Function, no kernel switch: dropout_impl, cluster_rows,
+    softmax_pad, cast_weights and recompute_attention do not apply); the oracle every
+    other path is tested against. Timings of both: benchmarks/README.md."""
+    recompute_attention: bool = False
+    """attn_impl='fused', training: recompute the attention scores in backward instead of keeping the
+    (B, H, T, M+T) probabilities of every layer (192 MiB at the base benchmark shape; their size grows with
+    the memory). No effect on the numbers; costs ~5% of a training step (benchmarks/README.md, phase
+    train-recompute): turn it on when memory is short (long memories, large batches on a GPU). Ignored with
+    dropatt > 0, whose dropped probabilities are kept."""
+    dropout_impl: DropoutImpl = "fast"
+    """How dropout masks are drawn (``txl.model.dropout``). 'fast': ``nn.Dropout``'s distribution (each element
+    dropped independently with probability p, kept ones scaled by 1 / (1 - p)) drawn on CPU as the gaps between
+    dropped elements, one draw per dropped element instead of one per element; torch's own kernel on other
+    devices. 'torch': ``nn.Dropout`` itself (the draws ``F.dropout`` makes from the same seed)."""
+    cluster_rows: ClusterRows = "auto"
+    """Which rows each tail cluster of the adaptive input and softmax computes (``txl.model.adaptive``); the
+    numbers are the same. 'selected': only the tokens that fall in it, found with ``nonzero`` (the least work,
+    but a host sync per cluster on a GPU, and shapes that change with the batch). 'all': every token, the
+    others masked out (static shapes, no sync: what torch.compile and CUDA graphs need; the tails' matmuls
+    then cover every token: at NVIDIA's WikiText-103 shape about 6x the softmax's work). 'auto': 'selected'
+    eagerly on the CPU, 'all' on other devices and under torch.compile (before issue 34: 'selected' eagerly
+    on every device)."""
+    cast_weights: CastWeights = "auto"
+    """Under autocast, how the layers' float32 matmul weights and biases reach the compute dtype
+    (``txl.model.casting``); the same numbers (the adaptive softmax's weights, biases and projections too, grouped
+    in one op of their own, ``casting.cast_rows``; with 'per_use' it casts each once per forward). 'per_use':
+    autocast casts each where it is used and backward casts each gradient back (two copy kernels per weight and
+    step). 'grouped': all of them in one op at the start of the forward, their gradients in one at the end of
+    backward (the gradients then all arrive after the last layer's: DDP could not overlap its all-reduce with
+    backward). 'auto': 'grouped', except in a process group of more than one or with parameters that are not plain
+    tensors (FSDP's); no effect without autocast."""
+    softmax_pad: int = 0
+    """Pad the width of each output matmul of the softmax (the head's shortlist + clusters, each tail
+    cluster) up to a multiple of this, with zero weights and a -inf bias: log-probabilities unchanged, and a
+    GPU's tensor-core kernels get the aligned widths they need (NVIDIA's 20,003-wide head ran a Turing-era
+    kernel). 1: no padding. 0 (auto): 64 on CUDA, 1 elsewhere (on the CPU padding only adds work)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.softmax_pad, int) or isinstance(self.softmax_pad, bool) or self.softmax_pad < 0:
+            raise ValueError(f"ComputeConfig.softmax_pad={self.softmax_pad!r} must be an integer >= 0 (0: auto, "
+                             "1: no padding, 64: widths padded to multiples of 64)")
+        for name, kind in (("attn_impl", AttnImpl), ("dropout_impl", DropoutImpl), ("cluster_rows", ClusterRows),
+                           ("cast_weights", CastWeights)):
+            _check_literal("ComputeConfig", self, name, kind)
+
+    def replace(self, **changes: Any) -> ComputeConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
 
 
 # -- training and evaluation ---------------------------------------------------------------------------
@@ -652,7 +672,7 @@ class SampleConfig:
             raise ValueError("SampleConfig.stop holds an empty text; every stop text needs at least one character")
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "compute": ComputeConfig, "optim": OptimConfig,
                              "train": TrainConfig, "eval": EvalConfig, "sample": SampleConfig}
 
 
@@ -665,6 +685,7 @@ class RunConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -688,13 +709,18 @@ class RunConfig:
         unknown = sorted(set(data) - set(SECTIONS) - {MACHINE_KEY})  # run.json's record of the machine: not config
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; valid sections are {sorted(SECTIONS)}")
+        data = dict(data)
+        if isinstance(data.get("model"), dict):  # a run saved before issue 45: its how-fields move to [compute]
+            data["model"], moved = split_compute(data["model"])
+            if isinstance(data.get("compute", {}), dict):
+                data["compute"] = {**moved, **data.get("compute", {})}
         sections = {}
         for name, kind in SECTIONS.items():
-            values = dict(data.get(name, {}))
+            values = data.get(name, {})
             if not isinstance(values, dict):
                 raise ValueError(f"config section [{name}] must be a table of fields")
             known = {f.name for f in dataclasses.fields(kind)}
-            values = retire(values) if name == "model" else values
+            values = retire(values) if name == "compute" else dict(values)
             bad = sorted(set(values) - known)
             if bad:
                 raise ValueError(f"unknown field(s) {', '.join(f'{name}.{b}' for b in bad)}"

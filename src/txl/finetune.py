@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from txl.config import KERNEL_FIELDS, ModelConfig, RunConfig
+from txl.config import ModelConfig, RunConfig
 from txl.data.corpora import Corpus, get_spec, resolve_sources
 from txl.data.tokenizer import Tokenizer, WordTokenizer, encode_source, load_model_tokenizer
 from txl.model import TransformerXL
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 EVAL_CONTEXT_FIELDS = frozenset({"mem_len", "clamp_len", "same_length", "ext_len"})
 """The [eval] fields of an evaluation context: a preset's belong to the preset's model, not to a checkpoint's."""
 CONTEXT_FIELDS = frozenset({"mem_len", "ext_len", "clamp_len", "same_length", "same_length_style", "dropout",
-                            "dropatt", *KERNEL_FIELDS, "init_std", "proj_init_std"})
+                            "dropatt", "init_std", "proj_init_std"})
 """Model fields a fine-tuning run may change: they own no parameters and do not change what the trained
-weights compute, only the context they see, the regularisation, or which kernel computes it."""
+weights compute, only the context they see or the regularisation (how it is computed, ``[compute]``, is the run's
+own)."""
 
 
 @dataclass

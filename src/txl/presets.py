@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from txl.config import SECTIONS, ModelConfig, RunConfig, did_you_mean
+from txl.config import MOVED_FIELDS, SECTIONS, ModelConfig, RunConfig, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "configs"
 """Presets ship inside the package (the repository's configs/ links here)."""
@@ -217,6 +217,9 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
                              "are --SECTION.FIELD with SECTION one of "
                              f"{', '.join(SECTIONS)} (e.g. --model.mem_len 300, --optim.lr 1e-3)")
         hints = field_types(SECTIONS[section])
+        if section == "model" and name in MOVED_FIELDS:
+            raise ValueError(f"unknown field model.{name}: it is compute.{name} now (--compute.{name}; how the model "
+                             "is computed, not what it is)")
         if name not in hints:
             raise ValueError(f"unknown field {section}.{name}{did_you_mean(name, hints)}; valid {section} fields are: "
                              f"{', '.join(sorted(hints))}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from txl.config import ModelConfig
+from txl.config import ComputeConfig, ModelConfig
 from txl.convert.hf import (
     ClusterOrder,
     config_from_hf,
@@ -156,10 +156,11 @@ def read_state(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "hf",
                     device: torch.device | str = "cpu", revision: str | None = None,
-                    cache_dir: str | os.PathLike | None = None) -> TransformerXL:
+                    cache_dir: str | os.PathLike | None = None, compute: ComputeConfig | None = None) -> TransformerXL:
     """Load a model (eval mode) from our checkpoint directory, a Hugging Face `transfo-xl` one, a training
     run directory (best checkpoint, else latest) or a Hub repo id at ``revision`` (cached in ``cache_dir``,
-    default the Hub cache).
+    default the Hub cache), computed as ``compute`` says (None: the defaults; the checkpoint stores only what the
+    model is, so it loads under any compute config).
 
     ``cluster_order="original_pytorch"`` reorders the adaptive-softmax cluster rows of a checkpoint
     converted from the original PyTorch code.
@@ -187,7 +188,7 @@ def from_pretrained(path: str | os.PathLike, *, cluster_order: ClusterOrder = "h
         raise ValueError(f"{directory / CONFIG_FILE} is neither a txl config (format: 'txl') nor a Hugging "
                          "Face transfo-xl config (model_type: 'transfo-xl')")
     with torch.device("meta"):  # no time spent initialising weights that are about to be replaced
-        model = TransformerXL(config)
+        model = TransformerXL(config, compute)
     load_weights(model, state, source=source)
     return model.to(device).eval()
 

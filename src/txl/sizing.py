@@ -29,12 +29,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
 
-from txl.config import ModelConfig, RunConfig
+from txl.config import ComputeConfig, ModelConfig, RunConfig
 
 F32 = 4
 
@@ -111,14 +111,17 @@ def softmax_bytes(config: ModelConfig, tokens: int) -> int:
     return total
 
 
-def activation_bytes(config: ModelConfig, *, streams: int, tgt_len: int, checkpointing: bool) -> tuple[int, int]:
-    """(saved activations of one chunk of ``streams``, those of one decoder layer) for the config's shape."""
-    per_stream, layer = _per_stream(json.dumps(config.to_dict(), sort_keys=True), tgt_len, checkpointing)
+def activation_bytes(config: ModelConfig, *, streams: int, tgt_len: int, checkpointing: bool,
+                     compute: ComputeConfig | None = None) -> tuple[int, int]:
+    """(saved activations of one chunk of ``streams``, those of one decoder layer) for the config's shape, computed
+    as ``compute`` says (None: the defaults; recompute_attention keeps no probabilities)."""
+    compute_json = json.dumps(asdict(compute or ComputeConfig()), sort_keys=True)
+    per_stream, layer = _per_stream(json.dumps(config.to_dict(), sort_keys=True), compute_json, tgt_len, checkpointing)
     return per_stream * streams, layer * streams
 
 
 @functools.lru_cache(maxsize=64)
-def _per_stream(config_json: str, tgt_len: int, checkpointing: bool) -> tuple[int, int]:
+def _per_stream(config_json: str, compute_json: str, tgt_len: int, checkpointing: bool) -> tuple[int, int]:
     from txl.model import TransformerXL
     from txl.parallel import checkpoint_layers
 
@@ -128,7 +131,7 @@ def _per_stream(config_json: str, tgt_len: int, checkpointing: bool) -> tuple[in
         small = config.replace(n_layer=n_layer, vocab_size=2, cutoffs=[], tie_projs=[False], div_val=1,
                                d_embed=config.d_model)
         torch.manual_seed(0)
-        model = TransformerXL(small)
+        model = TransformerXL(small, ComputeConfig(**json.loads(compute_json)))
         if ckpt:
             checkpoint_layers(model)
         return saved_bytes(model, 1, tgt_len, config.mem_len)
@@ -154,7 +157,8 @@ def estimate(cfg: RunConfig, *, world_size: int, parallel: str, checkpointing: b
     n_head = sum(head.values())
     n_layer = sum(p.numel() for p in model.layers[0].parameters())
     streams = t.batch_size // world_size
-    acts, layer = activation_bytes(c, streams=streams // t.grad_accum, tgt_len=t.tgt_len, checkpointing=checkpointing)
+    acts, layer = activation_bytes(c, streams=streams // t.grad_accum, tgt_len=t.tgt_len, checkpointing=checkpointing,
+                                   compute=cfg.compute)
     memory = c.n_layer * streams * c.mem_len * c.d_model * F32
     fsdp = parallel == "fsdp" and world_size > 1
     shard = (lambda x: math.ceil(x / world_size)) if fsdp else (lambda x: x)

@@ -152,7 +152,7 @@ class StaticEval:
             raise ValueError(f"StaticEval: {why}; evaluate through txl.graphs.StaticSteps (txl.evaluate picks it)")
         device = next(model.parameters()).device
         self.capture = device.type == "cuda" if capture is None else capture
-        if self.capture and not compile and resolved("cluster_rows", model.config.cluster_rows, "cuda") == "selected":
+        if self.capture and not compile and resolved("cluster_rows", model.compute.cluster_rows, "cuda") == "selected":
             raise ValueError("cluster_rows='selected' reads each tail cluster's row count on the host (nonzero), "
                              "which a captured segment cannot: compile it, or set --model.cluster_rows all")
         self.model, self.context, self.device, self.warmup = model, context, device, warmup

@@ -110,10 +110,10 @@ class StepGraph:
                 optimizer, "_step_supports_amp_scaling", False):
             raise ValueError("fp16 in a captured step needs a fused optimiser (GradScaler skips a non-finite step "
                              "inside its kernel; otherwise it reads found_inf on the host): use --train.graphs model")
-        if self.capture and not compile and resolved("cluster_rows", model.config.cluster_rows, "cuda") == "selected":
+        if self.capture and not compile and resolved("cluster_rows", model.compute.cluster_rows, "cuda") == "selected":
             raise ValueError("cluster_rows='selected' reads each tail cluster's row count on the host (nonzero), "
                              "which a captured step cannot: compile its model (torch.compile keeps every row), or "
-                             "set --model.cluster_rows all")
+                             "set --compute.cluster_rows all")
         self.model, self.optimizer, self.scaler, self.device = model, optimizer, scaler, device
         self.train_step, self.options, self.warmup = step, step_options, warmup
         self.forward = compile_step_model(model, backend) if compile else model

@@ -317,7 +317,7 @@ class Trainer:
         self.saved_at: int | None = None  # the step of the last checkpoint this run wrote
         self.cfg, self.corpus, self.info, self.out = cfg, corpus, info, Path(t.out_dir)
         torch.manual_seed(t.seed)
-        self.model = TransformerXL(cfg.model).to(info.device)
+        self.model = TransformerXL(cfg.model, cfg.compute).to(info.device)
         if init is not None:  # fine-tuning: the pretrained weights, every process the same
             self.model.load_state_dict(init.state_dict())
         torch.manual_seed(t.seed + info.rank)  # same weights everywhere, different dropout per process

@@ -26,8 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         usage="txl eval CHECKPOINT|--checkpoint DIR|REPO_ID [--corpus NAME] [--split {valid,test}] "
         "[--sweep-mem M1,M2,...] [--eval.FIELD VALUE ...]",
         description="Evaluate a checkpoint on the TEST split by default (--split valid for validation), in the "
-        "run's evaluation context ([eval] of its config; unset fields: as in training). Any eval or data field "
-        "can be overridden as --SECTION.FIELD VALUE, e.g. --eval.mem_len 512 --eval.same_length.")
+        "run's evaluation context ([eval] of its config; unset fields: as in training), computed as the run was "
+        "([compute]). Any eval, data or compute field can be overridden as --SECTION.FIELD VALUE, e.g. "
+        "--eval.mem_len 512 --eval.same_length --compute.attn_impl reference.")
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="run directory (uses best.json, else latest.json), checkpoint or model directory, or "
                    "Hugging Face Hub repo id")
@@ -53,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, help="sweep plot path (default: RUN_DIR/mem_sweep.png)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="progress bars of the evaluated segments (and of the sweep)")
-    add_config_arguments(p, ["eval", "data"])
+    add_config_arguments(p, ["eval", "data", "compute"])
     p.set_defaults(func=run)
 
 
@@ -102,7 +103,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     import json
 
     import txl
-    from txl.config import EvalConfig
+    from txl.config import ComputeConfig, EvalConfig
     from txl.evaluate import check_split_fits, evaluate
     from txl.presets import apply_overrides
     from txl.runtime import resolve_precision
@@ -115,7 +116,7 @@ def run_pretrained(args: argparse.Namespace, directory, device) -> int:
     if args.sweep_mem:
         raise ValueError("--sweep-mem needs a run directory; evaluate a model directory one --eval.mem_len at "
                          "a time")
-    model = txl.from_pretrained(directory, device=device)
+    model = txl.from_pretrained(directory, device=device, compute=ComputeConfig(**given.get("compute", {})))
     tokens, spec, codec, n_unk = _pretrained_tokens(directory, data["corpus"], data.get("data_dir"), args.split,
                                                     args.vocab, model.config.vocab_size)
     if codec.vocab_size != model.config.vocab_size:
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from dataclasses import replace
 
-    from txl.checkpoint import RUN_FILE, check_tokenizer, load
+    from txl.checkpoint import RUN_FILE, check_tokenizer, find_checkpoint, load, read_run
     from txl.config import RunConfig
     from txl.data.corpora import load_run_corpus
     from txl.distributed import resolve_device
@@ -177,9 +178,10 @@ def run(args: argparse.Namespace) -> int:
     if args.vocab is not None:
         raise ValueError(f"--vocab {args.vocab}: {directory} belongs to a training run, which is evaluated with its "
                          "own saved tokenizer; drop --vocab")
-    loaded = load(directory, which=args.which, with_state=False, device=device)
+    cfg = RunConfig.from_dict(apply_overrides(read_run(find_checkpoint(directory, args.which)).to_dict(),
+                                              overrides_from(args)))
+    loaded = load(directory, which=args.which, with_state=False, device=device, compute=cfg.compute)
     run_cfg, model = loaded.run, loaded.model
-    cfg = RunConfig.from_dict(apply_overrides(run_cfg.to_dict(), overrides_from(args)))
     corpus = load_run_corpus(replace(cfg.data))
     check_tokenizer(loaded.path, corpus.tokenizer)
     e, m = replace(cfg.eval, **flags(args, vars(cfg.eval))), model.config

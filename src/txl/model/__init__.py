@@ -1,7 +1,7 @@
 """The Transformer-XL model: pure PyTorch modules, no I/O.
 
 Start with ``plain``: the whole model as the paper writes it, top to bottom, in torch ops and nn modules
-(``ModelConfig.attn_impl='reference'``). It is the oracle every other path is tested against.
+(``ComputeConfig.attn_impl='reference'``). It is the oracle every other path is tested against.
 
 Modules, bottom up (each imports only torch, ``txl.config``, ``txl.labels`` and the modules listed before it).
 What the model is:
@@ -15,7 +15,7 @@ What the model is:
 
 How the default path computes it, behind the seam (each kept for a measured win, benchmarks/README.md):
 
-* ``plan``: every choice that depends on the device type, in one table; ``resolve(config, device_type)`` and the
+* ``plan``: every choice that depends on the device type, in one table; ``resolve(compute, device_type)`` and the
   ``ComputePlan`` a model resolves once for the device it lives on;
 * ``dropout``: ``nn.Dropout``'s distribution drawn from the gaps between drops (the CPU's sampler), or torch's;
 * ``casting``: the layers' and the softmax's weights cast in one grouped op under autocast (``cast_weights``);

@@ -8,10 +8,10 @@ scores the shortlist and one logit per tail cluster, cluster i (1-based) in colu
 and the TensorFlow original's order; the converter reorders the PyTorch original's); a tail token's log-probability
 is log p(cluster) + log p(token | cluster).
 
-Which rows a tail cluster scores is ``cluster_rows`` (the model's plan): its own tokens ('selected', found with
-``nonzero``: the least work, a data-dependent shape, a host sync per cluster); a fixed number of rows its tokens fill
-in order ('capacity': static shapes for torch.compile and CUDA graphs at about 'selected''s work); or every token
-('all': 2.4x a training step's FLOPs at NVIDIA's WikiText-103 shape). 'auto' is 'selected' eagerly on the CPU,
+Which rows a tail cluster scores is ``ComputeConfig.cluster_rows`` (the model's plan): its own tokens ('selected',
+found with ``nonzero``: the least work, a data-dependent shape, a host sync per cluster); a fixed number of rows its
+tokens fill in order ('capacity': static shapes for torch.compile and CUDA graphs at about 'selected''s work); or every
+token ('all': 2.4x a training step's FLOPs at NVIDIA's WikiText-103 shape). 'auto' is 'selected' eagerly on the CPU,
 'capacity' elsewhere and under torch.compile (``txl.model.plan``). Static shapes cost what the worst batch costs (an
 exact path for any batch scores every token against the widest tail), so 'capacity' sizes each tail for Zipf-
 distributed labels (``capacities``; WikiText-2 puts up to 1.14x Zipf's share in a first tail, 0.6x in a last). A label
@@ -35,7 +35,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.labels import IGNORE_INDEX
-from txl.model import casting, plan
+from txl.model import casting
 from txl.model.kernels import compute_dtype
 
 
@@ -76,7 +76,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.bounds, self.every_cluster = cluster_bounds(config), False  # every_cluster: the module docstring
-        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
+        self.rows = "selected"  # the model's plan sets it
         self.d_proj, self.scale = config.d_model, config.d_model ** 0.5
         self.layers, self.projs = nn.ModuleList(), nn.ParameterList()
         if config.div_val == 1:  # one table for the whole vocabulary, projected only if needed
@@ -120,10 +120,9 @@ class AdaptiveLogSoftmax(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.bounds, self.every_cluster = cluster_bounds(config), False  # every_cluster: the module docstring
-        self.rows = plan.resolved("cluster_rows", config.cluster_rows, "cpu")  # the model's plan sets it
-        self.pad = plan.resolved("softmax_pad", config.softmax_pad, "cpu")  # the model's plan sets it
+        self.rows, self.pad = "selected", 1  # the model's plan sets them
         self.shortlist, self.n_clusters, self.div_val = self.bounds[1], config.n_clusters, config.div_val
-        self.cast_weights, self.shares = config.cast_weights, zipf_shares(config)[1:]
+        self.cast_weights, self.shares = "auto", zipf_shares(config)[1:]  # the plan sets cast_weights
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))

@@ -32,7 +32,7 @@ RotaryAttention            yes           yes          no                 q, k ro
 
 A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
 
-``ModelConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
+``ComputeConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
 reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
 kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
 positional inputs (``positional_inputs``).
@@ -106,15 +106,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.d_head = config.n_head, config.d_head
         self.pre_ln = config.pre_ln
-        self.recompute = config.recompute_attention
+        self.recompute = False  # training's fused attention recomputes its scores (the model's plan sets it)
         self.pin_sdpa = False  # SDPA inside its backend context (the model's plan sets it: txl.model.plan)
         self.scale = 1.0 / math.sqrt(config.d_head)
         hd = config.n_head * config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config, config.dropout)
-        self.dropatt = dropout(config, config.dropatt)
+        self.drop = dropout(config.dropout)
+        self.dropatt = dropout(config.dropatt)
 
     # -- what an encoding declares at the model level -------------------------------------------------
     @classmethod

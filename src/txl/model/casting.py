@@ -2,13 +2,13 @@
 
 Under autocast every float32 weight a matmul reads is cast where it is used (one copy kernel per weight and
 bias), and backward casts each gradient back (one more): at NVIDIA's WikiText-103 shape 7 weights a layer, 16
-layers, ~224 small copy kernels a step. ``ModelConfig.cast_weights='grouped'`` casts all of them in one
+layers, ~224 small copy kernels a step. ``ComputeConfig.cast_weights='grouped'`` casts all of them in one
 ``_foreach_copy_`` at the start of the forward and their gradients back in one in backward (CUDA's multi-tensor
 kernel: a few launches for all of them), with the same numbers: the same rounding to bf16 / fp16, the gradient
 in the compute dtype widened exactly to float32, contributions of one weight's several uses summed where they
 were (in the compute dtype).
 
-The trade-offs (``ModelConfig.cast_weights``): all the layers' cast weights exist from the forward's start (under
+The trade-offs (``ComputeConfig.cast_weights``): all the layers' cast weights exist from the forward's start (under
 autocast each exists from its layer on, and both are kept for backward in training); every gradient reaches
 its float32 parameter at the end of backward, after the last layer's, so a data-parallel wrapper (DDP) that
 overlaps its all-reduce with backward would overlap nothing: 'auto' groups only outside a process group of

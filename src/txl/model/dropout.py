@@ -1,8 +1,9 @@
 """Dropout: ``nn.Dropout``'s distribution drawn cheaply on the CPU (the default), or ``nn.Dropout`` itself.
 
-``dropout(config, p)`` returns the module ``ModelConfig.dropout_impl`` asks for:
+``dropout(p)`` returns ``FastDropout`` (``FastReLUDropout`` for dropout(relu(x))); the model's plan sets whether it
+draws as ``ComputeConfig.dropout_impl`` asks:
 
-* 'fast' (the default): ``FastDropout`` / ``FastReLUDropout`` drawing the *gaps* between dropped elements.
+* 'fast' (the default): the *gaps* between dropped elements.
   In a row of independent Bernoulli(p) trials the gaps between successes are independent Geometric(p)
   variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped element, by the
   inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws instead of
@@ -10,8 +11,7 @@
   ``nn.Dropout``'s per-element Bernoulli sampler; both samplers' draws are serial (a second thread does not
   speed them up), but here there are p * n of them and the passes over all n elements use every thread; on
   other devices, and under torch.compile, torch's own kernel runs;
-* 'torch': ``nn.Dropout`` (torch's RNG stream: the draws ``F.dropout`` makes from the same seed), and
-  ``ReLUDropout`` for dropout(relu(x)) in place.
+* 'torch': ``F.dropout``, as ``nn.Dropout`` calls it (torch's RNG stream: the same draws from the same seed).
 
 (Issue 45 removed 'fast16', 16-bit masks with p rounded to 2**-16: 381.8 ms a small training step against
 'fast''s 369.9 on the CPU, benchmarks/README.md; a config that names it reads as 'fast'.)
@@ -26,8 +26,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from txl.config import ModelConfig
 
 
 def rare_positions(n: int, q: float, device: torch.device, *, first: int | None = None) -> torch.Tensor:
@@ -145,21 +143,10 @@ def _relu(x: torch.Tensor, inplace: bool) -> torch.Tensor:
     return torch.relu(x)
 
 
-class ReLUDropout(nn.Dropout):
-    """dropout(relu(x)) with ``nn.Dropout``'s semantics. ``inplace=True``: for an input nothing else
-    reads (a fresh linear output), the ReLU overwrites it instead of allocating another tensor."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(_relu(x, self.inplace), self.p, self.training)
-
-    def masks_relu(self, x: torch.Tensor) -> bool:
-        """Whether the ReLU is applied with this module's own dropout mask (never: it runs torch's ``F.dropout``
-        after a plain ReLU)."""
-        return False
-
-
 class FastReLUDropout(_Sampler, nn.Dropout):
-    """dropout(relu(x)) in one step with ``FastDropout``'s samplers: no ReLU input or mask kept for backward."""
+    """dropout(relu(x)) in one step with ``FastDropout``'s samplers: no ReLU input or mask kept for backward.
+    ``inplace=True``: for an input nothing else reads (a fresh linear output), the ReLU overwrites it instead of
+    allocating another tensor."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.masks_relu(x):
@@ -168,12 +155,10 @@ class FastReLUDropout(_Sampler, nn.Dropout):
 
     def masks_relu(self, x: torch.Tensor) -> bool:
         """Whether the ReLU is applied with this module's own mask (the fast samplers, training); else torch's
-        ``F.dropout`` runs after a plain ReLU (see ``ReLUDropout.masks_relu``)."""
+        ``F.dropout`` runs after a plain ReLU."""
         return self.training and self.p > 0 and not self.torch_kernel(x)
 
 
-def dropout(config: ModelConfig, p: float, *, relu: bool = False) -> nn.Module:
-    """The dropout module ``config.dropout_impl`` asks for; ``relu``: dropout(relu(x)) in place."""
-    if config.dropout_impl == "torch":
-        return ReLUDropout(p, inplace=True) if relu else nn.Dropout(p)
+def dropout(p: float, *, relu: bool = False) -> nn.Module:
+    """The dropout module (its sampler set by the model's plan); ``relu``: dropout(relu(x)) in place."""
     return FastReLUDropout(p, inplace=True) if relu else FastDropout(p)

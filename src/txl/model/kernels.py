@@ -6,7 +6,7 @@ D head width, A, C the two leading dims of a score block.
 A kernel takes tensors and plain numbers (a query, keys, values, a positional bias or the function that
 makes it from small inputs, a mask, the attention dropout, whether to recompute), never the module that
 calls it: it sits below ``txl.model.attention`` and never imports it. ``txl.model.plain`` is the paper's model
-term by term; ``ModelConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
+term by term; ``ComputeConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
 tests/test_plain.py compare the two (outputs, gradients of inputs and parameters, memories, every attention type,
 train and eval). Each custom autograd Function here stays for a measured win (benchmarks/README.md, "What the fast
 path keeps"):

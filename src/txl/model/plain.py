@@ -3,7 +3,7 @@
 Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, H heads, D head width,
 N = B*T tokens, V vocabulary, e_i the embedding width of cluster i.
 
-``ModelConfig.attn_impl='reference'`` runs this module: no custom autograd Function, no device test, no cast of
+``ComputeConfig.attn_impl='reference'`` runs this module: no custom autograd Function, no device test, no cast of
 its own (under autocast, autocast casts), no kernel switch. It is the oracle of the model: it equals the original
 (the Hugging Face 4.37.2 oracle, tests/test_parity_hf.py) and every faster path (``txl.model.transformer``'s
 default, ``txl.model.kernels``) is tested against it: forward, gradients, new memory, key/value cache,

@@ -1,12 +1,13 @@
 """How the model computes on a device type, decided anywhere: every choice that depends on the device, in one table.
 
-A few ``ModelConfig`` fields (and ``TrainConfig.precision``) leave a choice to the device the model runs on: 'auto'
-values, and one default ('fast' dropout) whose sampler exists only on the CPU. A model resolves them once for the
-device its parameters live on (``compute_plan``, when it is built or moved) and its forward reads that
-``ComputePlan``, never the device; a GPU and a CPU resolve from the same table.
+A few ``ComputeConfig`` fields (and ``TrainConfig.precision``) leave a choice to the device the model runs on: 'auto'
+values, and one default ('fast' dropout) whose sampler exists only on the CPU. A model resolves its compute config once
+for the device its parameters live on (``compute_plan``, when it is built or moved) and its forward reads that
+``ComputePlan``, never the device; a GPU and a CPU resolve from the same table. The ``ModelConfig`` (what the model
+is, what a checkpoint stores) takes no part: a checkpoint loads under any plan.
 
-``resolve(config, device_type)`` replaces each of those values by what ``device_type`` would pick, so a model built
-from the result takes that device's path wherever its tensors are: ``resolve(config, "cuda")`` built on the CPU runs
+``resolve(compute, device_type)`` replaces each of those values by what ``device_type`` would pick, so a model built
+with the result takes that device's path wherever its tensors are: ``resolve(compute, "cuda")`` on the CPU runs
 the static-shape adaptive softmax, the padded softmax widths and torch's dropout kernel
 that CUDA runs (tests/test_cuda_rules.py runs it under CUDA's operand rules, ``txl.testing.cuda_rules``). Nothing
 in a resolved config is 'auto' any more, except what does not depend on the device (below).
@@ -15,10 +16,10 @@ The interface (stable; other modules build on it):
 
 * ``CHOICES``: the table, one ``Choice`` per device-dependent field value;
 * ``resolved(field, value, device_type)``: one field's value as ``device_type`` resolves it (any other value as is);
-* ``resolve(config, device_type) -> ModelConfig``: a validated copy with every device-dependent value resolved;
+* ``resolve(compute, device_type) -> ComputeConfig``: a validated copy with every device-dependent value resolved;
 * ``resolve_precision(precision, device_type)``: ``TrainConfig.precision`` likewise ('auto' -> 'bf16' or 'fp32');
-* ``compute_plan(config, device_type) -> ComputePlan``: what a model's forward reads (the table's choices, and the
-  SDPA pin below), resolved once for the device its parameters live on.
+* ``compute_plan(compute, device_type) -> ComputePlan``: what a model's forward reads (the compute config with the
+  table's choices made, and the SDPA pin below), resolved once for the device its parameters live on.
 * ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``);
 * ``resolved("graphs", "auto", device_type)``: ``TrainConfig.graphs`` ('auto' -> 'step' on CUDA, else 'off').
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from txl.config import ModelConfig
+from txl.config import ComputeConfig
 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 """The device types the table knows; 'mps' and 'xpu' resolve as 'other' (no device-specific choice there yet)."""
@@ -49,7 +50,7 @@ class Choice:
     """One device-dependent value of a field and what each device type makes of it."""
 
     field: str
-    """The ``ModelConfig`` field (or ``TrainConfig.precision``, ``TrainConfig.graphs``)."""
+    """The ``ComputeConfig`` field (or ``TrainConfig.precision``, ``TrainConfig.graphs``)."""
     value: Any
     """The value whose meaning depends on the device ('auto', or 'fast' for dropout)."""
     cpu: Any
@@ -100,18 +101,17 @@ def resolved(field: str, value: Any, device_type: str) -> Any:
     return value if choice is None else choice.on(device_type)
 
 
-def resolve(config: ModelConfig, device_type: str) -> ModelConfig:
-    """A copy of ``config`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``).
+def resolve(compute: ComputeConfig, device_type: str) -> ComputeConfig:
+    """A copy of ``compute`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``).
 
-    Build a model from it to run ``device_type``'s path on any device. ``resolve(resolve(c, d), e) == resolve(c, d)``
+    Build a model with it to run ``device_type``'s path on any device. ``resolve(resolve(c, d), e) == resolve(c, d)``
     for every d but 'cpu' (a config resolved for it no longer depends on the device); the CPU's gap sampler has no
-    name of its own, so its resolution keeps 'fast', which means torch's kernel elsewhere. The what of the model
-    (its parameters, its numbers up to rounding) is unchanged: only ``config.KERNEL_FIELDS`` move.
+    name of its own, so its resolution keeps 'fast', which means torch's kernel elsewhere.
     """
     _check_device_type(device_type)
     changes = {c.field: c.on(device_type) for c in CHOICES
-               if hasattr(config, c.field) and getattr(config, c.field) == c.value}
-    return config.replace(**changes) if changes else config.replace()
+               if hasattr(compute, c.field) and getattr(compute, c.field) == c.value}
+    return compute.replace(**changes)
 
 
 def fsdp_mixed_precision(precision: str, device_type: str) -> bool:
@@ -128,12 +128,18 @@ def resolve_precision(precision: str, device_type: str) -> str:
 @dataclass(frozen=True)
 class ComputePlan:
     """How a model computes on the device type its parameters live on: resolved once, when the model is built or
-    moved (``TransformerXL._apply``), from its config and ``CHOICES``, and read by the forward, which tests no
-    device. The config says what the model is (and is what a checkpoint stores); the plan only how, so a
+    moved (``TransformerXL._apply``), from its ``ComputeConfig`` and ``CHOICES``, and read by the forward, which tests
+    no device. The ``ModelConfig`` says what the model is (and is what a checkpoint stores); the plan only how, so a
     checkpoint loads under any plan and computes the same numbers up to rounding."""
 
     device_type: str
     """The device type it was resolved for (a type the table does not name resolves as 'other')."""
+    attn_impl: str
+    """'fused' (the fast path) or 'reference' (the plain path, ``txl.model.plain``)."""
+    recompute_attention: bool
+    """Training's fused attention recomputes its scores in backward instead of keeping the probabilities."""
+    cast_weights: str
+    """'auto', 'per_use' or 'grouped': how the weights reach autocast's dtype (decided per forward, not here)."""
     cluster_rows: str
     """'selected', 'capacity' or 'all': which rows each tail cluster of the adaptive input and softmax computes."""
     softmax_pad: int
@@ -146,12 +152,13 @@ class ComputePlan:
     there is no cuDNN and the context costs 20-40 us a call, the op is called as is."""
 
 
-def compute_plan(config: ModelConfig, device_type: str) -> ComputePlan:
-    """The ``ComputePlan`` of ``config`` on a ``device_type`` device (any type: 'meta' resolves as 'other')."""
-    return ComputePlan(device_type=device_type,
-                       cluster_rows=resolved("cluster_rows", config.cluster_rows, device_type),
-                       softmax_pad=resolved("softmax_pad", config.softmax_pad, device_type),
-                       gap_dropout=resolved("dropout_impl", config.dropout_impl, device_type) == "fast",
+def compute_plan(compute: ComputeConfig, device_type: str) -> ComputePlan:
+    """The ``ComputePlan`` of ``compute`` on a ``device_type`` device (any type: 'meta' resolves as 'other')."""
+    return ComputePlan(device_type=device_type, attn_impl=compute.attn_impl,
+                       recompute_attention=compute.recompute_attention, cast_weights=compute.cast_weights,
+                       cluster_rows=resolved("cluster_rows", compute.cluster_rows, device_type),
+                       softmax_pad=resolved("softmax_pad", compute.softmax_pad, device_type),
+                       gap_dropout=resolved("dropout_impl", compute.dropout_impl, device_type) == "fast",
                        pin_sdpa=device_type != "cpu")
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from txl.config import Context, ModelConfig
+from txl.config import ComputeConfig, Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
@@ -41,8 +41,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config, config.dropout)
-        self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
+        self.drop = dropout(config.dropout)
+        self.relu_drop = dropout(config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what fc1 reads
@@ -87,17 +87,17 @@ class TransformerXL(nn.Module):
     A compressive model takes padding while its compressed memory is empty and the call compresses nothing
     (a generation's context keeps every row): then it is the plain model over its memory.
 
-    ``config.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
-    the default one computes on its device is ``self.plan`` (``txl.model.plan``), made where the model is built and
-    again wherever it moves.
+    ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
+    the model computes on its device is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the
+    defaults) where the model is built and again wherever it moves.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.compute = config, ComputeConfig() if compute is None else compute
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = dropout(c, c.dropout)
+        self.drop = dropout(c.dropout)
         self.encoding = encoding(c.attn_type)  # the layers' attention class: its traits and its positions
         # Parameters of the encoding the layers share: the relative attention's u and v (section 3.3,
         # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
@@ -114,7 +114,7 @@ class TransformerXL(nn.Module):
         self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
-        self.use_plan(plan.compute_plan(c, next(self.parameters()).device.type))
+        self.use_plan(plan.compute_plan(self.compute, next(self.parameters()).device.type))
 
     # -- construction ---------------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -168,9 +168,9 @@ class TransformerXL(nn.Module):
             if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
                 module.rows = compute.cluster_rows
             if isinstance(module, AdaptiveLogSoftmax):
-                module.pad = compute.softmax_pad
+                module.pad, module.cast_weights = compute.softmax_pad, compute.cast_weights
             if isinstance(module, Attention):
-                module.pin_sdpa = compute.pin_sdpa
+                module.pin_sdpa, module.recompute = compute.pin_sdpa, compute.recompute_attention
             if hasattr(module, "gaps"):  # the fast dropout modules
                 module.gaps = compute.gap_dropout
 
@@ -186,7 +186,7 @@ class TransformerXL(nn.Module):
             device = next(self.parameters()).device
             self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
             if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
-                self.use_plan(plan.compute_plan(self.config, device.type))  # moved: its plan made again there
+                self.use_plan(plan.compute_plan(self.compute, device.type))  # moved: its plan made again there
         return self
 
     # -- memory ---------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class TransformerXL(nn.Module):
         version = self._weights_version() if kv_cache is not None else None
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
             self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
-        if c.attn_impl == "reference":  # the plain path, the oracle of this one
+        if self.plan.attn_impl == "reference":  # the plain path, the oracle of this one
             return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
                                  kv_cache=kv_cache, padding=padding, weights_version=version)
         B, T = input_ids.shape
@@ -238,7 +238,7 @@ class TransformerXL(nn.Module):
         # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
-        # Under autocast the layers' weights cast by one grouped op (ModelConfig.cast_weights); a 16-bit input (the
+        # Under autocast the layers' weights cast by one grouped op (ComputeConfig.cast_weights); a 16-bit input (the
         # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
         with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
@@ -320,9 +320,9 @@ class TransformerXL(nn.Module):
 
     def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
         """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
-        to ``dtype`` by one grouped op (``ModelConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
+        to ``dtype`` by one grouped op (``ComputeConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
         or with 'per_use'."""
-        mode = self.config.cast_weights
+        mode = self.plan.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
         first = next(self.layers.parameters(), None)

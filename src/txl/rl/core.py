@@ -11,8 +11,8 @@ the agent reaches back L x M steps (each layer extends the previous one's reach 
 
 The layer is written here plainly, with the paper's equations, so that the agent depends on no internals of
 ``txl.model`` (which is tuned for language-model segments) beyond its pure helpers ``positions.sinusoid`` and
-``rotary.rotate_window``; tests/test_rl_core.py checks the plain layer against ``txl.model.attention`` with
-``attn_impl='reference'``. Three layer kinds (Parisotto et al. 2020, "Stabilizing Transformers for RL", GTrXL):
+``rotary.rotate_window``; tests/test_rl_core.py checks the plain layer against ``txl.model.attention``. Three
+layer kinds (Parisotto et al. 2020, "Stabilizing Transformers for RL", GTrXL):
 
 * ``'plain'``: Transformer-XL's post-LN layer, y = LN(x + Attn(x)), out = LN(y + FF(y));
 * ``'pre_ln'``: the identity-map reordering (TrXL-I), y = x + ReLU(Attn(LN(x))), out = y + ReLU(FF(LN(y)));

@@ -62,17 +62,15 @@ def owner_of(key: str) -> str:
 
 NOT_ARCHITECTURE = ("dropout", "dropatt", "mem_len", "ext_len", "clamp_len", "same_length", "same_length_style",
                     "init_std", "proj_init_std")
-"""ModelConfig fields a served session does not depend on (with ``txl.config.KERNEL_FIELDS``): training-only
+"""ModelConfig fields a served session does not depend on: training-only
 settings and the reading context, which `txl serve` may set otherwise for the same model."""
 
 
 def model_fingerprint(config, tokenizer) -> dict[str, Any]:
     """What a session records of the model that made it: the sizes its state has (vocabulary, layers, width) and
-    hashes of the architecture (the config less ``NOT_ARCHITECTURE`` and the kernel fields) and of the tokenizer
-    (its spec and symbols), so that a state directory's sessions are never read by another model."""
-    from txl.config import KERNEL_FIELDS
-
-    arch = {k: v for k, v in config.to_dict().items() if k not in NOT_ARCHITECTURE + KERNEL_FIELDS}
+    hashes of the architecture (the config less ``NOT_ARCHITECTURE``) and of the tokenizer (its spec and symbols),
+    so that a state directory's sessions are never read by another model."""
+    arch = {k: v for k, v in config.to_dict().items() if k not in NOT_ARCHITECTURE}
     vocab = getattr(tokenizer, "vocab", None)
     tok = {"spec": tokenizer.spec, "symbols": list(vocab.symbols) if vocab is not None else tokenizer.vocab_size}
 
