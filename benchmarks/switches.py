@@ -50,8 +50,12 @@ SWITCHES: dict[str, Switch] = {
                        patch=_unpinned_sdpa),
     # The model-side changes, each a (ModelConfig's until issue 45, ComputeConfig's since) field whose old value gives
     # the behaviour at a4a52e2.
-    "cluster-rows": Switch("adaptive clusters on every row, masked (no nonzero sync per cluster)",
+    "cluster-rows": Switch("adaptive clusters on static-shape rows (no nonzero sync per cluster)",
                            model={"cluster_rows": "selected"}),
+    # Issue 45 item 4: the tails' fixed-capacity rows in place of scoring every row against every tail ('all', the
+    # GPU's choice until then: 2.42x a step's FLOPs at NVIDIA's shape).
+    "cluster-capacity": Switch("each tail cluster scoring a fixed capacity of rows, not every row",
+                               model={"cluster_rows": "all"}),
     "softmax-pad": Switch("output matmul widths padded to multiples of 64", model={"softmax_pad": 1}),
     "cast-weights": Switch("the layers' weights cast in one op per forward, their gradients back in one",
                            model={"cast_weights": "per_use"}),
