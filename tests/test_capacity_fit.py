@@ -16,6 +16,7 @@ from txl.data import OrderedIterator
 from txl.data.corpora import load_run_corpus
 from txl.model import plan
 from txl.model.adaptive import AdaptiveLogSoftmax, cluster_of
+from txl.score import score_documents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,6 +112,31 @@ def test_fitted_rows_only_grow_and_take_one_count_per_tail():
     assert module.caps == [104, 24, 8] and module.capacities(50) == [50, 24, 8]
     with pytest.raises(ValueError):
         module.fit_capacity([1, 2])
+
+
+@pytest.mark.parametrize("context_id", [None, 0])
+def test_scored_documents_size_the_rows_and_score_as_selected(monkeypatch, context_id):
+    """``score_documents`` over documents of known length (lists) sizes the rows from their segments: where the
+    Zipf rows would overflow (checked on the host), every score equals 'selected''s, none NaN, as on a device (no
+    host check)."""
+    config = tiny_config(vocab_size=2000, cutoffs=CUTOFFS)
+    torch.manual_seed(0)
+    selected = txl.TransformerXL(config)
+    capacity = txl.TransformerXL(plan.resolve(config, "cuda"))
+    capacity.load_state_dict(selected.state_dict())
+    stream = heavy_stream(6 * 300, seed=2)
+    docs = [stream[300 * i:300 * i + 100 + 40 * i].tolist() for i in range(6)]  # 100 to 300 ids each
+    n = 6 * 64  # the labels of one segment of the six documents read together
+    zipf_rows = capacity.softmax.capacities(n)
+    assert capacity.softmax.caps is None
+    monkeypatch.setattr("txl.model.transformer.reads_values", lambda t: False)  # as on a device: no host check
+    kwargs = dict(segment_len=64, batch_size=6, mem_len=16, context_id=context_id, keep_logprobs=True)
+    got, want = score_documents(capacity, docs, **kwargs), score_documents(selected, docs, **kwargs)
+    # Both multiples of 8: rows above Zipf's mean a segment held more labels than Zipf's rows (an overflow).
+    assert capacity.softmax.caps[0] > zipf_rows[0], (capacity.softmax.caps, zipf_rows)
+    for a, b in zip(got, want, strict=True):
+        assert np.isfinite(a.logprobs).all()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
 
 
 def run_config(corpus: str, out) -> RunConfig:
