@@ -311,7 +311,7 @@ def _divergence_advice(latest: Path | None, then: str, capacity: bool = False) -
     return f"The last good checkpoint is {latest}. {fix}, then {then}{overflow}"
 
 
-def capacity_rows(model: TransformerXL, compiled: bool) -> bool:
+def _capacity_rows(model: TransformerXL, compiled: bool) -> bool:
     """Whether the adaptive softmax scores fixed rows per tail cluster ('capacity'; 'selected' under torch.compile
     or CUDA graphs): a label beyond them is a NaN loss on a device."""
     rows = model.softmax.rows
@@ -357,7 +357,7 @@ class Trainer:
         for split, tgt in ((corpus.valid, t.tgt_len), (corpus.test, cfg.eval.segment_len(t.tgt_len))):
             fit_capacity(self.model, eval_iterator(split, batch_size=cfg.eval.batch_size, tgt_len=tgt,
                                                    world_size=info.world_size))
-        self.capacity = capacity_rows(self.model, t.compile or cfg.eval.compile or graphs != "off")
+        self.capacity = _capacity_rows(self.model, t.compile or cfg.eval.compile or graphs != "off")
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
         # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
         self.step_model = StaticSteps(self.ddp) if graphs == "model" else compile_model(self.ddp, t.compile)

@@ -131,9 +131,9 @@ class OrderedIterator:
         groups, width = self.world_size * chunks, min(self.max_len, labels.shape[1])
         at_least = []  # per cutoff c: the labels >= c in each call, (groups, segments or windows)
         for c in cutoffs:
-            per_position = (labels >= c).reshape(groups, -1, labels.shape[1]).sum(1)  # (groups, L - 1)
+            per_position = (labels >= c).reshape(groups, -1, labels.shape[1]).sum(1, dtype=np.int32)  # (groups, L - 1)
             if self.var_len:  # every window of ``width`` columns, from the running sums
-                run = np.pad(per_position.cumsum(1), ((0, 0), (1, 0)))  # (groups, L)
+                run = np.pad(per_position.cumsum(1, dtype=np.int64), ((0, 0), (1, 0)))  # (groups, L)
                 at_least.append(run[:, width:] - run[:, :-width])  # (groups, L - width)
             else:  # the segments' columns [i, i + T), i = 0, T, 2T, ... (the last one shorter)
                 at_least.append(np.add.reduceat(per_position, np.arange(0, labels.shape[1], self.tgt_len), axis=1))
