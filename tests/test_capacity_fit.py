@@ -14,6 +14,7 @@ import txl.train
 from txl.config import DataConfig, EvalConfig, RunConfig, TrainConfig
 from txl.data import OrderedIterator
 from txl.data.corpora import load_run_corpus
+from txl.evaluate import evaluate
 from txl.model import plan
 from txl.model.adaptive import AdaptiveLogSoftmax, cluster_of
 from txl.score import score_documents
@@ -112,6 +113,23 @@ def test_fitted_rows_only_grow_and_take_one_count_per_tail():
     assert module.caps == [104, 24, 8] and module.capacities(50) == [50, 24, 8]
     with pytest.raises(ValueError):
         module.fit_capacity([1, 2])
+
+
+def test_evaluate_sizes_the_rows_from_its_split():
+    """``txl.evaluate`` (``txl eval``, validation) over a split the Zipf rows overflow: it sizes the rows from the
+    split's batches first (the host check passes) and its loss is 'selected''s."""
+    config = tiny_config(vocab_size=2000, cutoffs=CUTOFFS)
+    torch.manual_seed(0)
+    selected = txl.TransformerXL(config)
+    capacity = txl.TransformerXL(plan.resolve(config, "cuda"))
+    capacity.load_state_dict(selected.state_dict())
+    tokens = heavy_stream(12 * 100 + 1, seed=3)
+    counts = OrderedIterator(tokens, batch_size=12, tgt_len=64).tail_counts(CUTOFFS)
+    assert counts[0] > capacity.softmax.capacities(12 * 64)[0]  # Zipf's rows overflow on this split
+    kwargs = dict(metric="ppl", batch_size=12, tgt_len=64)
+    got, want = evaluate(capacity, tokens, **kwargs), evaluate(selected, tokens, **kwargs)
+    assert capacity.softmax.caps == [8 * -(-c // 8) for c in counts]
+    assert got.tokens == want.tokens and got.loss == pytest.approx(want.loss, rel=1e-6)
 
 
 @pytest.mark.parametrize("context_id", [None, 0])
