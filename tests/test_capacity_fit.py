@@ -2,8 +2,9 @@
 the Zipf estimate): ``OrderedIterator.tail_counts`` counts each tail's labels per model call over every batch, exactly
 (one process, fixed lengths) or as a bound (several processes, ``var_len``); ``AdaptiveLogSoftmax.fit_capacity`` sets
 the rows from them. On a label stream heavier in the first tail than Zipf's law the Zipf rows overflow and the fitted
-ones do not: the NLL equals 'selected''s on every batch; a training run resolved for CUDA neither stops nor goes NaN;
-and where rows do overflow on a device (NaN), the divergence message names them."""
+ones do not: the NLL equals 'selected''s on every batch; ``txl.evaluate`` and ``score_documents`` size the rows from
+what they read and equal 'selected'; a training run resolved for CUDA neither stops nor goes NaN; and where rows do
+overflow on a device (NaN), the divergence message names them."""
 
 import numpy as np
 import pytest
