@@ -3,6 +3,7 @@ on the CPU: the FLOPs of a training step against the FLOP model, and the softmax
 
     python -m benchmarks.adaptive_softmax              # NVIDIA's shape ('selected' computes for real: a minute)
     python -m benchmarks.adaptive_softmax --scale 8    # vocabulary and cutoffs 8x smaller (seconds)
+    python -m benchmarks.adaptive_softmax --wikitext2 ../shared/data/wikitext-2   # and WikiText-2's rows from its data
 
 One table, a row per ``cluster_rows`` (the softmax as CUDA's plan computes it: widths padded to 64; float32):
 
@@ -17,6 +18,11 @@ One table, a row per ``cluster_rows`` (the softmax as CUDA's plan computes it: w
 * a whole training step (forward with a full memory, backward; dropout 0, which adds no FLOPs) counted on fake
   tensors; 'selected' cannot run on them (``nonzero`` reads values): its step is 'capacity''s with the softmax's
   count swapped for 'selected''s.
+
+With ``--wikitext2 DIR`` a second table: WikiText-2's training split (word level, 33,278 words in frequency order,
+cutoffs [2000, 4000, 20000]) in NVIDIA's batches (32 streams of 192), the model NVIDIA's otherwise: 'capacity''s rows
+from the Zipf estimate (which the worst batch overflows) and from the split's own counts (``tail_counts``, the rows
+``txl.train`` sets), each against 'selected' on the split's first batch and the FLOP model at that vocabulary.
 """
 
 from __future__ import annotations
@@ -76,12 +82,16 @@ def labels(shape: Shape, seed: int = 0) -> torch.Tensor:
     return torch.multinomial(token_probs(shape).float(), shape.batch * shape.tgt_len, replacement=True, generator=g)
 
 
-def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = False) -> tuple[int, int]:
+def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = False,
+                 caps: list[int] | None = None) -> tuple[int, int]:
     """(FLOPs, peak bytes) of the adaptive softmax alone: (N, d) hidden states to the summed NLL of ``target``, and
-    backward to the hidden states and the weights. On fake tensors (``fake``) nothing is computed."""
+    backward to the hidden states and the weights. On fake tensors (``fake``) nothing is computed. ``caps``: the
+    tails' 'capacity' rows fitted to data (``fit_capacity``); None, the Zipf estimate."""
     n = target.numel()
     with FakeTensorMode() if fake else contextlib.nullcontext():
         softmax = as_on_cuda(AdaptiveLogSoftmax(model_config(shape)), rows)
+        if caps is not None:
+            softmax.fit_capacity(caps)
         hidden = torch.zeros(n, shape.d_model, requires_grad=True)
         target = torch.zeros(n, dtype=torch.long) if fake else target  # values unread by 'capacity' and 'all'
         tracker = MemTracker()
@@ -92,10 +102,46 @@ def softmax_cost(shape: Shape, rows: str, target: torch.Tensor, fake: bool = Fal
     return counter.get_total_flops(), peak
 
 
+def wikitext2_table(directory: str) -> None:
+    """The second table (the module docstring): WikiText-2's 'capacity' rows, Zipf's and its own."""
+    from txl.config import DataConfig
+    from txl.data import OrderedIterator
+    from txl.data.corpora import load_run_corpus
+    from txl.model.adaptive import cluster_of
+
+    corpus = load_run_corpus(DataConfig(corpus="wt2", data_dir=directory))
+    shape = dataclasses.replace(SHAPES["nvidia"], vocab_size=corpus.vocab_size, cutoffs=(2000, 4000, 20000))
+    it = OrderedIterator(corpus.train, batch_size=shape.batch, tgt_len=shape.tgt_len)
+    counts, first = it.tail_counts(list(shape.cutoffs)), next(iter(it)).labels.reshape(-1)  # (N,)
+    zipf_rows = as_on_cuda(AdaptiveLogSoftmax(model_config(shape)), "capacity").capacities(first.numel())
+    fitted = as_on_cuda(AdaptiveLogSoftmax(model_config(shape)), "capacity")
+    fitted.fit_capacity(counts)
+    in_first = torch.bincount(cluster_of(first, list(shape.cutoffs)), minlength=4).tolist()
+    print(f"\nWikiText-2 train ({len(corpus.train):,} tokens, V {shape.vocab_size:,}, cutoffs {list(shape.cutoffs)}) "
+          f"in batches of {shape.batch} x {shape.tgt_len}: the worst batch's labels per tail {counts}; the first "
+          f"batch's per cluster {in_first}; 'capacity' rows per tail: Zipf {zipf_rows}, from the data {fitted.caps}")
+    tokens = shape.batch * shape.tgt_len
+    formula = flops_per_token(shape, "train") * tokens
+    body = formula - 6 * softmax_params(shape) * tokens
+    soft = {"selected (first batch)": softmax_cost(shape, "selected", first),
+            "capacity, Zipf rows (the worst batch overflows)": softmax_cost(shape, "capacity", first),
+            "capacity, rows from the data": softmax_cost(shape, "capacity", first, caps=counts)}
+    print("\n| WikiText-2, cluster_rows | softmax TFLOP | formula, its softmax counted | / formula | "
+          "softmax / 'selected''s | softmax peak MB | / 'selected' |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base = soft["selected (first batch)"]
+    for rows, (flop, peak) in soft.items():
+        print(f"| {rows} | {flop / 1e12:.3f} | {(body + flop) / 1e12:.3f} | {(body + flop) / formula:.3f} | "
+              f"{flop / base[0]:.3f} | {peak / 2**20:,.0f} | {peak / base[1]:.3f} |")
+    print(f"\nformula (benchmarks.flops, train, Zipf shares at V {shape.vocab_size:,}): {formula / 1e12:.3f} TFLOP a "
+          f"step, its softmax {(formula - body) / 1e12:.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_softmax", description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=int, default=1, help="vocabulary and cutoffs this many times smaller")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--wikitext2", metavar="DIR", help="also WikiText-2's rows from its data (wiki.*.tokens in DIR)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = scaled(SHAPES["nvidia"], args.scale)
@@ -122,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nformula (benchmarks.flops, train): {formula / 1e12:.3f} TFLOP a step, its softmax "
           f"{(formula - body) / 1e12:.3f}. The whole step counted also holds what the formula leaves out as MFU does "
           "(the memory rows' keys and values, W_kR R: benchmarks/run.py)")
+    if args.wikitext2:
+        wikitext2_table(args.wikitext2)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from txl.model import TransformerXL
 from txl.model.transformer import check_token_ids
 from txl.runtime import compile_model
 from txl.static_eval import StaticEval, static_eval_error
+
+if TYPE_CHECKING:
+    from txl.data import OrderedIterator
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,16 @@ def check_split_fits(split: str, n_tokens: int, *, batch_size: int, tgt_len: int
                          "or a corpus with a larger split")
 
 
+def fit_capacity(model: TransformerXL, it: OrderedIterator, chunks: int = 1) -> None:
+    """Size the adaptive softmax's 'capacity' rows for every batch ``it`` yields, each cut into ``chunks`` model calls
+    (``OrderedIterator.tail_counts``, ``AdaptiveLogSoftmax.fit_capacity``): none of them can overflow. Before anything
+    is compiled or captured (their shapes are the rows'); rows only grow. Nothing to size without tail clusters or
+    when every token is scored ('all'); 'selected' uses them under torch.compile."""
+    softmax = model.softmax
+    if softmax.n_clusters and softmax.rows != "all":
+        softmax.fit_capacity(it.tail_counts(softmax.bounds[1:-1], chunks))
+
+
 @torch.no_grad()
 def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_size: int, tgt_len: int,
              context: Context | None = None, max_batches: int = 0, precision: str = "fp32",
@@ -115,6 +129,7 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     context = model.config.context() if context is None else context
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
                        world_size=info.world_size, device=device)
+    fit_capacity(model, it)  # a split known ahead: 'capacity' rows its batches fit (sized by txl.train already there)
     why = static_eval_error(model, context) if graphs else "graphs off"
     ring = StaticEval(model, context) if why is None else None
     if graphs and ring is None:

@@ -130,6 +130,26 @@ def _group(documents: Sequence[Iterable[int]], batch_size: int) -> list[list[int
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def _fit_capacity(model: TransformerXL, documents: Sequence[Iterable[int]], *, batch_size: int, segment_len: int,
+                  context_id: int | None) -> None:
+    """Size the adaptive softmax's 'capacity' rows (``AdaptiveLogSoftmax.fit_capacity``) for every segment of
+    ``documents`` where their lengths are known ahead (sequences, not iterators): per group read together and per
+    segment, each tail's labels (a document's ids, less the first without ``context_id``). Iterators: the Zipf
+    estimate stays (a NaN score is a tail holding more labels than its rows)."""
+    softmax = model.softmax
+    if not softmax.n_clusters or softmax.rows == "all" or not all(hasattr(d, "__len__") for d in documents):
+        return
+    cutoffs, most = softmax.bounds[1:-1], np.zeros(softmax.n_clusters, dtype=np.int64)
+    for group in _group(documents, batch_size):
+        first = 0 if context_id is not None else 1  # without a context id the first token is context only
+        labels = [np.asarray(documents[i], dtype=np.int64)[first:] for i in group]  # (n_i,) each
+        per_segment = np.zeros((max(-(-len(y) // segment_len) for y in labels), len(cutoffs) + 1), dtype=np.int64)
+        for y in labels:  # (segments, C + 1): each segment's labels per cluster, the group's documents summed
+            np.add.at(per_segment, (np.arange(len(y)) // segment_len, np.searchsorted(cutoffs, y, side="right")), 1)
+        most = np.maximum(most, per_segment[:, 1:].max(0, initial=0))
+    softmax.fit_capacity(most.tolist())
+
+
 def _ring_read(ring: StaticEval, rows: int, width: int, x: torch.Tensor, y: torch.Tensor, device: torch.device
                ) -> torch.Tensor:
     """``read``'s (B, S) log-probabilities through the rings (``txl.static_eval``): every segment at the rings' one
@@ -208,6 +228,7 @@ def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, seg
     device = next(model.parameters()).device
     changes = dict(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
     context = model.config.context(**changes)
+    _fit_capacity(model, documents, batch_size=batch_size, segment_len=segment_len, context_id=context_id)
     why = static_eval_error(model, context) if graphs else "graphs off"
     if graphs and why is not None:
         log.info("score graphs: the segments run uncaptured, not over rings: %s", why)

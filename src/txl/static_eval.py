@@ -154,7 +154,7 @@ class StaticEval:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and not compile and resolved("cluster_rows", model.compute.cluster_rows, "cuda") == "selected":
             raise ValueError("cluster_rows='selected' reads each tail cluster's row count on the host (nonzero), "
-                             "which a captured segment cannot: compile it, or set --model.cluster_rows all")
+                             "which a captured segment cannot: compile it, or set --compute.cluster_rows all")
         self.model, self.context, self.device, self.warmup = model, context, device, warmup
         self.horizon = context.mem_len + (context.same_length_style == "tensorflow") if context.same_length else 0
         self.fn = compile_segment(backend) if compile else ring_segment

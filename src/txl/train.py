@@ -29,7 +29,7 @@ import torch
 from txl import checkpoint as ckpt
 from txl import elastic, parallel
 from txl.config import Context, LossPositions, ModelConfig, RunConfig, SampleConfig
-from txl.data import Batch, Corpus, OrderedIterator
+from txl.data import Batch, Corpus, OrderedIterator, eval_iterator
 from txl.distributed import (
     DistInfo,
     OtherRankFailed,
@@ -42,7 +42,7 @@ from txl.distributed import (
     naming_dead_peers,
     shutdown,
 )
-from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, metric_value
+from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, fit_capacity, metric_value
 from txl.fileio import remove_partial
 from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
@@ -285,7 +285,7 @@ def _open_run_dir(out: Path, resume: bool, overwrite: bool, info: DistInfo) -> R
 
 
 def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, latest: Path | None,
-                  info: DistInfo) -> None:
+                  info: DistInfo, capacity: bool = False) -> None:
     """Raise rather than checkpoint diverged weights or a non-finite validation loss: ``latest`` must
     always name weights a run can resume from (and latest.json stays valid JSON, which has no NaN)."""
     bad = None
@@ -295,16 +295,27 @@ def _check_finite(model: torch.nn.Module, valid_loss: float | None, step: int, l
         bad = "the weights hold non-finite values"
     if bad is not None:
         raise TrainingError(f"{bad} at step {step}: training diverged and this step was not saved. "
-                            f"{_divergence_advice(latest, 'resume from it or restart')}")
+                            f"{_divergence_advice(latest, 'resume from it or restart', capacity)}")
 
 
-def _divergence_advice(latest: Path | None, then: str) -> str:
-    """What to do after a divergence: resume from the last good checkpoint, or (none yet) start again."""
+def _divergence_advice(latest: Path | None, then: str, capacity: bool = False) -> str:
+    """What to do after a divergence: resume from the last good checkpoint, or (none yet) start again. ``capacity``:
+    the adaptive softmax scores fixed rows per tail cluster, where a label beyond them has a NaN loss (a batch they
+    were not sized for: the run sizes them for its own, ``txl.evaluate.fit_capacity``), so that is named too."""
     fix = "Lower --optim.lr, add --optim.warmup_steps, or use --train.precision fp32"
+    overflow = (". A NaN can also be a tail cluster of the adaptive softmax holding more labels than its "
+                "cluster_rows='capacity' rows: use cluster_rows 'all', or 'selected' eagerly" if capacity else "")
     if latest is None:
         return (f"No checkpoint was written yet, so there is nothing to resume: {fix[0].lower()}{fix[1:]}, and "
-                "start again with the same command and --overwrite")
-    return f"The last good checkpoint is {latest}. {fix}, then {then}"
+                f"start again with the same command and --overwrite{overflow}")
+    return f"The last good checkpoint is {latest}. {fix}, then {then}{overflow}"
+
+
+def _capacity_rows(model: TransformerXL, compiled: bool) -> bool:
+    """Whether the adaptive softmax scores fixed rows per tail cluster ('capacity'; 'selected' under torch.compile
+    or CUDA graphs): a label beyond them is a NaN loss on a device."""
+    rows = model.softmax.rows
+    return bool(model.softmax.n_clusters) and (rows == "capacity" or (rows == "selected" and compiled))
 
 
 class Trainer:
@@ -340,6 +351,13 @@ class Trainer:
                              var_len=t.var_len, seed=t.seed, rank=info.rank, world_size=info.world_size,
                              device=info.device)
         self.state = TrainState(iterator=it, device=info.device, grad_accum=t.grad_accum)
+        # 'capacity' rows (the adaptive softmax's static shapes) sized from every batch the run reads, before anything
+        # is compiled or captured: training's in grad_accum chunks, validation's and the test's (txl.evaluate).
+        fit_capacity(self.model, it, t.grad_accum)
+        for split, tgt in ((corpus.valid, t.tgt_len), (corpus.test, cfg.eval.segment_len(t.tgt_len))):
+            fit_capacity(self.model, eval_iterator(split, batch_size=cfg.eval.batch_size, tgt_len=tgt,
+                                                   world_size=info.world_size))
+        self.capacity = _capacity_rows(self.model, t.compile or cfg.eval.compile or graphs != "off")
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
         # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
         self.step_model = StaticSteps(self.ddp) if graphs == "model" else compile_model(self.ddp, t.compile)
@@ -360,7 +378,7 @@ class Trainer:
     def save(self, *, best: bool, info: dict[str, Any] | None = None) -> None:
         self.settle()  # the state's token count complete, and nothing saved after a non-finite loss
         _check_finite(self.model, (info or {}).get("valid_loss"), self.state.step,
-                      self.checkpointer.latest() if self.info.is_main else None, self.info)
+                      self.checkpointer.latest() if self.info.is_main else None, self.info, self.capacity)
         parts = self.parts()
         local = parts["train"].pop("local")
         if self.info.enabled:  # every process's RNG states and memories, in rank order
@@ -574,7 +592,7 @@ class Trainer:
             if not math.isfinite(stats.loss):
                 latest = self.checkpointer.latest() if self.info.is_main else None
                 raise TrainingError(f"loss is {stats.loss} at step {first + i}: training stopped. "
-                                    f"{_divergence_advice(latest, 'resume or restart')}")
+                                    f"{_divergence_advice(latest, 'resume or restart', self.capacity)}")
         self.state.tokens += sum(stats.tokens for stats in steps)
         return steps[-1] if steps else None
 

@@ -119,6 +119,27 @@ class OrderedIterator:
         self.pos = 0
         self.epoch += 1
 
+    def tail_counts(self, cutoffs: list[int], chunks: int = 1) -> list[int]:
+        """The most labels one model call holds in each tail cluster of an adaptive softmax (tail i: ids cutoffs[i]
+        <= id < cutoffs[i + 1], the last up to the vocabulary) over every batch this iterator yields, in any epoch:
+        what ``AdaptiveLogSoftmax.fit_capacity`` sizes its 'capacity' rows from, counted once on the host before a
+        run. A call is one of world_size x ``chunks`` equal groups of the global batch's streams (a process's share,
+        cut into accumulation chunks), so every process gets the same answer; its labels are a segment's targets
+        (the carried context's are ignored). With ``var_len`` the segments vary: every window of max_len labels is
+        counted, a bound for any segment (at most max_len long)."""
+        labels = self._streams[:, 1:]  # (B, L - 1): label column j is stream position j + 1
+        groups, width = self.world_size * chunks, min(self.max_len, labels.shape[1])
+        at_least = []  # per cutoff c: the labels >= c in each call, (groups, segments or windows)
+        for c in cutoffs:
+            per_position = (labels >= c).reshape(groups, -1, labels.shape[1]).sum(1, dtype=np.int32)  # (groups, L - 1)
+            if self.var_len:  # every window of ``width`` columns, from the running sums
+                run = np.pad(per_position.cumsum(1, dtype=np.int64), ((0, 0), (1, 0)))  # (groups, L)
+                at_least.append(run[:, width:] - run[:, :-width])  # (groups, L - width)
+            else:  # the segments' columns [i, i + T), i = 0, T, 2T, ... (the last one shorter)
+                at_least.append(np.add.reduceat(per_position, np.arange(0, labels.shape[1], self.tgt_len), axis=1))
+        at_least.append(np.zeros_like(at_least[-1]) if cutoffs else None)
+        return [int((at_least[i] - at_least[i + 1]).max()) for i in range(len(cutoffs))]
+
     def state_dict(self) -> dict[str, Any]:
         """Position, epoch and RNG state: small, JSON-able, enough to resume exactly."""
         return {"pos": self.pos, "epoch": self.epoch, "rng": self.rng.bit_generator.state,

@@ -12,10 +12,9 @@ Which rows a tail cluster scores is ``ComputeConfig.cluster_rows`` (the model's 
 found with ``nonzero``: the least work, a data-dependent shape, a host sync per cluster); a fixed number of rows its
 tokens fill in order ('capacity': static shapes for torch.compile and CUDA graphs at about 'selected''s work); or every
 token ('all': 2.4x a training step's FLOPs at NVIDIA's WikiText-103 shape). 'auto' is 'selected' eagerly on the CPU,
-'capacity' elsewhere and under torch.compile (``txl.model.plan``). Static shapes cost what the worst batch costs (an
-exact path for any batch scores every token against the widest tail), so 'capacity' sizes each tail for Zipf-
-distributed labels (``capacities``; WikiText-2 puts up to 1.14x Zipf's share in a first tail, 0.6x in a last). A label
-beyond is loud: the input check raises where labels are on the host (``check_rows``); on a device its NLL is NaN.
+'capacity' elsewhere and under torch.compile (``txl.model.plan``). Static shapes cost the worst batch's work:
+'capacity''s rows are the worst batch's counts where txl knows the batches ahead (``fit_capacity``), else a Zipf bound
+(``capacities``; WikiText-2 exceeds it). A label beyond is loud: the input check raises (``check_rows``), NaN on a GPU.
 Each tail's rows are scored in 4 blocks, a quarter of its logits and their gradients at a time: the peak memory
 stays under 'selected''s (benchmarks/adaptive_softmax.py). Output weights: cast once per call, sliced after;
 ``softmax_pad`` pads widths with zero rows scored -inf; ``cast_weights`` lays them out in one op (``casting``).
@@ -122,7 +121,7 @@ class AdaptiveLogSoftmax(nn.Module):
         self.bounds, self.every_cluster = cluster_bounds(config), False  # every_cluster: the module docstring
         self.rows, self.pad = "selected", 1  # the model's plan sets them
         self.shortlist, self.n_clusters, self.div_val = self.bounds[1], config.n_clusters, config.div_val
-        self.cast_weights, self.shares = "auto", zipf_shares(config)[1:]  # the plan sets cast_weights
+        self.cast_weights, self.shares, self.caps = "auto", zipf_shares(config)[1:], None  # the plan; fit_capacity
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, config.d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
@@ -187,13 +186,9 @@ class AdaptiveLogSoftmax(nn.Module):
         hidden = hidden if proj is None else torch.matmul(hidden, proj)  # (N, e_i)
         return torch.log_softmax(F.linear(hidden, weight, bias), dim=-1, dtype=torch.float32)  # (N, W_i)
 
-    def _prepare(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Cluster]]:
-        """hidden cast once to the dtype the matmuls run in (autocast's, when on), and the clusters in it."""
-        return hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype, hidden.device)
-
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d) -> (N, V) log-probabilities over the whole vocabulary (float32)."""
-        hidden, clusters = self._prepare(hidden)
+        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype, hidden.device)  # autocast's
         head, *tails = [self._log_softmax(hidden, cluster) for cluster in clusters]  # (N, W_i) each
         parts = [head[:, : self.shortlist]]
         for i in range(1, self.n_clusters + 1):
@@ -204,7 +199,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,) negative log-likelihood in token order; 0 where target is IGNORE_INDEX (in no tail).
         The head's term is ``F.nll_loss``, a tail's log-probability subtracted: -h - t is -(h + t) exactly."""
-        hidden, clusters = self._prepare(hidden)
+        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype, hidden.device)  # cast once
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: the head alone
             return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
@@ -242,10 +237,15 @@ class AdaptiveLogSoftmax(nn.Module):
         return torch.cat(out).squeeze(1) if len(out) > 1 else out[0].squeeze(1)
 
     def capacities(self, n: int) -> list[int]:
-        """Rows each tail scores out of n: n ('all'), or for 'capacity' the expected count of its Zipf share p, 6
-        standard deviations (a Poisson count's) and 8, rounded up to a multiple of 8, at most n (a small batch)."""
-        return [n if self.rows == "all" else min(n, -(-math.ceil(n * p + 6 * math.sqrt(n * p) + 8) // 8) * 8)
-                for p in self.shares]
+        """Rows each tail scores out of n, at most n: n ('all'); for 'capacity' ``caps`` (fitted to the data), else
+        its Zipf share p's expected count, 6 standard deviations (a Poisson count's) and 8, rounded up to 8s."""
+        zipf = [-(-math.ceil(n * p + 6 * math.sqrt(n * p) + 8) // 8) * 8 for p in self.shares]
+        return [n if self.rows == "all" else min(n, cap) for cap in self.caps or zipf]
+
+    def fit_capacity(self, counts: list[int]) -> None:
+        """``caps`` from the data: counts[i] the most labels one call puts in tail i + 1 over every batch of a run,
+        counted ahead (``OrderedIterator.tail_counts``), rounded up to 8, never shrunk: no batch counted overflows."""
+        self.caps = [max(c, 8 * -(-k // 8), 8) for c, k in zip(self.caps or [0] * self.n_clusters, counts, strict=True)]
 
     def check_rows(self, target: torch.Tensor) -> None:
         """Raise a ValueError naming the fix if a tail holds more of ``target``'s labels than its 'capacity' rows: where
@@ -255,5 +255,5 @@ class AdaptiveLogSoftmax(nn.Module):
         for i, cap in enumerate(self.capacities(n) if capacity else [], start=1):
             if (count := int((cluster == i).sum())) > cap:
                 raise ValueError(f"{count} of {n} labels fall in tail cluster {i} (ids {self.bounds[i]} to "
-                                 f"{self.bounds[i + 1] - 1}), more than its {cap} rows under cluster_rows='capacity' "
-                                 "(sized for Zipf-distributed labels): use cluster_rows 'all' or, eagerly, 'selected'")
+                                 f"{self.bounds[i + 1] - 1}), more than its {cap} cluster_rows='capacity' rows (sized "
+                                 "for other batches or Zipf's law): use cluster_rows 'all' or, eagerly, 'selected'")
