@@ -182,9 +182,9 @@ def test_a_run_resolved_for_cuda_sizes_its_rows_from_its_batches(corpus, tmp_pat
     assert result.steps == 3 and np.isfinite(result.valid.loss) and np.isfinite(result.test.loss)
 
     monkeypatch.setattr(txl.train, "fit_capacity", lambda *a, **k: None)  # the Zipf estimate, as before
-    with pytest.raises(ValueError, match=r"tail cluster 1 .*cluster_rows 'all' or, eagerly, 'selected'"):
+    with pytest.raises(ValueError, match=r"tail cluster 1 .*--compute.cluster_rows all \(eagerly: selected\)"):
         txl.train.train(run_config(corpus, tmp_path / "zipf"), corpus=data)
     monkeypatch.setattr("txl.model.transformer.reads_values", lambda t: False)  # as on a device: no host check
     with pytest.raises(txl.train.TrainingError, match=r"loss is nan at step 1.*cluster_rows='capacity' rows: use "
-                                                      r"cluster_rows 'all', or 'selected' eagerly"):
+                                                      r"--compute.cluster_rows all, or selected eagerly"):
         txl.train.train(run_config(corpus, tmp_path / "device"), corpus=data)

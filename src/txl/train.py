@@ -304,7 +304,7 @@ def _divergence_advice(latest: Path | None, then: str, capacity: bool = False) -
     were not sized for: the run sizes them for its own, ``txl.evaluate.fit_capacity``), so that is named too."""
     fix = "Lower --optim.lr, add --optim.warmup_steps, or use --train.precision fp32"
     overflow = (". A NaN can also be a tail cluster of the adaptive softmax holding more labels than its "
-                "cluster_rows='capacity' rows: use cluster_rows 'all', or 'selected' eagerly" if capacity else "")
+                "cluster_rows='capacity' rows: use --compute.cluster_rows all, or selected eagerly" if capacity else "")
     if latest is None:
         return (f"No checkpoint was written yet, so there is nothing to resume: {fix[0].lower()}{fix[1:]}, and "
                 f"start again with the same command and --overwrite{overflow}")

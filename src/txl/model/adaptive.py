@@ -256,4 +256,4 @@ class AdaptiveLogSoftmax(nn.Module):
             if (count := int((cluster == i).sum())) > cap:
                 raise ValueError(f"{count} of {n} labels fall in tail cluster {i} (ids {self.bounds[i]} to "
                                  f"{self.bounds[i + 1] - 1}), more than its {cap} cluster_rows='capacity' rows (sized "
-                                 "for other batches or Zipf's law): use cluster_rows 'all' or, eagerly, 'selected'")
+                                 "for other batches or Zipf's law): use --compute.cluster_rows all (eagerly: selected)")
