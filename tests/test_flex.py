@@ -1,4 +1,5 @@
-"""FlexAttention with the relative term as a score_mod (txl.model.flex) against the fused kernel and the reference.
+"""FlexAttention with the relative term as a score_mod (benchmarks.flex_attention) against the fused kernel and the
+reference.
 
 On a CPU the forward (torch runs FlexAttention unfused there, and has no backward for it); on CUDA (``-m gpu``)
 the compiled kernel's forward and every gradient, through the captured positional table to q + v and W_kR R.
@@ -9,8 +10,8 @@ import warnings
 import pytest
 import torch
 
+from benchmarks.flex_attention import relative_flex_attention
 from txl.model import kernels
-from txl.model.flex import relative_flex_attention
 from txl.model.positions import attention_mask, rel_shift
 
 H, D = 3, 8

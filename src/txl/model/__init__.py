@@ -21,7 +21,6 @@ How the default path computes it, behind the seam (each kept for a measured win,
 * ``casting``: the layers' and the softmax's weights cast in one grouped op under autocast (``cast_weights``);
 * ``kernels``: attention on tensors: the fused kernel with the positional scores as its bias, a backward that
   recomputes or keeps the probabilities, the realigned positional scores;
-* ``flex``: the relative positional term as a FlexAttention score_mod (an experiment, ``benchmarks.flex``);
 * ``attention``: one class per encoding, with its traits and positional terms (read by ``plain`` too), and the
   fast path's attention layer;
 * ``adaptive``: adaptive input embedding and log-softmax (cluster rows and padding as the plan says);

@@ -9,11 +9,11 @@ Here the products stay as they come out of the matmul, by distance, and FlexAtte
 realigned entry itself, ``score + table[h, b, i, K-1-M-i+j]``; the causal mask is a block mask, so blocks of
 keys no query sees are skipped, not filled with -inf. No realigned copy and no mask tensor are made.
 
-A candidate beside SDPA, not a path of the model: ``benchmarks.flex`` times the two on a device. Its forward
-equals the fused kernel's (tests/test_flex.py, on a CPU, where torch runs FlexAttention unfused); torch 2.13
-has no FlexAttention backward on a CPU, so its gradients (to the query, keys, values, and through the
-captured table to q + v and W_kR R) are checked on CUDA only (``-m gpu``). Causal masking only: same_length,
-padding and attention dropout stay with ``kernels``.
+A candidate beside SDPA, not a path of the model, so it lives beside its benchmark (``benchmarks.flex`` times the
+two on a device). Its forward equals the fused kernel's (tests/test_flex.py, on a CPU, where torch runs
+FlexAttention unfused); torch 2.13 has no FlexAttention backward on a CPU, so its gradients (to the query, keys,
+values, and through the captured table to q + v and W_kR R) are checked on CUDA only (``-m gpu``). Causal masking
+only: same_length, padding and attention dropout stay with ``txl.model.kernels``.
 """
 
 from __future__ import annotations
