@@ -14,7 +14,6 @@ from conftest import tiny_config
 
 import txl
 from benchmarks import launches
-from txl.model import kernels
 from txl.model.memory import check_memory
 from txl.model.positions import relative_distances, sinusoid
 from txl.model.transformer import check_token_ids
@@ -197,39 +196,6 @@ def test_token_ids_are_checked_on_the_host():
         check_token_ids(np.array([0, 61]), 61)
     with pytest.raises(ValueError, match="token id -1 is out of range"):
         check_token_ids(torch.tensor([[-1, 2]]), 61)
-
-
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute"])
-@pytest.mark.parametrize("dropatt", [0.0, 0.3])
-def test_a_mask_shared_by_the_layers_gives_what_each_layers_own_gives(attn_type, dropatt):
-    """The model hands its layers one ``kernels.Mask`` (its additive form made once); a layer given the bool mask
-    makes its own. Same outputs and gradients, with a padding mask, one head (the path where the scores would
-    accumulate into a (B, 1, T, K) bias in place) and attention dropout."""
-    from txl.model.attention import build_attention
-    from txl.model.positions import attention_mask, padding_mask
-
-    config = tiny_config(attn_type=attn_type, n_head=1, dropatt=dropatt, dropout=0.0)
-    torch.manual_seed(0)
-    attn = build_attention(config).train()
-    B, T, M, d = 2, 5, 4, config.d_model
-    x, memory = torch.randn(B, T, d, requires_grad=True), torch.randn(B, M, d)
-    pad = torch.zeros(B, M + T, dtype=torch.bool)
-    pad[0, :3] = True
-    mask = padding_mask(attention_mask(T, M, mem_len=M, same_length=False, style="pytorch"), pad)  # (B, 1, T, K)
-    shared = launches.txl.TransformerXL(config)  # its u, v and positions, as the model builds them
-    positions = shared.encoding.build_positions(config, {n: getattr(shared, n) for n in
-                                                         shared.encoding.shared_parameters(config)},
-                                                M + T, 0, dtype=x.dtype, device=x.device, drop=torch.nn.Identity())
-    u, v = getattr(shared, "u", None), getattr(shared, "v", None)
-    results = []
-    for m in (mask, kernels.Mask(mask)):
-        torch.manual_seed(1)
-        out = [attn(x, memory, m, positions[l], u, v) for l in range(2)]  # a shared Mask read by two calls
-        grads = torch.autograd.grad(sum(o.square().sum() for o in out), [x, *attn.parameters()])
-        results.append((out, grads))
-    (out_a, grads_a), (out_b, grads_b) = results
-    assert all(torch.equal(a, b) for a, b in zip(out_a + list(grads_a), out_b + list(grads_b)))
-    assert kernels.Mask(mask).bias(torch.float32).eq(float("-inf")).equal(mask)
 
 
 def _train_and_eval_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:

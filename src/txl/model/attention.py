@@ -147,13 +147,13 @@ class Attention(nn.Module):
         return ()
 
     # -- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
         """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
 
         x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
-        (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
+        (B, 1, T, K) when rows hide different keys: padding);
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
         this layer's own, untie_r).
 

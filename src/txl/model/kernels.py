@@ -142,28 +142,6 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
-class Mask:
-    """The attention mask of one forward pass, shared by its layers: the bool mask (``hidden``: (T, K), or
-    (B, 1, T, K) with padding, True where a key is hidden) and its additive form (``bias``), made on first use
-    for each dtype and read by every layer after (the layers' kernels only read it), instead of two kernels per
-    layer. Lives as long as the forward pass that makes it."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        self.hidden = hidden
-        self._biases: dict[torch.dtype, torch.Tensor] = {}
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """0 where visible, -inf where hidden, in ``dtype``: (T, K) or (B, 1, T, K). Read only: never write to it."""
-        if dtype not in self._biases:
-            self._biases[dtype] = mask_to_bias(self.hidden, dtype)
-        return self._biases[dtype]
-
-
-def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
-    """The bool form of a mask given as a tensor or a ``Mask``."""
-    return mask.hidden if isinstance(mask, Mask) else mask
-
-
 # -- the positional scores of the relative encodings, as the fused path builds them ----------------
 
 def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -344,13 +322,12 @@ def kept_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bias: t
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
-                       dropout: Dropout | None = None, *, fresh: bool = True, scale: float = 1.0) -> torch.Tensor:
+                       dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
     (B, H, T, D).
 
-    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K) (a fresh tensor, consumed) or
-    (T, K), -inf where hidden; ``fresh=False``: a (B, H, T, K) bias others read too (a shared ``Mask``'s), copied
-    before the scores accumulate into it. A key that is hidden gets probability 0, hence zero gradient.
+    query: (B, T, H, D); k, val: (B, K, H, D); bias: a fresh (B, H, T, K) or (B, 1, T, K) tensor (consumed) or
+    (T, K), -inf where hidden. A key that is hidden gets probability 0, hence zero gradient.
     """
     B, T, H, D = query.shape
     K = k.size(1)
@@ -359,8 +336,6 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
     if bias.dim() == 4 and bias.size(1) != H:  # (B, 1, T, K) padding mask: one fresh bias per head
         bias = bias.expand(B, H, T, K).contiguous()  # (B, H, T, K)
-    elif bias.dim() == 4 and not fresh:  # another reads it: the scores accumulate into a copy
-        bias = bias.clone()  # (B, H, T, K)
     if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
         prob = _probabilities(bias.view(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
     else:  # (T, K), broadcast
@@ -376,7 +351,7 @@ BiasFn = Callable[..., torch.Tensor]
 """``bias_fn(*bias_inputs, mask_bias=)`` -> (B, H, T, K) positional scores (scaled), realigned, mask added."""
 
 
-def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor | Mask,
+def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor,
                     bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
                     dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
                     pin: bool = True) -> torch.Tensor:
@@ -384,7 +359,7 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
 
     query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
     for an unscaled query: in the matmul, no pass over the query); k, val: (B, K, H, D); mask: (T, K)
-    bool (or (B, 1, T, K) with padding), True where hidden, or a ``Mask`` the layers share. The positional
+    bool (or (B, 1, T, K) with padding), True where hidden. The positional
     scores, when the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``: small inputs (e.g. (q + v)
     and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
     backward.
@@ -392,17 +367,14 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
     ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
     """
-    # A shared Mask's bias is made once for all layers (and only read); a bool mask's here, fresh.
-    shared = isinstance(mask, Mask)
-    mask_bias = mask.bias(query.dtype) if shared else mask_to_bias(mask, query.dtype)  # (T, K)
-    mask = hidden(mask)
+    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
     if dropout is not None:
         # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
-        return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared, scale=scale)
+        return explicit_attention(query, k, val, bias, dropout, scale=scale)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():

@@ -161,6 +161,13 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, p: float, training: bool) -> to
 
 # -- the model: one segment, memory in and out ---------------------------------------------------------
 
+def segment_mask(T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(T, K) bool, True where query i may not see key j (causal, same_length); (B, 1, T, K) with ``padding``."""
+    mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
+                          device=device)  # (T, K)
+    return mask if padding is None else padding_mask(mask, padding)  # (B, 1, T, K): no real query sees a pad
+
+
 def forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None, memory: Memory | None, *,
             ctx: Context, return_log_probs: bool | None, kv_cache: KVCache | None,
             padding: torch.Tensor | None, weights_version: int | None) -> LMOutput:
@@ -175,10 +182,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | No
         memory = window(own, compressed)
     M = memory_length(memory)
     mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
-    mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
-                          device=input_ids.device)  # (T, K)
-    if padding is not None:
-        mask = padding_mask(mask, padding)  # (B, 1, T, K): no real query sees a pad
+    mask = segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
     h = drop(embed(model.embed, input_ids))  # (B, T, d)
     shared = {name: getattr(model, name) for name in model.encoding.shared_parameters(c)}
     shared[INV_FREQ] = getattr(model, INV_FREQ)

@@ -29,7 +29,7 @@ from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.plain import LMOutput
-from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
+from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies
 
 
 class FeedForward(nn.Module):
@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         self.attn = build_attention(config)
         self.ff = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
         return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, shift=shift))
@@ -228,7 +228,7 @@ class TransformerXL(nn.Module):
         memory = window(own, compressed)  # every layer attends over [compressed; memory; segment]
         M = memory_length(memory)
         mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
-        mask = self._mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
+        mask = plain.segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
@@ -262,17 +262,6 @@ class TransformerXL(nn.Module):
             self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
                              table=table, version=version)
         return self._predict(out, labels, return_log_probs)
-
-    def _mask(self, T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device
-              ) -> torch.Tensor | kernels.Mask:
-        """The attention mask of T queries over M + T keys: (T, K) bool, True where hidden, or (B, 1, T, K) with
-        ``padding`` (no real query sees a pad key); eagerly a ``kernels.Mask`` the layers share (its additive form
-        made once, not in every layer; a compiled graph makes it once anyway)."""
-        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
-                              device=device)  # (T, K)
-        if padding is not None:
-            mask = padding_mask(mask, padding)  # (B, 1, T, K)
-        return mask if torch.compiler.is_compiling() else kernels.Mask(mask)
 
     def _positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
                    table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
