@@ -418,32 +418,6 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
 
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "absolute"])
-def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
-    """The model keeps ``inverse_frequencies(d_model)`` (a buffer, not saved, made again in float32 wherever the model
-    moves, also from the meta device): R and the loss are those of frequencies made per call, what ``sinusoid``
-    falls back to when it is handed frequencies that are not float32."""
-    from txl.model.positions import inverse_frequencies
-
-    model = word_model(attn_type=attn_type).train()
-    assert torch.equal(model.inv_freq, inverse_frequencies(32)) and "inv_freq" not in model.state_dict()
-    dist = relative_distances(19, 0)
-    assert torch.equal(sinusoid(dist, 32, model.inv_freq), sinusoid(dist, 32))
-    assert torch.equal(sinusoid(dist, 32, model.inv_freq.bfloat16()), sinusoid(dist, 32))  # not float32: made here
-    with torch.device("meta"):
-        on_meta = txl.TransformerXL(tiny_config())
-    assert torch.equal(on_meta.to_empty(device="cpu").inv_freq, inverse_frequencies(32))  # made where it moves
-    assert model.to(torch.bfloat16).inv_freq.dtype == torch.float32  # made again, in float32
-    model.float()
-    x, y = zipf((2, 9)), zipf((2, 9), seed=3)
-    losses = []
-    for inv_freq in (model.inv_freq, model.inv_freq.bfloat16()):  # kept, and made per call
-        model.inv_freq = inv_freq
-        torch.manual_seed(5)
-        losses.append(model(x, labels=y).loss)
-    assert torch.equal(losses[0], losses[1])
-
-
 def test_cast_rows_lays_out_blocks_and_pads_and_casts_gradients_back():
     """``casting.cast_rows``: each output the listed row blocks in the compute dtype (pads filled with its value); in
     backward each parameter's gradient gathered from its blocks', in float32, zeros for rows of a used parameter

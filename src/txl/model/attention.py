@@ -54,11 +54,10 @@ from txl.config import AttnType, ModelConfig
 from txl.model import kernels, rotary
 from txl.model.dropout import dropout
 from txl.model.kv_cache import position_table
-from txl.model.positions import INV_FREQ, Positions, relative_distances, sinusoid
+from txl.model.positions import Positions, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
-"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
-and under ``positions.INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
+"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +276,7 @@ class RelativeAttention(Attention):
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
             return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
-        r = drop(sinusoid(dist, config.d_model, shared.get(INV_FREQ)).to(dtype))  # (K, d), shared by the layers
+        r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
         return [Positions(encodings=r)] * config.n_layer
 
     @classmethod
@@ -390,7 +389,7 @@ class AbsoluteAttention(Attention):
 
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
-        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model, shared.get(INV_FREQ)).to(dtype)
+        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model).to(dtype)
         return [Positions(absolute=drop(r))] + [None] * (config.n_layer - 1)
 
 

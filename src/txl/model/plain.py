@@ -42,7 +42,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model.compressive import split_state, window
 from txl.model.kv_cache import KVCache
 from txl.model.memory import Memory, memory_length, update_memory
-from txl.model.positions import INV_FREQ, Positions, attention_mask, padding_mask, rel_shift
+from txl.model.positions import Positions, attention_mask, padding_mask, rel_shift
 
 
 @dataclass
@@ -161,6 +161,14 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, p: float, training: bool) -> to
 
 # -- the model: one segment, memory in and out ---------------------------------------------------------
 
+def layer_positions(model: nn.Module, klen: int, clamp_len: int, dtype: torch.dtype, drop,
+                    table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
+    """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
+    shared = {name: getattr(model, name) for name in model.encoding.shared_parameters(model.config)}
+    return model.encoding.build_positions(model.config, shared, klen, clamp_len, dtype=dtype,
+                                          device=model.embed.layers[0].weight.device, drop=drop, table=table)
+
+
 def segment_mask(T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """(T, K) bool, True where query i may not see key j (causal, same_length); (B, 1, T, K) with ``padding``."""
     mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
@@ -184,10 +192,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | No
     mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
     mask = segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
     h = drop(embed(model.embed, input_ids))  # (B, T, d)
-    shared = {name: getattr(model, name) for name in model.encoding.shared_parameters(c)}
-    shared[INV_FREQ] = getattr(model, INV_FREQ)
-    positions = model.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
-                                               device=input_ids.device, drop=drop)
+    positions = layer_positions(model, M + T, ctx.clamp_len, h.dtype, drop)
     u, v = getattr(model, "u", None), getattr(model, "v", None)
     hiddens, keys, values = [], [], []
     for l, layer in enumerate(model.layers):

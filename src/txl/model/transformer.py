@@ -29,7 +29,7 @@ from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.plain import LMOutput
-from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies
+from txl.model.positions import Positions, attention_mask
 
 
 class FeedForward(nn.Module):
@@ -103,9 +103,6 @@ class TransformerXL(nn.Module):
         # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
         for name, shape in self.encoding.shared_parameters(c).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
-        # The sinusoid's frequencies, made once (each forward made them in four kernels): a constant of d_model, not
-        # saved, made again wherever the model moves (``_apply``).
-        self.register_buffer(INV_FREQ, inverse_frequencies(c.d_model), persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
         # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
@@ -175,18 +172,12 @@ class TransformerXL(nn.Module):
                 module.gaps = compute.gap_dropout
 
     def _apply(self, fn, recurse=True):
-        """``nn.Module._apply`` (what ``to``, ``cuda``, ``half``, ``to_empty`` run), then the sinusoid's frequencies
-        made again where the model now lives, in float32: what ``positions.sinusoid`` makes per call on that device
-        (a copy made on another device could differ in the last bit; a cast to 16 bits, or ``to_empty``'s
-        uninitialised memory, would be wrong; a meta build's get values when it moves)."""
-        self._buffers.pop(INV_FREQ)  # not converted (a meta one cannot be): made below, still not saved
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            device = next(self.parameters()).device
-            self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
-            if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
-                self.use_plan(plan.compute_plan(self.config, device.type))  # moved: its plan made again there
+        """``nn.Module._apply`` (what ``to``, ``cuda``, ``to_empty`` run), then the plan made again for the device
+        the model now lives on."""
+        super()._apply(fn, recurse)
+        device = next(self.parameters()).device
+        if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
+            self.use_plan(plan.compute_plan(self.config, device.type))
         return self
 
     # -- memory ---------------------------------------------------------------------------------
@@ -233,7 +224,7 @@ class TransformerXL(nn.Module):
         attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
             attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
-        positions = self._positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
+        positions = plain.layer_positions(self, M + T, ctx.clamp_len, h.dtype, self.drop, table)
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
         # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
@@ -262,14 +253,6 @@ class TransformerXL(nn.Module):
             self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
                              table=table, version=version)
         return self._predict(out, labels, return_log_probs)
-
-    def _positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
-                   table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
-        """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
-        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(self.config)}
-        shared[INV_FREQ] = getattr(self, INV_FREQ)
-        return self.encoding.build_positions(self.config, shared, klen, clamp_len, dtype=dtype, device=device,
-                                             drop=self.drop, table=table)
 
     def _predict(self, out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None) -> LMOutput:
         """The adaptive softmax on ``out.hidden``: the per-token NLL and loss of ``labels``, the log-probabilities."""
