@@ -40,7 +40,6 @@ positional inputs (``positional_inputs``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import typing
@@ -58,20 +57,6 @@ from txl.model.positions import Positions, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
 """The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
-
-
-@dataclasses.dataclass(frozen=True)
-class QueryShift:
-    """What one layer's queries are shifted by (the global biases u, v of section 3.3), made once per forward pass for
-    all layers (``Attention.query_shifts``), in the form that costs no pass over the queries:
-
-    - ``projection``: (3*H*D,) [u; 0; 0], the bias of the fused q/k/v projection: its queries come out as q + u
-      (terms (a) + (c) read them), added by the matmul;
-    - ``positional``: (H, D) v - u: (q + u) + (v - u) = q + v, what the positions are read with (terms (b) + (d)).
-    """
-
-    projection: torch.Tensor
-    positional: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -133,13 +118,6 @@ class Attention(nn.Module):
         return [None] * config.n_layer
 
     @classmethod
-    def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None,
-                     v: torch.Tensor | None) -> list[QueryShift | None]:
-        """Per layer, what its queries are shifted by (``QueryShift``), or None where the layer adds its biases itself
-        (``shifted_queries``). u, v: the model's shared biases (None: the layers' own, untie_r)."""
-        return [None] * len(attns)
-
-    @classmethod
     def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
                    d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
@@ -148,7 +126,7 @@ class Attention(nn.Module):
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
 
         x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
@@ -158,8 +136,6 @@ class Attention(nn.Module):
 
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected
         (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
-
-        shift: u and v as the projection's bias and v - u (``query_shifts``), in place of u, v.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
@@ -167,23 +143,21 @@ class Attention(nn.Module):
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
-        # With a shift, the projection's bias [u; 0; 0] adds u to the queries in the matmul (term (c)).
-        bias = None if shift is None else shift.projection  # (3*H*D,)
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            q, k, val = F.linear(h, w, bias).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             if memory is not None:
                 k_memory, val_memory = self.keys_values(memory, w[H * D:])  # (B, M, H, D) each
                 k, val = torch.cat([k_memory, k], dim=1), torch.cat([val_memory, val], dim=1)  # (B, K, H, D) each
         else:
-            q = F.linear(h, w[:H * D], None if bias is None else bias[:H * D]).view(B, T, H, D)  # (B, T, H, D)
+            q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
         # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
         # the pass that realigns them), where scaling the queries was a pass over them.
-        query, shifted = self.shifted_queries(q, u, v, shift=shift)  # (B, T, H, D) each
-        made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
+        query = q + self.content_bias(u)  # (B, T, H, D): (a) + (c) read q + u
+        made = self.positional_inputs(q, k.size(1), positions, v)
         inputs, bias_fn = made if made is not None else ((), None)
         attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
                                        dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
@@ -201,27 +175,16 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
-    def shifted_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
-                        shift: QueryShift | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused path's queries, unscaled (the kernels apply 1/sqrt(D)), (B, T, H, D) each: against the keys
-        (shifted by the content bias, terms (a) + (c)), and against the positions where the encoding shifts them by
-        a bias of its own (term (d); ``positional_inputs`` reads it as ``shifted``), else None. With ``shift``, q
-        came out of the projection with u added."""
-        bias = self.content_bias(u)
-        return (q if isinstance(bias, float) else q + bias), None
-
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
         """The plain path's positional scores (B, H, T, K), column p against distance K-1-p (before
         ``rel_shift``), unscaled; None: no positional term in the scores."""
         return None
 
-    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None,
-                          shifted: torch.Tensor | None = None
+    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None
                           ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
         """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
-        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
-        ``shifted``: the query shifted by the positional bias (unscaled), when ``shifted_queries`` made it."""
+        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
         return None
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,36 +269,10 @@ class RelativeAttention(Attention):
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
         return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
 
-    @classmethod
-    def query_shifts(cls, attns, u, v):
-        if not attns:
-            return []
-        H, D = attns[0].n_head, attns[0].d_head
-
-        def shift(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return F.pad(u.reshape(H * D), (0, 2 * H * D)), v - u  # (3*H*D,) [u; 0; 0], (H, D) v - u
-
-        if u is None:  # untie_r: each layer's own
-            return [QueryShift(*shift(a.u, a.v)) for a in attns]
-        projection, positional = shift(u, v)
-        if len(attns) > 1 and projection.requires_grad and torch.is_grad_enabled():
-            # One view per layer of an expanded tensor: backward stacks the layers' gradients and sums them in one
-            # op each, where the layers' gradients of one shared tensor were added one by one (a kernel per layer).
-            return [QueryShift(a, b) for a, b in zip(projection.expand(len(attns), -1).unbind(0),
-                                                     positional.expand(len(attns), H, D).unbind(0))]
-        return [QueryShift(projection, positional)] * len(attns)
-
-    def shifted_queries(self, q, u, v, *, shift=None):
-        if shift is not None:  # q is q + u already (the projection's bias); (q + u) + (v - u) by token
-            return q, q + shift.positional  # (B, T, H, D) each
-        return q + self.global_bias(u, "u"), q + self.global_bias(v, "v")  # (B, T, H, D) each
-
-    def positional_inputs(self, q, klen, positions, v, shifted=None):
+    def positional_inputs(self, q, klen, positions, v):
         B, T, H, D = q.shape
         r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        if shifted is None:
-            shifted = q + self.global_bias(v, "v")  # (B, T, H, D)
-        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
+        qv = (q + self.global_bias(v, "v")).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
         return (qv, r), functools.partial(kernels.relative_bias, scale=self.scale)
 
 
@@ -374,7 +311,7 @@ class ShawAttention(Attention):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
-    def positional_inputs(self, q, klen, positions, v, shifted=None):
+    def positional_inputs(self, q, klen, positions, v):
         emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
         return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
 

@@ -23,7 +23,7 @@ from txl.config import Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import Attention, QueryShift, build_attention, encoding
+from txl.model.attention import Attention, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
 from txl.model.dropout import dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
@@ -58,8 +58,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, shift=shift))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv))
 
 
 class TransformerXL(nn.Module):
@@ -233,7 +233,6 @@ class TransformerXL(nn.Module):
         # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
         with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
-            shifts = self.encoding.query_shifts(attns, u, v)
             for l, layer in enumerate(self.layers):
                 hiddens.append(h)  # each layer's input, before absolute positions: the next memory
                 x, mem = add_absolute(h, mems[l], positions[l], M)
@@ -242,7 +241,7 @@ class TransformerXL(nn.Module):
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
                     kv, mem = (k, val), None  # (B, K, H, D) each
                     keys.append(k), values.append(val), buffers.append(grown)
-                h = layer(x, mem, mask, positions[l], u, v, kv=kv, shift=shifts[l])
+                h = layer(x, mem, mask, positions[l], u, v, kv=kv)
         out = LMOutput(memory=(), hidden=self.drop(h))  # (B, T, d)
         if self.compressor is not None:
             out.memory, out.compression_loss = self.compressor.update(
