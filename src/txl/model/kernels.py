@@ -14,7 +14,7 @@ path keeps"):
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
   scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
-  ``kept_attention``, which keeps them (autograd);
+  ``explicit_attention``, which keeps them (autograd);
 * ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
   backward written straight into the scores' layout (``_Realign``);
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
@@ -307,20 +307,6 @@ class _RecomputedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
 
 
-def kept_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bias: torch.Tensor, scale: float
-                   ) -> torch.Tensor:
-    """softmax(scale * qh kh^T + bias) vh through autograd, the probabilities kept for backward
-    (``recompute_attention=False``): (B, H, T, D). qh: (B, H, T, D); kh, vh: (B, H, K, D), any strides; bias:
-    (B, H, T, K). (Issue 45 removed the hand-written backward that replaced this: 0.3% of a small training step,
-    1.7% of a base one, benchmarks/README.md.)"""
-    B, H, T, D = qh.shape
-    K = kh.size(2)
-    score = torch.baddbmm(bias.reshape(B * H, T, K), qh.reshape(B * H, T, D), kh.reshape(B * H, K, D).transpose(1, 2),
-                          alpha=scale)  # (B*H, T, K)
-    prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
-    return torch.bmm(prob, vh.reshape(B * H, K, D)).view(B, H, T, D)  # (B, H, T, D)
-
-
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
@@ -383,7 +369,7 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
         if recompute:
             return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
-        return kept_attention(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
+        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
