@@ -285,31 +285,6 @@ def test_auto_groups_plain_float32_parameters_under_autocast_only():
     assert fp32[0].ops["aten::_foreach_copy_"] == 0 and fp32[0].ops == fp32[1].ops
 
 
-def test_relu_dropout_on_a_linear_output_is_not_undone_by_autograd():
-    """A linear layer's 3-d output is a view of its 2-d matmul: an in-place ReLU on it needs a gradient, so it runs
-    out of place there (autograd would clone the whole base and copy twice in backward); the same numbers, and
-    in place still where nothing is lost (no gradient, or not a view)."""
-    from txl.model.dropout import ReLUDropout
-
-    linear = torch.nn.Linear(8, 16)
-    x = torch.randn(2, 3, 8)
-    results = []
-    for module in (ReLUDropout(0.3, inplace=True), ReLUDropout(0.3, inplace=False)):
-        torch.manual_seed(1)
-        y = linear(x)
-        assert y._is_view()
-        out = module.train()(y)
-        grads = torch.autograd.grad(out.square().sum(), list(linear.parameters()))
-        results.append((out.detach(), *grads))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    torch.manual_seed(1)
-    counts = launches.count(lambda: ReLUDropout(0.3, inplace=True).train()(linear(x)).sum().backward())
-    assert counts.ops["aten::clone"] == 0 and counts.ops["aten::copy_"] == 0, counts.ops
-    with torch.no_grad():
-        y = linear(x)
-        assert ReLUDropout(0.3, inplace=True).eval()(y) is y  # in place: no gradient to keep
-
-
 def _softmax_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """Per-token NLL and every gradient of one bf16 training segment, then bf16 log-probabilities."""
     model.zero_grad(set_to_none=True)

@@ -9,7 +9,7 @@ from conftest import tiny_config
 
 from txl.config import KERNEL_FIELDS, ModelConfig, TrainConfig
 from txl.model import TransformerXL, plan
-from txl.model.dropout import FastDropout
+from txl.model.dropout import Dropout
 
 EXPECTED = {  # device type -> what the defaults resolve to; written out, so a change to the table is seen here
     "cpu": dict(cluster_rows="selected", softmax_pad=1, dropout_impl="fast"),
@@ -59,7 +59,7 @@ def test_a_model_plans_where_it_is_built_and_again_where_it_moves():
     model = TransformerXL(tiny_config(cutoffs=[20, 40], dropout=0.1))
     assert model.plan == plan.compute_plan(model.config, "cpu")
     assert model.softmax.rows == model.embed.rows == "selected" and model.softmax.pad == 1
-    assert all(m.gaps for m in model.modules() if isinstance(m, FastDropout))
+    assert all(m.gaps for m in model.modules() if isinstance(m, Dropout))
     assert not any(layer.attn.pin_sdpa for layer in model.layers)
     model.to("meta")
     assert model.plan.device_type == "meta" and model.softmax.rows == "all" and not model.drop.gaps

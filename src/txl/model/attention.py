@@ -51,7 +51,7 @@ from torch import nn
 
 from txl.config import AttnType, ModelConfig
 from txl.model import kernels, rotary
-from txl.model.dropout import dropout
+from txl.model.dropout import Dropout
 from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, relative_distances, sinusoid
 
@@ -97,8 +97,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config, config.dropout)
-        self.dropatt = dropout(config, config.dropatt)
+        self.drop = Dropout(config.dropout)
+        self.dropatt = Dropout(config.dropatt)
 
     # -- what an encoding declares at the model level -------------------------------------------------
     @classmethod

@@ -332,7 +332,7 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
 
 
 Dropout = Callable[[torch.Tensor], torch.Tensor]
-"""The attention dropout: a module (``nn.Dropout``, ``FastDropout``) applied to the probabilities."""
+"""The attention dropout: a module (``txl.model.dropout.Dropout``) applied to the probabilities."""
 BiasFn = Callable[..., torch.Tensor]
 """``bias_fn(*bias_inputs, mask_bias=)`` -> (B, H, T, K) positional scores (scaled), realigned, mask added."""
 

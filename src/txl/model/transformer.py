@@ -25,7 +25,7 @@ from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
 from txl.model.compressive import Compressor, check_state, split_state, window
-from txl.model.dropout import dropout
+from txl.model.dropout import Dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
 from txl.model.plain import LMOutput
@@ -41,8 +41,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config, config.dropout)
-        self.relu_drop = dropout(config, config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
+        self.drop = Dropout(config.dropout)
+        self.relu_drop = Dropout(config.dropout, relu=True)  # dropout(relu(.))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what fc1 reads
@@ -97,7 +97,7 @@ class TransformerXL(nn.Module):
         self.config = config
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = dropout(c, c.dropout)
+        self.drop = Dropout(c.dropout)
         self.encoding = encoding(c.attn_type)  # the layers' attention class: its traits and its positions
         # Parameters of the encoding the layers share: the relative attention's u and v (section 3.3,
         # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
@@ -168,7 +168,7 @@ class TransformerXL(nn.Module):
                 module.pad = compute.softmax_pad
             if isinstance(module, Attention):
                 module.pin_sdpa = compute.pin_sdpa
-            if hasattr(module, "gaps"):  # the fast dropout modules
+            if isinstance(module, Dropout):
                 module.gaps = compute.gap_dropout
 
     def _apply(self, fn, recurse=True):
