@@ -12,9 +12,8 @@ train and eval). Each custom autograd Function here stays for a measured win (be
 path keeps"):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
-  as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
-  scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
-  ``explicit_attention``, which keeps them (autograd);
+  as its additive mask (evaluation); in training ``explicit_attention``, which keeps the (B, H, T, K) probabilities
+  for backward (autograd), or recomputes them there (``recompute_attention``: torch's checkpoint);
 * ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
   backward written straight into the scores' layout (``_Realign``);
 * ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
@@ -26,12 +25,12 @@ the compiler fuses those itself.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from txl.model.positions import rel_shift
 
@@ -216,97 +215,6 @@ def softmax_in(score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(score, dim=-1, dtype=torch.float32).to(dtype)
 
 
-def _forward_autocast(device: torch.device) -> dict:
-    """The forward's autocast state, for a backward that must compute under it to the same dtypes."""
-    kind = device.type
-    return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
-
-
-def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * a b for batches of matrices: one kernel (the matmul's alpha), where bmm and a multiply were two."""
-    if scale == 1.0:
-        return torch.bmm(a, b)
-    unread = a.new_empty(()).expand(a.size(0), a.size(1), b.size(2))  # beta 0: never read (nor its NaNs)
-    return torch.baddbmm(unread, a, b, beta=0, alpha=scale)
-
-
-def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tensor, qh: torch.Tensor,
-                     kh: torch.Tensor, vh: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """Gradients of softmax(scale * qh kh^T + bias) vh from its probabilities, as FlashAttention's backward forms
-    them.
-
-    grad_out, out: (B, H, T, D); prob: (B*H, T, K); qh, kh, vh: (B*H, ., D). dS = P * (dP - rowsum(dO * O))
-    with dP = dO vh^T: rowsum(dO * O) = rowsum(P * dP) is a (B, H, T, D) product, not a pass over the
-    (B, H, T, K) probabilities. Returns the gradients of the query, keys and values, (B, H, ., D), and dS,
-    (B, H, T, K), which is also the bias gradient.
-    """
-    B, H, T, D = out.shape
-    K = kh.size(1)
-    go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
-    grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-    # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP), as one batched product of (1, D) rows and (D, 1) columns (one
-    # kernel where a multiply and a sum were two; the products summed in float32 and rounded once).
-    # (SDPA's output may be laid out by token: then copied heads-first, the same count of kernels as before.)
-    delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
-    grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
-    del prob  # a recomputed one is freed here, before the two products below
-    grad_query = _scaled_bmm(grad_score, kh, scale)  # (B*H, T, D)
-    grad_key = _scaled_bmm(grad_score.transpose(1, 2), qh, scale)  # (B*H, K, D)
-    return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
-            grad_score.view(B, H, T, K))
-
-
-class _RecomputedAttention(torch.autograd.Function):
-    """softmax(query k^T + bias) val for training, keeping neither the (B, H, T, K) bias nor the probabilities.
-
-    Forward: the fused kernel (scaled_dot_product_attention). Backward: the bias is recomputed from its
-    small inputs (``bias_fn(*bias_inputs)``, e.g. (q + v) and W_kR R), the scores and probabilities
-    from it, and then, as in FlashAttention's backward,
-    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T: one (B, H, T, K) tensor of probabilities per layer is
-    not kept from forward to backward, for the cost of the positional and content matmuls done again.
-    dS is the bias gradient; autograd takes it on to the bias inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
-                *bias_inputs: torch.Tensor):
-        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
-        with torch.no_grad():
-            bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = sdpa(query, k, val, bias, scale, pin)  # (B, H, T, D)
-        ctx.scale = scale
-        ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
-        ctx.bias_fn = bias_fn
-        ctx.save_for_backward(query, k, val, out, *bias_inputs)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        with torch.autocast(**ctx.autocast):
-            return _RecomputedAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out: torch.Tensor):
-        query, k, val, out, *bias_inputs = ctx.saved_tensors
-        B, H, T, D = query.shape
-        K = k.size(2)
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_(x.requires_grad) for x in bias_inputs]
-            bias = ctx.bias_fn(*inputs)  # (B, H, T, K)
-        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
-        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
-        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        # The scores accumulate into the recomputed bias (its gradient graph does not need its values). The
-        # softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
-        # on CPU, and the probabilities are the same up to rounding.
-        grad_query, grad_key, grad_val, grad_score = _attention_grads(  # the probabilities, hidden keys 0
-            grad_out, out, _probabilities(bias.detach().view(B * H, T, K), qh, kh, ctx.scale), qh, kh, vh, ctx.scale)
-        wanted = [x for x in inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
-        grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
-
-
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
@@ -364,12 +272,13 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
-        # The fused kernel cannot return the gradient of its additive mask (the positional term), so
-        # training recomputes what it needs in backward, or keeps the probabilities.
-        if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
-                                              *bias_inputs)
-        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
+        # The fused kernel cannot return the gradient of its additive mask (the positional term): training keeps the
+        # probabilities (autograd), or with ``recompute`` only the small inputs, the scores and probabilities made
+        # again in backward (torch's checkpoint: one layer's (B, H, T, K) at a time, not every layer's).
+        def attend(*inputs: torch.Tensor) -> torch.Tensor:
+            return explicit_attention(query, k, val, bias_fn(*inputs, mask_bias=mask_bias), scale=scale)
+
+        return checkpoint(attend, *bias_inputs, use_reentrant=False) if recompute else attend(*bias_inputs)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
