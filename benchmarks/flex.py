@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from benchmarks.flex_attention import relative_flex_attention
+from benchmarks.flex_attention import relative_bias, relative_flex_attention
 from benchmarks.instruments import make_clock
 from txl.model import kernels
 from txl.model.positions import attention_mask
@@ -66,7 +66,7 @@ def measure(device: torch.device, dtype: torch.dtype, cases, H: int, D: int, war
         def sdpa(inputs=inputs, mask=mask, grad=grad):
             query, k, val, qv, r = inputs
             with torch.set_grad_enabled(grad):
-                out = kernels.fused_attention(query, k, val, mask=mask, bias_fn=kernels.relative_bias,
+                out = kernels.fused_attention(query, k, val, mask=mask, bias_fn=relative_bias,
                                               bias_inputs=(qv, r))
                 if grad:
                     out.sum().backward()

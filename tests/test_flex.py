@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.flex_attention import relative_flex_attention
+from benchmarks.flex_attention import relative_bias, relative_flex_attention
 from txl.model import kernels
 from txl.model.positions import attention_mask, rel_shift
 
@@ -48,7 +48,7 @@ def test_flex_forward_equals_the_fused_kernel_and_the_reference(T, M, d):
         warnings.simplefilter("ignore")  # eager FlexAttention says it runs unfused
         got = relative_flex_attention(query, k, val, qv, r)
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
-    fused = kernels.fused_attention(query, k, val, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r))
+    fused = kernels.fused_attention(query, k, val, mask=mask, bias_fn=relative_bias, bias_inputs=(qv, r))
     assert got.shape == (2, H, T, d)
     torch.testing.assert_close(got, fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, reference(query, k, val, qv, r), atol=1e-5, rtol=1e-5)

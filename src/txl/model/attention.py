@@ -35,7 +35,7 @@ A new encoding is one subclass here (with ``attn_type`` set) and its name in ``t
 ``ModelConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
 reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
 kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
-positional inputs (``positional_inputs``).
+positional operands (``positional_operands``) and the function of them (``scores_of``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
     The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``position_scores`` for the plain path, ``positional_inputs`` for the kernels), a
+    positional score (``positional_operands`` and ``scores_of``, read by both paths), a
     content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
     Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
     projection, one layer norm.
@@ -157,9 +157,11 @@ class Attention(nn.Module):
         # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
         # the pass that realigns them), where scaling the queries was a pass over them.
         query = q + self.content_bias(u)  # (B, T, H, D): (a) + (c) read q + u
-        made = self.positional_inputs(q, k.size(1), positions, v)
-        inputs, bias_fn = made if made is not None else ((), None)
-        attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
+        # (b) + (d): the positional scores made of small operands by the kernels (in backward again, to recompute)
+        operands = self.positional_operands(q, k.size(1), positions, v)
+        bias_fn = None if operands is None else functools.partial(kernels.positional_bias, self.scores_of,
+                                                                  scale=self.scale)
+        attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=operands or (),
                                        dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
                                        recompute=self.recompute, scale=self.scale, pin=self.pin_sdpa)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
@@ -175,17 +177,23 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
-    def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
-                        v: torch.Tensor | None) -> torch.Tensor | None:
-        """The plain path's positional scores (B, H, T, K), column p against distance K-1-p (before
-        ``rel_shift``), unscaled; None: no positional term in the scores."""
+    def positional_operands(self, q: torch.Tensor, klen: int, positions: Positions | None,
+                            v: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+        """The small tensors the positional scores are made of (``scores_of``), e.g. q + v and W_kR R; None: the
+        encoding has no positional term in the scores."""
         return None
 
-    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None
-                          ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
-        """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
-        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none."""
-        return None
+    @staticmethod
+    def scores_of(*operands: torch.Tensor) -> torch.Tensor:
+        """The positional scores (B, H, T, K) of ``positional_operands``, unscaled, column p against distance
+        K-1-p (before ``rel_shift``): written once, read by both paths."""
+        raise NotImplementedError
+
+    def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
+                        v: torch.Tensor | None) -> torch.Tensor | None:
+        """The positional scores (B, H, T, K) by distance of queries q (B, T, H, D); None: none."""
+        operands = self.positional_operands(q, klen, positions, v)
+        return None if operands is None else self.scores_of(*operands)
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each; ``weight``: W_kE and
@@ -265,15 +273,13 @@ class RelativeAttention(Attention):
             return positions.projected.to(dtype)  # (K, H, D)
         return self.project_positions(positions.encodings.to(dtype))  # (K, H, D)
 
-    def position_scores(self, q, klen, positions, v):
-        r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
+    def positional_operands(self, q, klen, positions, v):
+        return q + self.global_bias(v, "v"), self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
 
-    def positional_inputs(self, q, klen, positions, v):
-        B, T, H, D = q.shape
-        r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        qv = (q + self.global_bias(v, "v")).permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
-        return (qv, r), functools.partial(kernels.relative_bias, scale=self.scale)
+    @staticmethod
+    def scores_of(qv, r):
+        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch)
+        return torch.einsum("bthd,khd->bhtk", qv, r)  # (B, H, T, K), laid out (H, B, T, K)
 
 
 class ShawAttention(Attention):
@@ -307,13 +313,12 @@ class ShawAttention(Attention):
             bias = torch.cat([bias[:1].expand(klen - P, -1), bias])  # (K, H)
         return emb[-klen:].to(dtype), bias[-klen:].to(dtype)  # (K, H, D), (K, H)
 
-    def position_scores(self, q, klen, positions, v):
-        emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
-        return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
+    def positional_operands(self, q, klen, positions, v):
+        return q, *self.distance_table(klen, q.dtype)  # (B, T, H, D), (K, H, D), (K, H)
 
-    def positional_inputs(self, q, klen, positions, v):
-        emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
-        return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
+    @staticmethod
+    def scores_of(q, emb, bias):
+        return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
 
 class AbsoluteAttention(Attention):

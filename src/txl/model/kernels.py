@@ -16,7 +16,7 @@ path keeps"):
   for backward (autograd), or recomputes them there (``recompute_attention``: torch's checkpoint);
 * ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
   backward written straight into the scores' layout (``_Realign``);
-* ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
+* ``positional_bias``: an encoding's positional scores (``Attention.scores_of``), realigned, scaled, masked.
 
 Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
 strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
@@ -141,31 +141,18 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
-# -- the positional scores of the relative encodings, as the fused path builds them ----------------
+# -- the positional scores as the fused kernel reads them ------------------------------------------
 
-def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Terms (b) + (d) of the relative attention: (H, B*T, D) (q + v), (K, H, D) W_kR R -> (B, H, T, K), times
-    ``scale`` (1/sqrt(D) for an unscaled qv; the model's attention hands it unscaled, the scale applied in the pass
-    that realigns).
-
-    One matmul per head over all B*T queries: R is shared by the batch, so it is not copied B times, as a
-    (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added.
-    """
-    H, BT, _ = qv.shape
-    T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
-    position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
-    return realign(position, mask_bias, heads_first=True, scale=scale)  # (B, H, T, K)
+def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Tensor, mask_bias: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance (``Attention.scores_of``)
+    realigned by key index, times ``scale``, the mask added: what the fused kernel reads as its additive bias."""
+    scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K)
+    heads_first = not scores.is_contiguous() and scores.transpose(0, 1).is_contiguous()
+    return realign(scores.transpose(0, 1) if heads_first else scores, mask_bias, heads_first=heads_first, scale=scale)
 
 
-def shaw_bias(q: torch.Tensor, emb: torch.Tensor, bias: torch.Tensor, *, scale: float,
-              mask_bias: torch.Tensor) -> torch.Tensor:
-    """Shaw et al.'s positional scores: (B, T, H, D) scaled q, (K, H, D) E, (K, H) b -> (B, H, T, K), realigned."""
-    position = torch.matmul(q.transpose(1, 2), emb.permute(1, 2, 0))  # (B, H, T, K)
-    position = position.add_((bias * scale).t()[None, :, None, :])  # (B, H, T, K)
-    return realign(position, mask_bias, heads_first=False)  # (B, H, T, K)
-
-
-# -- attention: the fused kernel, pinned; and a backward that recomputes -------------------------
+# -- attention: the fused kernel, pinned ----------------------------------------------------------
 
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """The SDPA kernels txl's attention may run on: every one but cuDNN's.
