@@ -24,10 +24,10 @@ from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
-from txl.model.compressive import Compressor, check_state, split_state, window
+from txl.model.compressive import Compressor, check_state, split_state
 from txl.model.dropout import Dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
-from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
+from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, zeros_memory
 from txl.model.plain import LMOutput
 from txl.model.positions import Positions, attention_mask
 
@@ -214,11 +214,8 @@ class TransformerXL(nn.Module):
         if c.attn_impl == "reference":  # the plain path, the oracle of this one
             return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
                                  kv_cache=kv_cache, padding=padding, weights_version=version)
-        B, T = input_ids.shape
-        own, compressed = split_state(memory, c.n_layer) if self.compressor is not None else (memory, None)
-        memory = window(own, compressed)  # every layer attends over [compressed; memory; segment]
-        M = memory_length(memory)
-        mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
+        T = input_ids.size(1)
+        own, compressed, mems, M = plain.read_memory(self, memory)
         mask = plain.segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         attns = [layer.attn for layer in self.layers]
@@ -235,7 +232,7 @@ class TransformerXL(nn.Module):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
             for l, layer in enumerate(self.layers):
                 hiddens.append(h)  # each layer's input, before absolute positions: the next memory
-                x, mem = add_absolute(h, mems[l], positions[l], M)
+                x, mem = plain.add_absolute(h, mems[l], positions[l], M)
                 kv = None
                 if kv_cache is not None:  # the memory rows' keys and values read from the cache
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
@@ -243,51 +240,28 @@ class TransformerXL(nn.Module):
                     keys.append(k), values.append(val), buffers.append(grown)
                 h = layer(x, mem, mask, positions[l], u, v, kv=kv)
         out = LMOutput(memory=(), hidden=self.drop(h))  # (B, T, d)
-        if self.compressor is not None:
-            out.memory, out.compression_loss = self.compressor.update(
-                own, compressed, hiddens, mem_len=ctx.mem_len, layers=attns, train=self.training and labels is not None)
-        elif not grow:
-            out.memory = update_memory(memory, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
-        if kv_cache is not None:
-            self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
-                             table=table, version=version)
-        return self._predict(out, labels, return_log_probs)
-
-    def _predict(self, out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None) -> LMOutput:
-        """The adaptive softmax on ``out.hidden``: the per-token NLL and loss of ``labels``, the log-probabilities."""
-        B, T, _ = out.hidden.shape
-        flat = out.hidden.reshape(B * T, -1)  # (B*T, d)
-        if labels is not None:
-            out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
-            out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
-            out.loss = out.nll.sum() / out.tokens.clamp(min=1)
-        if return_log_probs or (return_log_probs is None and labels is None):
-            out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
-        return out
-
-    def _next_cache(self, out: LMOutput, cache: KVCache, memory: Memory | None, own: Memory | None,
-                    hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
-                    buffers: list, *, grow: bool, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
-                    version: int | None) -> None:
-        """The KVCache returned (and, where the rows ``grow`` in place into its buffers, the memory): the keys and
-        values of exactly ``out.memory``'s rows."""
-        memory = memory if memory_length(memory) else None
-        buffers = buffers if grow else None
-        if self.compressor is not None:
-            out.kv_cache = self.compressor.next_cache(keys, values, buffers, own, out.memory, T, positions=table,
-                                                      weights_version=version)
-        elif buffers is not None:
-            had = [b[0] for b in cache.buffers] if cache.buffers else None
-            out.memory, memory_buffers = grow_memory(memory, hiddens, mem_len=ctx.mem_len, buffers=had)
-            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
-            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
-                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
-                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=version)
+        if grow and self.compressor is None:
+            self._grow(out, kv_cache, own, hiddens, keys, values, buffers, mem_len=ctx.mem_len, table=table,
+                       version=version)
         else:
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=version)
+            plain.next_state(self, out, own, compressed, hiddens, keys, values, ctx=ctx, kv=kv_cache is not None,
+                             train=self.training and labels is not None, version=version, table=table,
+                             buffers=buffers if grow else None)
+        return plain.predict(out, labels, return_log_probs, self.softmax.nll, self.softmax.log_prob)
+
+    def _grow(self, out: LMOutput, cache: KVCache, memory: Memory | None, hiddens: list[torch.Tensor],
+              keys: list[torch.Tensor], values: list[torch.Tensor], buffers: list, *, mem_len: int,
+              table: tuple[torch.Tensor, ...], version: int | None) -> None:
+        """``out.memory`` and ``out.kv_cache`` as views of the cache's RowBuffers, the new rows appended in place
+        (``txl.model.memory.grow_memory``): the keys and values of exactly ``out.memory``'s rows."""
+        had = [b[0] for b in cache.buffers] if cache.buffers else None
+        out.memory, memory_buffers = grow_memory(memory if memory_length(memory) else None, hiddens, mem_len=mem_len,
+                                                 buffers=had)
+        # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
+        out.kv_cache = KVCache(keys=tuple(last_rows(k, mem_len) for k in keys),
+                               values=tuple(last_rows(val, mem_len) for val in values), positions=table,
+                               buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
+                               weights_version=version)
 
     def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
         """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
@@ -411,15 +385,6 @@ class TransformerXL(nn.Module):
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
                 raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
                                  f"(use {IGNORE_INDEX} to ignore a position)")
-
-
-def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's segment rows (B, T, d) and memory rows (B, M, d) with an absolute encoding's positions added
-    (``Positions.absolute``, (K, d): memory rows get the earlier ones); as they are for the other encodings."""
-    if pos is None or pos.absolute is None:
-        return x, memory
-    return x + pos.absolute[M:], (None if memory is None else memory + pos.absolute[:M])
 
 
 def reads_values(t: torch.Tensor) -> bool:
