@@ -180,48 +180,24 @@ def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: tor
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 
-def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """softmax(score + scale * qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
-
-    score: a fresh (N, T, K) bias (positions and mask, -inf where hidden), consumed: the content scores are
-    the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet in the matmul's own
-    output pass. In place, so the operands are cast to its dtype here: autocast skips in-place ops. The
-    softmax runs in float32 (a hidden key gets probability 0).
-    """
-    dt = score.dtype
-    score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2), alpha=scale)  # (N, T, K)
-    return softmax_in(score, dt)  # (N, T, K)
-
-
-def softmax_in(score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """softmax over the last dim computed in float32, returned in ``dtype``: one kernel where the input is already
-    16-bit (torch's 16-bit softmax accumulates in float32 and rounds once: the same numbers as a float32 softmax
-    cast after, without its two casts), else a float32 softmax cast to ``dtype``."""
-    if score.dtype == dtype and dtype in (torch.bfloat16, torch.float16):
-        return torch.softmax(score, dim=-1)
-    return torch.softmax(score, dim=-1, dtype=torch.float32).to(dtype)
-
-
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
-    """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
-    (B, H, T, D).
+    """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
+    ``dropout``): (B, H, T, D).
 
-    query: (B, T, H, D); k, val: (B, K, H, D); bias: a fresh (B, H, T, K) or (B, 1, T, K) tensor (consumed) or
-    (T, K), -inf where hidden. A key that is hidden gets probability 0, hence zero gradient.
+    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or (T, K), -inf where hidden (a
+    hidden key gets probability 0, hence zero gradient). The content scores accumulate into the bias in the matmul
+    (baddbmm); the softmax runs in float32.
     """
     B, T, H, D = query.shape
     K = k.size(1)
     qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
     kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
     vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-    if bias.dim() == 4 and bias.size(1) != H:  # (B, 1, T, K) padding mask: one fresh bias per head
-        bias = bias.expand(B, H, T, K).contiguous()  # (B, H, T, K)
-    if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
-        prob = _probabilities(bias.view(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
-    else:  # (T, K), broadcast
-        score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
-        prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
+    if bias.dim() == 4:  # (B, H, T, K), or (B, 1, T, K) with padding: one per head
+        bias = bias.expand(B, H, T, K).reshape(B * H, T, K)  # (B*H, T, K)
+    score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
+    prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype)  # (B*H, T, K)
     prob = prob if dropout is None else dropout(prob)
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
