@@ -46,12 +46,14 @@ def inputs(device: str, requires_grad: bool = False):
 PINNED = dict(cudnn=False, efficient=True, flash=True, math=True)
 
 
-@pytest.mark.parametrize("case", ["bias", "no-bias"])
-def test_off_the_cpu_sdpa_runs_without_cudnn_and_the_flags_come_back(calls, case):
-    q, k, v, qv, r, mask = inputs("meta")
+@pytest.mark.parametrize("case", ["bias", "no-bias", "recompute"])
+def test_off_the_cpu_sdpa_runs_without_cudnn_and_the_flags_come_back(calls, case, monkeypatch):
+    q, k, v, qv, r, mask = inputs("meta", requires_grad=case == "recompute")
+    if case == "recompute":  # training's forward; torch keeps no autocast state for 'meta', so it saves a CPU one
+        monkeypatch.setattr(kernels, "_forward_autocast", lambda device: dict(device_type="cpu", enabled=False))
     before = {name: flag() for name, flag in FLAGS.items()}
     bias = dict(bias_fn=relative_bias, bias_inputs=(qv, r)) if case != "no-bias" else {}
-    with torch.no_grad():
+    with torch.set_grad_enabled(case == "recompute"):
         out = kernels.fused_attention(q, k, v, mask=mask, **bias)
     assert out.shape == (B, H, T, D) and out.device.type == "meta"
     assert len(calls) == 1

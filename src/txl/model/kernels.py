@@ -13,7 +13,7 @@ path keeps"):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
   as its additive mask (evaluation); in training ``explicit_attention``, which keeps the (B, H, T, K) probabilities
-  for backward (autograd), or recomputes them there (``recompute_attention``: torch's checkpoint);
+  for backward (autograd), or ``_RecomputedAttention``, which recomputes them there (``recompute_attention``);
 * ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
   backward written straight into the scores' layout (``_Realign``);
 * ``positional_bias``: an encoding's positional scores (``Attention.scores_of``), realigned, scaled, masked.
@@ -25,12 +25,12 @@ the compiler fuses those itself.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
 
 from txl.model.positions import rel_shift
 
@@ -180,6 +180,60 @@ def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: tor
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 
+def _forward_autocast(device: torch.device) -> dict:
+    """The forward's autocast state, for a backward that must compute under it to the same dtypes."""
+    kind = device.type
+    return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """softmax(scale * query k^T + bias) val for training (``recompute_attention``), keeping neither the (B, H, T, K)
+    bias nor the probabilities from forward to backward: base training peak RSS 2,005 -> 1,869 MiB for 6-7% of
+    its speed (benchmarks/README.md). torch's checkpoint around ``explicit_attention`` instead held 1,567-1,739 MB
+    against this one's 1,380-1,418 (two base training steps, issue 45), so this stays.
+
+    Forward: the fused kernel (SDPA). Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``,
+    e.g. (q + v) and W_kR R), the probabilities P from it, then as in FlashAttention's backward
+    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T (rowsum(dO * O) a (B, H, T, D) product, not a pass over P).
+    dS is the bias gradient; autograd takes it on to the bias inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
+                *bias_inputs: torch.Tensor):
+        # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
+        with torch.no_grad():
+            out = sdpa(query, k, val, bias_fn(*bias_inputs), scale, pin)  # (B, H, T, D)
+        ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
+        ctx.scale, ctx.bias_fn = scale, bias_fn
+        ctx.save_for_backward(query, k, val, out, *bias_inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        query, k, val, out, *bias_inputs = ctx.saved_tensors
+        B, H, T, D = query.shape
+        K, scale = k.size(2), ctx.scale
+        with torch.autocast(**ctx.autocast), torch.enable_grad():
+            inputs = [x.detach().requires_grad_(x.requires_grad) for x in bias_inputs]
+            bias = ctx.bias_fn(*inputs)  # (B, H, T, K)
+        qh, kh, vh = (t.reshape(B * H, -1, D) for t in (query, k, val))  # (B*H, T or K, D)
+        dt = bias.dtype  # the scores accumulate into the recomputed bias (its graph does not need its values)
+        score = bias.detach().view(B * H, T, K).baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2), alpha=scale)
+        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(dt)  # (B*H, T, K), hidden keys 0
+        go = grad_out.reshape(B * H, T, D).to(dt)  # (B*H, T, D)
+        grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
+        delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1).to(dt))  # rowsum(dO * O)
+        grad_score = torch.bmm(go, vh.to(dt).transpose(1, 2)).sub_(delta.view(B * H, T, 1)).mul_(prob)  # dS
+        del prob, score
+        grad_query = torch.bmm(grad_score, kh.to(dt)).mul_(scale).view(B, H, T, D)
+        grad_key = torch.bmm(grad_score.transpose(1, 2), qh.to(dt)).mul_(scale).view(B, H, K, D)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(bias, wanted, grad_score.view(B, H, T, K)) if wanted else ())
+        grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
+        return grad_query, grad_key, grad_val.view(B, H, K, D), None, None, None, *grad_inputs
+
+
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
@@ -235,13 +289,12 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
-        # The fused kernel cannot return the gradient of its additive mask (the positional term): training keeps the
-        # probabilities (autograd), or with ``recompute`` only the small inputs, the scores and probabilities made
-        # again in backward (torch's checkpoint: one layer's (B, H, T, K) at a time, not every layer's).
-        def attend(*inputs: torch.Tensor) -> torch.Tensor:
-            return explicit_attention(query, k, val, bias_fn(*inputs, mask_bias=mask_bias), scale=scale)
-
-        return checkpoint(attend, *bias_inputs, use_reentrant=False) if recompute else attend(*bias_inputs)
+        # The fused kernel cannot return the gradient of its additive mask (the positional term), so training
+        # keeps the probabilities (autograd), or recomputes what it needs in backward.
+        if recompute:
+            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
+                                              *bias_inputs)
+        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
