@@ -3,18 +3,9 @@
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
 
-Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encoding of the distance,
-
-    A(i, j) = q_i . k_j            (a) content
-            + q_i . W_kR R(i-j)    (b) content-dependent position
-            + u . k_j              (c) global content bias
-            + v . W_kR R(i-j)      (d) global position bias
-            = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
-
-``txl.model.plain.attention`` computes exactly this: the first sum is one product against the keys; the
-second one against the K encodings (``position_scores``), realigned from "encoding index" to "key index" by
-``rel_shift``.
-Queries are only computed for the T segment rows: memory rows need keys and values alone.
+Dai et al. 2019, section 3.3 (``txl.model.plain`` writes it out term by term):
+A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d). Queries are only computed for
+the T segment rows: memory rows need keys and values alone.
 
 Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
 positional inputs; everything else (the model, the cache, export, generation, the CLI, experiments,
@@ -30,12 +21,12 @@ AlRfouAttention            no            no           no                 learned
 RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
-A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
+Every one also reads a compressed memory (``reads_compressed``). A new encoding is one subclass here (with
+``attn_type`` set) and its name in ``txl.config.AttnType``.
 
-``ModelConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
-reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
-kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
-positional operands (``positional_operands``) and the function of them (``scores_of``).
+``ModelConfig.attn_impl`` chooses the path: 'reference' (``txl.model.plain``) and 'fused' (the default, the kernels
+of ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and ``scores_of`` (the positional
+scores, written once), ``content_bias``, ``place``.
 """
 
 from __future__ import annotations

@@ -84,12 +84,10 @@ class TransformerXL(nn.Module):
     prompts of different lengths read as one batch). No other position attends to a pad, so each row
     computes what it would alone; relative attention makes the shift of its positions irrelevant.
     Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-    A compressive model takes padding while its compressed memory is empty and the call compresses nothing
-    (a generation's context keeps every row): then it is the plain model over its memory.
+    A compressive model takes padding while nothing is or gets compressed (``txl.model.compressive``).
 
-    ``config.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
-    the default one computes on its device is ``self.plan`` (``txl.model.plan``), made where the model is built and
-    again wherever it moves.
+    ``config.attn_impl='reference'`` runs the plain path (``txl.model.plain``); the default one computes as
+    ``self.plan`` says (``txl.model.plan``), made for the device the model lives on.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -156,10 +154,7 @@ class TransformerXL(nn.Module):
             nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
     def use_plan(self, compute: plan.ComputePlan) -> None:
-        """Compute as ``compute`` says (``txl.model.plan``): made for the device the parameters live on when the model
-        is built and whenever it moves (``_apply``), and handed to the modules that read it, so no forward tests
-        the device. The config (what the model is, what a checkpoint stores) is unchanged: a checkpoint loads and
-        computes the same numbers, up to rounding, under any plan."""
+        """Hand ``compute`` (``txl.model.plan``) to the modules that read it, so no forward tests the device."""
         self.plan = compute
         for module in self.modules():
             if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
@@ -202,9 +197,7 @@ class TransformerXL(nn.Module):
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
                 kv_cache: KVCache | None = None, context: Context | None = None,
                 padding: torch.Tensor | None = None) -> LMOutput:
-        """Run one segment: input_ids (B, T) with the memory of earlier ones (None: empty), labels (B, T) to score
-        (-100: ignored), log-probabilities (B, T, V) when no labels are given or return_log_probs is True. The
-        context, kv_cache and padding arguments: the class docstring. 'reference' runs ``txl.model.plain``."""
+        """One segment, memory in and out: the arguments as the class docstring says."""
         c = self.config
         ctx = c.context() if context is None else context
         # The weights' version, read once for the cache's check and the cache returned (it walks every parameter).
