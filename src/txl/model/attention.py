@@ -196,14 +196,10 @@ class Attention(nn.Module):
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
-        h = self.key_value_inputs(rows, weight.dtype)  # (B, N, d)
+        # pre-LN: LN(rows) (per row); else the rows in the weights' dtype, as autocast would cast them in the matmul
+        h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)  # (B, N, d)
         k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
         return k, val
-
-    def key_value_inputs(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """What the keys' and values' projection reads of (B, N, d) memory rows: LN(rows) with pre-LN, else the
-        rows in ``dtype``, the weights' (cast here as autocast would cast them in the matmul)."""
-        return self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(dtype)
 
 
 class RelativeAttention(Attention):

@@ -200,8 +200,9 @@ class TransformerXL(nn.Module):
         """One segment, memory in and out: the arguments as the class docstring says."""
         c = self.config
         ctx = c.context() if context is None else context
-        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter).
-        version = self._weights_version() if kv_cache is not None else None
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter);
+        # None under torch.compile, which cannot read version counters: a compiled caller checks at its boundary.
+        version = None if kv_cache is None or torch.compiler.is_compiling() else weights_version(self)
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
             self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
         if c.attn_impl == "reference":  # the plain path, the oracle of this one
@@ -275,11 +276,6 @@ class TransformerXL(nn.Module):
         if not params or any(p.dtype == dtype for p in params):  # nothing to cast ('grouped' without autocast)
             return contextlib.nullcontext()
         return casting.cast_in_place(slots, dtype)
-
-    def _weights_version(self) -> int | None:
-        """The parameters' version for a KVCache; None under torch.compile, which cannot read version
-        counters (a graph break): a compiled caller checks its cache at its boundary, as it checks inputs."""
-        return None if torch.compiler.is_compiling() else weights_version(self)
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
