@@ -101,7 +101,8 @@ def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tenso
 class Dropout(nn.Dropout):
     """``nn.Dropout`` (same p field, same state dict), its training masks drawn from the gaps where ``gaps`` is set
     (not the same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
-    step, where the gaps are drawn: no ReLU input or mask kept for backward. Identity in evaluation."""
+    step, where the gaps are drawn: no ReLU input or mask kept for backward; its input is a fresh tensor nothing
+    else reads (fc1's output), overwritten where no gradient needs it. Identity in evaluation."""
 
     gaps: bool = True
     """Whether the gap sampler draws the masks; the model sets it from its plan (``txl.model.plan``)."""
@@ -111,8 +112,8 @@ class Dropout(nn.Dropout):
         self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return torch.relu(x) if self.relu else x
+        if not self.training or self.p == 0:  # relu: in place where no gradient needs x (fc1's output, read once)
+            return (torch.relu(x) if x.requires_grad else x.relu_()) if self.relu else x
         if self.p < 1 and self.gaps and not torch.compiler.is_compiling():
             return gap_dropout(x, self.p, relu=self.relu)
         return F.dropout(torch.relu(x) if self.relu else x, self.p)  # torch's kernel (at p = 1: all dropped)
