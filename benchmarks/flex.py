@@ -1,4 +1,5 @@
-"""FlexAttention (txl.model.flex) beside the fused SDPA path, one relative-attention layer, forward and backward.
+"""FlexAttention (``flex_attention`` here) beside the fused SDPA path, one relative-attention layer, forward and
+backward.
 
     python -m benchmarks.flex --device cuda            # NVIDIA's shape: training T 192, M 192; evaluation T 64, M 640
     python -m benchmarks.flex --smoke                  # a CPU, tiny sizes, forward only (no FlexAttention backward)
@@ -22,9 +23,9 @@ import warnings
 
 import torch
 
+from benchmarks.flex_attention import relative_bias, relative_flex_attention
 from benchmarks.instruments import make_clock
 from txl.model import kernels
-from txl.model.flex import relative_flex_attention
 from txl.model.positions import attention_mask
 
 # (name, B, T, M): NVIDIA's WikiText-103 base per GPU (benchmarks.flops SHAPES['nvidia']), 8 heads of 64.
@@ -65,7 +66,7 @@ def measure(device: torch.device, dtype: torch.dtype, cases, H: int, D: int, war
         def sdpa(inputs=inputs, mask=mask, grad=grad):
             query, k, val, qv, r = inputs
             with torch.set_grad_enabled(grad):
-                out = kernels.fused_attention(query, k, val, mask=mask, bias_fn=kernels.relative_bias,
+                out = kernels.fused_attention(query, k, val, mask=mask, bias_fn=relative_bias,
                                               bias_inputs=(qv, r))
                 if grad:
                     out.sum().backward()

@@ -41,7 +41,6 @@ from experiments import common, longrange
 from txl.config import RunConfig
 from txl.data import Corpus, load_corpus
 from txl.data.recall import RecallParams
-from txl.model.compressive import horizon
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +76,14 @@ VARIANTS = (Variant("compressive", 32, 32, 4), Variant("plain", 64), Variant("co
 """Seed 0 of both models first, then their second seeds (seed offsets as experiments.longrange uses them), then
 the two pooling functions (one seed each), then the compressive model trained three times longer (not the same
 budget: whether it learns to read its slots later)."""
+
+
+def horizon(*, n_layer: int, mem_len: int, tgt_len: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict[str, int]:
+    """The theoretical reach in tokens of a model: one layer's window (segment + memory + c x compressed slots,
+    the farthest one attention hop reads) and n_layer hops of memory (the farthest a dependency can travel
+    through the cached states of the layers below, Dai et al. 2019 section 3.2; Rae et al. 2020 section 3)."""
+    span = mem_len + cmem_rate * cmem_len
+    return {"one_hop": tgt_len + span, "n_layer_hops": n_layer * span + tgt_len}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

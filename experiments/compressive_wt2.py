@@ -40,7 +40,7 @@ import numpy as np
 
 from benchmarks.instruments import cpu_model
 from experiments import ablation, common
-from txl.model.compressive import horizon
+from experiments.compressive import horizon
 from txl.runtime import machine_record
 
 ROWS = ("relative-rec", "relative-rec-seed1", "relative-rec-c32x4", "relative-rec-c32x4-seed1")

@@ -80,7 +80,7 @@ def test_fused_kernel_gradients_equal_explicit_attention():
 
 
 @pytest.mark.parametrize("attn_type", [t for t in attn_types()  # those with positional scores (not rotary's rotation)
-                                       if encoding(t).positional_inputs is not Attention.positional_inputs])
+                                       if encoding(t).positional_operands is not Attention.positional_operands])
 def test_recomputed_training_attention_has_the_explicit_gradients(attn_type, monkeypatch):
     """Training with a positional term and recompute_attention keeps no probabilities: they are recomputed in
     backward. Every gradient equals the ones of the two paths that keep them (autograd's): recompute_attention=False

@@ -10,11 +10,12 @@ from conftest import tiny_config
 
 import txl.rundir
 import txl.train
+from experiments.compressive import horizon
 from txl.cli import main
 from txl.config import OptimConfig
 from txl.model import TransformerXL
 from txl.model.attention import attn_types
-from txl.model.compressive import Compressor, content_attention, evict, horizon, split_state
+from txl.model.compressive import Compressor, content_attention, evict, split_state
 from txl.optim import build_optimizer
 
 T, MEM, CMEM, RATE = 4, 4, 3, 2

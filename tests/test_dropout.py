@@ -8,12 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
-from torch import nn
 
 import txl
 from txl.config import RunConfig
-from txl.model.dropout import FastDropout as Dropout
-from txl.model.dropout import FastReLUDropout, rare_positions
+from txl.model.dropout import Dropout, rare_positions
+
+
+def relu_dropout(p: float) -> Dropout:
+    return Dropout(p, relu=True)
+
+
+def torch_dropout(p: float, *, relu: bool = False) -> Dropout:
+    """What dropout_impl='torch' (or a device off the CPU) builds: the sampler off."""
+    module = Dropout(p, relu=relu)
+    module.gaps = False
+    return module
 
 
 def test_identity_in_eval_and_at_zero():
@@ -63,7 +72,7 @@ def test_gaps_keep_what_nn_dropout_keeps_scaled_the_same(p):
     assert abs(kept.float().mean().item() - kept_t.float().mean().item()) < 6 * math.sqrt(2 * p * (1 - p) / x.numel())
 
 
-@pytest.mark.parametrize("module", [Dropout, FastReLUDropout])
+@pytest.mark.parametrize("module", [Dropout, relu_dropout, torch_dropout])
 def test_p_one_drops_everything_as_nn_dropout(module):
     x = torch.rand(5, 7) + 0.1
     assert torch.equal(module(1.0).train()(x), torch.zeros_like(x))
@@ -72,12 +81,10 @@ def test_p_one_drops_everything_as_nn_dropout(module):
 def test_torch_kernel_where_the_sampler_would_not_pay():
     """Gaps where the model's plan says (the CPU's); elsewhere torch's fused kernel (same distribution): a model
     moved off the CPU switches its modules over (here to 'meta')."""
-    x = torch.empty(3)
-    assert not Dropout(0.1).torch_kernel(x) and Dropout(1.0).torch_kernel(x)
     model = txl.TransformerXL(tiny_config(dropout=0.1))
-    assert not model.drop.torch_kernel(x) and not model.layers[0].ff.relu_drop.torch_kernel(x)
+    assert model.drop.gaps and model.layers[0].ff.relu_drop.gaps
     model.to("meta")
-    assert model.drop.torch_kernel(x) and model.layers[0].ff.relu_drop.torch_kernel(x)
+    assert not model.drop.gaps and not model.layers[0].ff.relu_drop.gaps
 
 
 def test_odd_shapes_and_reproducible():
@@ -106,7 +113,7 @@ def test_relu_dropout_equals_dropout_of_relu(p):
     x = torch.randn(5, 33, requires_grad=True)
     weight = torch.randn(5, 33)
     torch.manual_seed(7)
-    fused = FastReLUDropout(p).train()(x)
+    fused = relu_dropout(p).train()(x)
     (fused * weight).sum().backward()
     grad, x.grad = x.grad, None
     torch.manual_seed(7)
@@ -114,27 +121,15 @@ def test_relu_dropout_equals_dropout_of_relu(p):
     (plain * weight).sum().backward()
     torch.testing.assert_close(fused, plain, atol=0, rtol=0)
     torch.testing.assert_close(grad, x.grad, atol=0, rtol=0)
-    assert torch.equal(FastReLUDropout(p).eval()(x), torch.relu(x))
-
-
-def test_inplace_relu_dropout_overwrites_its_input_only_without_dropout():
-    x = torch.randn(4, 9)
-    y = x.clone()
-    assert FastReLUDropout(0.2, inplace=True).eval()(y) is y and torch.equal(y, torch.relu(x))
-    y = x.clone()
-    assert torch.equal(FastReLUDropout(0.0, inplace=True).train()(y), torch.relu(x)) and torch.equal(y, torch.relu(x))
-    y = x.clone()
-    FastReLUDropout(0.2, inplace=True).train()(y)
-    assert torch.equal(y, x)  # with dropout the input is left alone
+    assert torch.equal(relu_dropout(p).eval()(x), torch.relu(x))
 
 
 @pytest.mark.parametrize("impl", ["fast", "torch"])
 def test_dropout_impl_chooses_the_sampler(impl):
-    """The same modules either way (the compute config is not the model): the plan says whether they draw gaps."""
-    model = txl.TransformerXL(tiny_config(dropout=0.1), txl.ComputeConfig(dropout_impl=impl))
-    assert type(model.drop) is Dropout and type(model.layers[0].attn.drop) is Dropout
-    assert type(model.layers[0].ff.relu_drop) is FastReLUDropout and model.layers[0].ff.relu_drop.p == 0.1
-    assert all(m.gaps == (impl == "fast") for m in model.modules() if isinstance(m, (Dropout, FastReLUDropout)))
+    model = txl.TransformerXL(tiny_config(dropout=0.1), txl.ComputeConfig(dropout_impl=impl))  # with dropout
+    modules = [model.drop, model.layers[0].attn.drop, model.layers[0].ff.relu_drop]
+    assert all(type(m) is Dropout and m.p == 0.1 and m.gaps == (impl == "fast") for m in modules)
+    assert model.layers[0].ff.relu_drop.relu and not model.drop.relu
 
 
 def test_a_saved_fast16_config_reads_as_fast():
@@ -147,22 +142,12 @@ def test_a_saved_fast16_config_reads_as_fast():
         txl.ComputeConfig(dropout_impl="fast16")
 
 
-def test_the_default_model_draws_gaps():
-    model = txl.TransformerXL(tiny_config(dropout=0.1))
-    assert all(type(m) in (Dropout, FastReLUDropout) for m in model.modules()
-               if isinstance(m, nn.Dropout))
-
-
-@pytest.mark.parametrize("module", [Dropout, FastReLUDropout])
-def test_torch_dropout_is_nn_dropout_exactly(module):
-    """'torch' (no gaps): exactly p and torch's own stream, the draws F.dropout makes from the same seed."""
+def test_torch_dropout_is_nn_dropout_exactly():
+    """'torch': exactly p and torch's own stream, the draws F.dropout makes from the same seed."""
     x = torch.randn(7, 13, requires_grad=True)
-    relu = module is FastReLUDropout
-    drop = module(0.1)
-    drop.gaps = False
     torch.manual_seed(5)
-    got = drop.train()(x)
+    got = torch_dropout(0.1, relu=True).train()(x)
     torch.manual_seed(5)
-    want = F.dropout(torch.relu(x) if relu else x, 0.1, training=True)
+    want = F.dropout(torch.relu(x), 0.1, training=True)
     assert torch.equal(got, want)
-    assert torch.equal(drop.eval()(x), torch.relu(x) if relu else x)
+    assert torch.equal(torch_dropout(0.1, relu=True).eval()(x), torch.relu(x))

@@ -1,4 +1,5 @@
-"""FlexAttention with the relative term as a score_mod (txl.model.flex) against the fused kernel and the reference.
+"""FlexAttention with the relative term as a score_mod (benchmarks.flex_attention) against the fused kernel and the
+reference.
 
 On a CPU the forward (torch runs FlexAttention unfused there, and has no backward for it); on CUDA (``-m gpu``)
 the compiled kernel's forward and every gradient, through the captured positional table to q + v and W_kR R.
@@ -9,8 +10,8 @@ import warnings
 import pytest
 import torch
 
+from benchmarks.flex_attention import relative_bias, relative_flex_attention
 from txl.model import kernels
-from txl.model.flex import relative_flex_attention
 from txl.model.positions import attention_mask, rel_shift
 
 H, D = 3, 8
@@ -47,7 +48,7 @@ def test_flex_forward_equals_the_fused_kernel_and_the_reference(T, M, d):
         warnings.simplefilter("ignore")  # eager FlexAttention says it runs unfused
         got = relative_flex_attention(query, k, val, qv, r)
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
-    fused = kernels.fused_attention(query, k, val, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r))
+    fused = kernels.fused_attention(query, k, val, mask=mask, bias_fn=relative_bias, bias_inputs=(qv, r))
     assert got.shape == (2, H, T, d)
     torch.testing.assert_close(got, fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, reference(query, k, val, qv, r), atol=1e-5, rtol=1e-5)

@@ -14,7 +14,6 @@ from conftest import tiny_config, tiny_model
 
 import txl
 from benchmarks import launches
-from txl.model import kernels
 from txl.model.memory import check_memory
 from txl.model.positions import relative_distances, sinusoid
 from txl.model.transformer import check_token_ids
@@ -196,39 +195,6 @@ def test_token_ids_are_checked_on_the_host():
         check_token_ids(torch.tensor([[-1, 2]]), 61)
 
 
-@pytest.mark.parametrize("attn_type", ["relative", "shaw", "absolute"])
-@pytest.mark.parametrize("dropatt", [0.0, 0.3])
-def test_a_mask_shared_by_the_layers_gives_what_each_layers_own_gives(attn_type, dropatt):
-    """The model hands its layers one ``kernels.Mask`` (its additive form made once); a layer given the bool mask
-    makes its own. Same outputs and gradients, with a padding mask, one head (the path where the scores would
-    accumulate into a (B, 1, T, K) bias in place) and attention dropout."""
-    from txl.model.attention import build_attention
-    from txl.model.positions import attention_mask, padding_mask
-
-    config = tiny_config(attn_type=attn_type, n_head=1, dropatt=dropatt, dropout=0.0)
-    torch.manual_seed(0)
-    attn = build_attention(config).train()
-    B, T, M, d = 2, 5, 4, config.d_model
-    x, memory = torch.randn(B, T, d, requires_grad=True), torch.randn(B, M, d)
-    pad = torch.zeros(B, M + T, dtype=torch.bool)
-    pad[0, :3] = True
-    mask = padding_mask(attention_mask(T, M, mem_len=M, same_length=False, style="pytorch"), pad)  # (B, 1, T, K)
-    shared = launches.txl.TransformerXL(config)  # its u, v and positions, as the model builds them
-    positions = shared.encoding.build_positions(config, {n: getattr(shared, n) for n in
-                                                         shared.encoding.shared_parameters(config)},
-                                                M + T, 0, dtype=x.dtype, device=x.device, drop=torch.nn.Identity())
-    u, v = getattr(shared, "u", None), getattr(shared, "v", None)
-    results = []
-    for m in (mask, kernels.Mask(mask)):
-        torch.manual_seed(1)
-        out = [attn(x, memory, m, positions[l], u, v) for l in range(2)]  # a shared Mask read by two calls
-        grads = torch.autograd.grad(sum(o.square().sum() for o in out), [x, *attn.parameters()])
-        results.append((out, grads))
-    (out_a, grads_a), (out_b, grads_b) = results
-    assert all(torch.equal(a, b) for a, b in zip(out_a + list(grads_a), out_b + list(grads_b)))
-    assert kernels.Mask(mask).bias(torch.float32).eq(float("-inf")).equal(mask)
-
-
 def _train_and_eval_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """Two training segments (memory carried) and two cached evaluation segments under bf16 autocast: losses,
     memories, every gradient and the log-probabilities."""
@@ -314,36 +280,6 @@ def test_auto_groups_plain_float32_parameters_under_autocast_only():
     fp32 = [launches.count(lambda m=mode: tiny_model(cast_weights=m)(x, labels=x).loss.backward())
             for mode in ("auto", "per_use")]  # without autocast 'auto' casts nothing: the same ops
     assert fp32[0].ops["aten::_foreach_copy_"] == 0 and fp32[0].ops == fp32[1].ops
-
-
-def test_relu_dropout_on_a_linear_output_is_not_undone_by_autograd():
-    """A linear layer's 3-d output is a view of its 2-d matmul: an in-place ReLU on it needs a gradient, so it runs
-    out of place there (autograd would clone the whole base and copy twice in backward); the same numbers, and
-    in place still where nothing is lost (no gradient, or not a view)."""
-    from txl.model.dropout import FastReLUDropout
-
-    def ReLUDropout(p: float, *, inplace: bool) -> FastReLUDropout:  # noqa: N802 - torch's sampler ('torch')
-        module = FastReLUDropout(p, inplace=inplace)
-        module.gaps = False
-        return module
-
-    linear = torch.nn.Linear(8, 16)
-    x = torch.randn(2, 3, 8)
-    results = []
-    for module in (ReLUDropout(0.3, inplace=True), ReLUDropout(0.3, inplace=False)):
-        torch.manual_seed(1)
-        y = linear(x)
-        assert y._is_view()
-        out = module.train()(y)
-        grads = torch.autograd.grad(out.square().sum(), list(linear.parameters()))
-        results.append((out.detach(), *grads))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    torch.manual_seed(1)
-    counts = launches.count(lambda: ReLUDropout(0.3, inplace=True).train()(linear(x)).sum().backward())
-    assert counts.ops["aten::clone"] == 0 and counts.ops["aten::copy_"] == 0, counts.ops
-    with torch.no_grad():
-        y = linear(x)
-        assert ReLUDropout(0.3, inplace=True).eval()(y) is y  # in place: no gradient to keep
 
 
 def _softmax_bf16(model: txl.TransformerXL, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -452,32 +388,6 @@ def test_nll_is_minus_the_log_prob_of_the_target_bit_for_bit(change, precision):
     torch.testing.assert_close(nll[rounded], expected[rounded], rtol=4 * 2 ** -23, atol=0)
     assert torch.equal(nll[~kept], torch.zeros(2))
 
-
-
-@pytest.mark.parametrize("attn_type", ["relative", "absolute"])
-def test_the_sinusoid_frequencies_made_once_give_the_same_numbers(attn_type):
-    """The model keeps ``inverse_frequencies(d_model)`` (a buffer, not saved, made again in float32 wherever the model
-    moves, also from the meta device): R and the loss are those of frequencies made per call, what ``sinusoid``
-    falls back to when it is handed frequencies that are not float32."""
-    from txl.model.positions import inverse_frequencies
-
-    model = word_model(attn_type=attn_type).train()
-    assert torch.equal(model.inv_freq, inverse_frequencies(32)) and "inv_freq" not in model.state_dict()
-    dist = relative_distances(19, 0)
-    assert torch.equal(sinusoid(dist, 32, model.inv_freq), sinusoid(dist, 32))
-    assert torch.equal(sinusoid(dist, 32, model.inv_freq.bfloat16()), sinusoid(dist, 32))  # not float32: made here
-    with torch.device("meta"):
-        on_meta = txl.TransformerXL(tiny_config())
-    assert torch.equal(on_meta.to_empty(device="cpu").inv_freq, inverse_frequencies(32))  # made where it moves
-    assert model.to(torch.bfloat16).inv_freq.dtype == torch.float32  # made again, in float32
-    model.float()
-    x, y = zipf((2, 9)), zipf((2, 9), seed=3)
-    losses = []
-    for inv_freq in (model.inv_freq, model.inv_freq.bfloat16()):  # kept, and made per call
-        model.inv_freq = inv_freq
-        torch.manual_seed(5)
-        losses.append(model(x, labels=y).loss)
-    assert torch.equal(losses[0], losses[1])
 
 
 def test_cast_rows_lays_out_blocks_and_pads_and_casts_gradients_back():

@@ -76,8 +76,9 @@ def test_relative_scores_use_R_of_the_true_distance():
     positions = Positions(encodings=sinusoid(relative_distances(K, -1), 32))
     mask = attention_mask(T, M, mem_len=M, same_length=False, style="pytorch")
     reference = rel_shift(attn.position_scores(q, K, positions, model.v))  # (B, H, T, K)
-    inputs, bias_fn = attn.positional_inputs(q, K, positions, model.v)
-    fused = bias_fn(*inputs, mask_bias=kernels.mask_to_bias(mask, q.dtype)) / attn.scale  # (B, H, T, K)
+    operands = attn.positional_operands(q, K, positions, model.v)
+    fused = kernels.positional_bias(attn.scores_of, *operands, mask_bias=kernels.mask_to_bias(mask, q.dtype),
+                                    scale=attn.scale) / attn.scale  # (B, H, T, K)
     r = attn.r_proj(sinusoid(torch.arange(K), 32)).view(K, H, D)  # row n: distance n
     for i in range(T):
         for j in range(K):

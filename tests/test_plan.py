@@ -9,7 +9,7 @@ from conftest import tiny_config
 
 from txl.config import ComputeConfig, TrainConfig
 from txl.model import TransformerXL, plan
-from txl.model.dropout import FastDropout
+from txl.model.dropout import Dropout
 
 EXPECTED = {  # device type -> what the defaults resolve to; written out, so a change to the table is seen here
     "cpu": dict(cluster_rows="selected", softmax_pad=1, dropout_impl="fast"),
@@ -61,7 +61,7 @@ def test_a_model_plans_where_it_is_built_and_again_where_it_moves():
     assert model.plan == plan.compute_plan(compute, "cpu")
     assert model.softmax.rows == model.embed.rows == "selected" and model.softmax.pad == 1
     assert model.softmax.cast_weights == "per_use" and all(layer.attn.recompute for layer in model.layers)
-    assert all(m.gaps for m in model.modules() if isinstance(m, FastDropout))
+    assert all(m.gaps for m in model.modules() if isinstance(m, Dropout))
     assert not any(layer.attn.pin_sdpa for layer in model.layers)
     model.to("meta")
     assert model.plan.device_type == "meta" and model.softmax.rows == "capacity" and not model.drop.gaps

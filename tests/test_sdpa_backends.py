@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.flex_attention import relative_bias
 from txl.model import kernels
 from txl.model.positions import attention_mask
 
@@ -51,7 +52,7 @@ def test_off_the_cpu_sdpa_runs_without_cudnn_and_the_flags_come_back(calls, case
     if case == "recompute":  # training's forward; torch keeps no autocast state for 'meta', so it saves a CPU one
         monkeypatch.setattr(kernels, "_forward_autocast", lambda device: dict(device_type="cpu", enabled=False))
     before = {name: flag() for name, flag in FLAGS.items()}
-    bias = dict(bias_fn=kernels.relative_bias, bias_inputs=(qv, r)) if case != "no-bias" else {}
+    bias = dict(bias_fn=relative_bias, bias_inputs=(qv, r)) if case != "no-bias" else {}
     with torch.set_grad_enabled(case == "recompute"):
         out = kernels.fused_attention(q, k, v, mask=mask, **bias)
     assert out.shape == (B, H, T, D) and out.device.type == "meta"
@@ -67,9 +68,9 @@ def test_on_a_cpu_the_call_is_made_as_is_and_equals_the_pinned_one(calls):
     same numbers."""
     q, k, v, qv, r, mask = inputs("cpu")
     before = {name: flag() for name, flag in FLAGS.items()}
-    got = kernels.fused_attention(q, k, v, mask=mask, bias_fn=kernels.relative_bias, bias_inputs=(qv, r), pin=False)
+    got = kernels.fused_attention(q, k, v, mask=mask, bias_fn=relative_bias, bias_inputs=(qv, r), pin=False)
     assert {name: calls[0][name] for name in FLAGS} == before
-    bias = kernels.relative_bias(qv, r, mask_bias=kernels.mask_to_bias(mask, q.dtype))  # (B, H, T, K)
+    bias = relative_bias(qv, r, mask_bias=kernels.mask_to_bias(mask, q.dtype))  # (B, H, T, K)
     with torch.nn.attention.sdpa_kernel(list(kernels.SDPA_BACKENDS)):
         want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               attn_mask=bias, scale=1.0)

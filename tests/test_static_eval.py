@@ -11,7 +11,7 @@ from conftest import Counting, HostSyncs, tiny_config
 
 import txl
 from txl.evaluate import evaluate, inference_context
-from txl.model import kernels
+from txl.model import plain
 from txl.model.plan import resolve
 from txl.model.positions import Positions, attention_mask
 from txl.static_eval import StaticEval, ring_mask, ring_segment, static_eval_error
@@ -91,9 +91,9 @@ def test_a_ring_rotated_by_every_offset_equals_the_keys_in_order(context_changes
         table = model.encoding.grow_table(attns, (), R, ctx.clamp_len, d_model=32, dtype=torch.float32,
                                           device=x.device)
         N = table[0].size(0)
-        pos = model._positions(K, ctx.clamp_len, torch.float32, x.device, table)[0]
+        pos = plain.layer_positions(model, K, ctx.clamp_len, torch.float32, model.drop, table)[0]
         mask = attention_mask(T, filled, mem_len=S, same_length=ctx.same_length, style=ctx.same_length_style)
-        want = layer(x, None, kernels.Mask(mask), pos, model.u, model.v, kv=(k, val))
+        want = layer(x, None, mask, pos, model.u, model.v, kv=(k, val))
         horizon = S + (ctx.same_length_style == "tensorflow") if ctx.same_length else 0
         for offset in range(R):
             columns = (offset - filled + torch.arange(K)) % R  # where each key in stream order lies
@@ -104,7 +104,7 @@ def test_a_ring_rotated_by_every_offset_equals_the_keys_in_order(context_changes
             assert torch.equal(hidden[:, columns], mask)  # visible: exactly the ordered mask's keys
             assert hidden.sum() == T * R - (~mask).sum()  # every column not in the window is hidden
             rows = N - 1 - dist.clamp(max=N - 1)
-            got = layer(x, None, kernels.Mask(hidden), Positions(projected=table[0], index=rows), model.u, model.v,
+            got = layer(x, None, hidden, Positions(projected=table[0], index=rows), model.u, model.v,
                         kv=(ring_k, ring_v))
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"offset {offset}")
 

@@ -114,17 +114,15 @@ def ring_segment(model, ids: torch.Tensor, labels: torch.Tensor, keys: Sequence[
     R, N = keys[0].size(1), table[0].size(0)
     w, dist, hidden = ring_mask(start, filled, T, R, horizon)  # (T,), (T, R), (T, R)
     rows = N - 1 - dist.clamp(max=N - 1)  # (T, R): each (query, column)'s row of the table
-    mask = hidden if torch.compiler.is_compiling() else kernels.Mask(hidden)  # eagerly, its bias made once
+    mask = hidden  # (T, R), True where hidden
     h = model.drop(model.embed(ids))  # (B, T, d); eval: no dropout
     u, v = getattr(model, "u", None), getattr(model, "v", None)  # None: each layer's own (untie_r)
-    attns = [layer.attn for layer in model.layers]
-    shifts = model.encoding.query_shifts(attns, u, v)
     for l, layer in enumerate(model.layers):
         k, val = layer.attn.keys_values(h)  # (B, T, H, D) each
         keys[l].index_copy_(1, w, k.to(keys[l].dtype))
         values[l].index_copy_(1, w, val.to(values[l].dtype))
         pos = Positions(projected=table[l], index=rows)  # (N, H, D) gathered by (T, R) distances
-        h = layer(h, None, mask, pos, u, v, kv=(keys[l], values[l]), shift=shifts[l])  # (B, T, d)
+        h = layer(h, None, mask, pos, u, v, kv=(keys[l], values[l]))  # (B, T, d)
     h = model.drop(h)
     out = model.softmax.nll(h.reshape(B * T, -1), labels.reshape(-1)).view(B, T)  # (B, T)
     nll.copy_(out)

@@ -19,14 +19,15 @@ How the default path computes it, behind the seam (each kept for a measured win,
   ``ComputePlan`` a model resolves once for the device it lives on;
 * ``dropout``: ``nn.Dropout``'s distribution drawn from the gaps between drops (the CPU's sampler), or torch's;
 * ``casting``: the layers' and the softmax's weights cast in one grouped op under autocast (``cast_weights``);
-* ``kernels``: attention on tensors: the fused kernel with the positional scores as its bias, a backward that
-  recomputes or keeps the probabilities, the realigned positional scores;
-* ``flex``: the relative positional term as a FlexAttention score_mod (an experiment, ``benchmarks.flex``);
+* ``kernels``: attention on tensors: the fused kernel with the positional scores as its bias; in training the
+  probabilities kept (autograd) or recomputed in backward (``_RecomputedAttention``); the positional scores
+  realigned in one strided pass (``_Realign``);
 * ``attention``: one class per encoding, with its traits and positional terms (read by ``plain`` too), and the
   fast path's attention layer;
 * ``adaptive``: adaptive input embedding and log-softmax (cluster rows and padding as the plan says);
 * ``transformer``: the layers and the language model ``TransformerXL``: ``forward`` runs ``plain`` for
-  'reference', else the fast path.
+  'reference', else the fast path, which calls ``plain``'s pieces where it computes the same (the memory read,
+  mask, positions, the memory and cache returned, the loss).
 """
 
 from txl.model.attention import Attention, encoding

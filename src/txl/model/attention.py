@@ -3,18 +3,9 @@
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length,
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
 
-Dai et al. 2019, section 3.3: with E the content and R(i-j) the sinusoidal encoding of the distance,
-
-    A(i, j) = q_i . k_j            (a) content
-            + q_i . W_kR R(i-j)    (b) content-dependent position
-            + u . k_j              (c) global content bias
-            + v . W_kR R(i-j)      (d) global position bias
-            = (q_i + u) . k_j  +  (q_i + v) . W_kR R(i-j)
-
-``txl.model.plain.attention`` computes exactly this: the first sum is one product against the keys; the
-second one against the K encodings (``position_scores``), realigned from "encoding index" to "key index" by
-``rel_shift``.
-Queries are only computed for the T segment rows: memory rows need keys and values alone.
+Dai et al. 2019, section 3.3 (``txl.model.plain`` writes it out term by term):
+A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d). Queries are only computed for
+the T segment rows: memory rows need keys and values alone.
 
 Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
 positional inputs; everything else (the model, the cache, export, generation, the CLI, experiments,
@@ -30,17 +21,16 @@ AlRfouAttention            no            no           no                 learned
 RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
-A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``.
+Every one also reads a compressed memory (``reads_compressed``). A new encoding is one subclass here (with
+``attn_type`` set) and its name in ``txl.config.AttnType``.
 
-``ComputeConfig.attn_impl`` chooses the path: 'reference' runs the whole model plainly (``txl.model.plain``, which
-reads each encoding's ``position_scores``, ``content_bias`` and ``place`` from here), 'fused' (the default) the
-kernels of ``txl.model.kernels``, tested against it. The kernels take tensors; the classes here hand them their
-positional inputs (``positional_inputs``).
+``ComputeConfig.attn_impl`` chooses the path: 'reference' (``txl.model.plain``) and 'fused' (the default, the kernels
+of ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and ``scores_of`` (the positional
+scores, written once), ``content_bias``, ``place``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import typing
@@ -52,34 +42,19 @@ from torch import nn
 
 from txl.config import AttnType, ModelConfig
 from txl.model import kernels, rotary
-from txl.model.dropout import dropout
+from txl.model.dropout import Dropout
 from txl.model.kv_cache import position_table
-from txl.model.positions import INV_FREQ, Positions, relative_distances, sinusoid
+from txl.model.positions import Positions, relative_distances, sinusoid
 
 Shared = dict[str, torch.Tensor]
-"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share;
-and under ``positions.INV_FREQ`` the model's sinusoid frequencies, where it passes them."""
-
-
-@dataclasses.dataclass(frozen=True)
-class QueryShift:
-    """What one layer's queries are shifted by (the global biases u, v of section 3.3), made once per forward pass for
-    all layers (``Attention.query_shifts``), in the form that costs no pass over the queries:
-
-    - ``projection``: (3*H*D,) [u; 0; 0], the bias of the fused q/k/v projection: its queries come out as q + u
-      (terms (a) + (c) read them), added by the matmul;
-    - ``positional``: (H, D) v - u: (q + u) + (v - u) = q + v, what the positions are read with (terms (b) + (d)).
-    """
-
-    projection: torch.Tensor
-    positional: torch.Tensor
+"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
 
 
 class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm.
 
     The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``position_scores`` for the plain path, ``positional_inputs`` for the kernels), a
+    positional score (``positional_operands`` and ``scores_of``, read by both paths), a
     content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
     Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
     projection, one layer norm.
@@ -113,8 +88,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * hd, bias=False)
         self.out = nn.Linear(hd, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config.dropout)
-        self.dropatt = dropout(config.dropatt)
+        self.drop = Dropout(config.dropout)
+        self.dropatt = Dropout(config.dropatt)
 
     # -- what an encoding declares at the model level -------------------------------------------------
     @classmethod
@@ -134,33 +109,24 @@ class Attention(nn.Module):
         return [None] * config.n_layer
 
     @classmethod
-    def query_shifts(cls, attns: list[Attention], u: torch.Tensor | None,
-                     v: torch.Tensor | None) -> list[QueryShift | None]:
-        """Per layer, what its queries are shifted by (``QueryShift``), or None where the layer adds its biases itself
-        (``shifted_queries``). u, v: the model's shared biases (None: the layers' own, untie_r)."""
-        return [None] * len(attns)
-
-    @classmethod
     def grow_table(cls, attns: list[Attention], table: tuple[torch.Tensor, ...], klen: int, clamp_len: int, *,
                    d_model: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The KVCache's per-layer positional table, grown for K keys; () when the encoding keeps none."""
         return ()
 
     # -- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
 
         x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
-        (B, 1, T, K) when rows hide different keys: padding), or a ``kernels.Mask`` of it that the layers share;
+        (B, 1, T, K) when rows hide different keys: padding);
         positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
         this layer's own, untie_r).
 
         kv: the keys and values (B, K, H, D) of [memory; segment] already projected
         (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
-
-        shift: u and v as the projection's bias and v - u (``query_shifts``), in place of u, v.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
@@ -168,25 +134,26 @@ class Attention(nn.Module):
         # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
         # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
-        # With a shift, the projection's bias [u; 0; 0] adds u to the queries in the matmul (term (c)).
-        bias = None if shift is None else shift.projection  # (3*H*D,)
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
             # matmul of their own, so that backward computes no input gradient for them (memory is constant).
-            q, k, val = F.linear(h, w, bias).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
+            q, k, val = F.linear(h, w).view(B, T, 3, H, D).unbind(2)  # (B, T, H, D) each
             if memory is not None:
                 k_memory, val_memory = self.keys_values(memory, w[H * D:])  # (B, M, H, D) each
                 k, val = torch.cat([k_memory, k], dim=1), torch.cat([val_memory, val], dim=1)  # (B, K, H, D) each
         else:
-            q = F.linear(h, w[:H * D], None if bias is None else bias[:H * D]).view(B, T, H, D)  # (B, T, H, D)
+            q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
         # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
         # the pass that realigns them), where scaling the queries was a pass over them.
-        query, shifted = self.shifted_queries(q, u, v, shift=shift)  # (B, T, H, D) each
-        made = self.positional_inputs(q, k.size(1), positions, v, shifted=shifted)
-        inputs, bias_fn = made if made is not None else ((), None)
-        attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=inputs,
+        query = q + self.content_bias(u)  # (B, T, H, D): (a) + (c) read q + u
+        # (b) + (d): the positional scores made of small operands by the kernels (in backward again, to recompute)
+        operands = self.positional_operands(q, k.size(1), positions, v)
+        index = None if positions is None else positions.index  # keys in ring order (txl.static_eval): gathered
+        bias_fn = None if operands is None else functools.partial(kernels.positional_bias, self.scores_of,
+                                                                  scale=self.scale, index=index)
+        attn = kernels.fused_attention(query, k, val, mask=mask, bias_fn=bias_fn, bias_inputs=operands or (),
                                        dropout=self.dropatt if self.training and self.dropatt.p > 0 else None,
                                        recompute=self.recompute, scale=self.scale, pin=self.pin_sdpa)  # (B, H, T, D)
         attn = attn.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
@@ -202,28 +169,23 @@ class Attention(nn.Module):
         """What the query is shifted by against the keys, term (c): u (H, D), or 0 without one."""
         return 0.0
 
-    def shifted_queries(self, q: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor | None, *,
-                        shift: QueryShift | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused path's queries, unscaled (the kernels apply 1/sqrt(D)), (B, T, H, D) each: against the keys
-        (shifted by the content bias, terms (a) + (c)), and against the positions where the encoding shifts them by
-        a bias of its own (term (d); ``positional_inputs`` reads it as ``shifted``), else None. With ``shift``, q
-        came out of the projection with u added."""
-        bias = self.content_bias(u)
-        return (q if isinstance(bias, float) else q + bias), None
+    def positional_operands(self, q: torch.Tensor, klen: int, positions: Positions | None,
+                            v: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+        """The small tensors the positional scores are made of (``scores_of``), e.g. q + v and W_kR R; None: the
+        encoding has no positional term in the scores."""
+        return None
+
+    @staticmethod
+    def scores_of(*operands: torch.Tensor) -> torch.Tensor:
+        """The positional scores (B, H, T, K) of ``positional_operands``, unscaled, column p against distance
+        K-1-p (before ``rel_shift``): written once, read by both paths."""
+        raise NotImplementedError
 
     def position_scores(self, q: torch.Tensor, klen: int, positions: Positions | None,
                         v: torch.Tensor | None) -> torch.Tensor | None:
-        """The plain path's positional scores (B, H, T, K), column p against distance K-1-p (before
-        ``rel_shift``), unscaled; None: no positional term in the scores."""
-        return None
-
-    def positional_inputs(self, q: torch.Tensor, klen: int, positions: Positions | None, v: torch.Tensor | None,
-                          shifted: torch.Tensor | None = None
-                          ) -> tuple[tuple[torch.Tensor, ...], kernels.BiasFn] | None:
-        """The kernels' form of ``position_scores``: the small tensors the (B, H, T, K) scores are made of
-        and the function that makes them, realigned and scaled (``kernels.fused_attention``); None: none.
-        ``shifted``: the query shifted by the positional bias (unscaled), when ``shifted_queries`` made it."""
-        return None
+        """The positional scores (B, H, T, K) by distance of queries q (B, T, H, D); None: none."""
+        operands = self.positional_operands(q, klen, positions, v)
+        return None if operands is None else self.scores_of(*operands)
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each; ``weight``: W_kE and
@@ -235,14 +197,10 @@ class Attention(nn.Module):
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
-        h = self.key_value_inputs(rows, weight.dtype)  # (B, N, d)
+        # pre-LN: LN(rows) (per row); else the rows in the weights' dtype, as autocast would cast them in the matmul
+        h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)  # (B, N, d)
         k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
         return k, val
-
-    def key_value_inputs(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """What the keys' and values' projection reads of (B, N, d) memory rows: LN(rows) with pre-LN, else the
-        rows in ``dtype``, the weights' (cast here as autocast would cast them in the matmul)."""
-        return self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(dtype)
 
 
 class RelativeAttention(Attention):
@@ -277,7 +235,7 @@ class RelativeAttention(Attention):
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
             return [Positions(projected=t[t.size(0) - 1 - dist]) for t in table]  # (K, H, D) each
-        r = drop(sinusoid(dist, config.d_model, shared.get(INV_FREQ)).to(dtype))  # (K, d), shared by the layers
+        r = drop(sinusoid(dist, config.d_model).to(dtype))  # (K, d), shared by the layers
         return [Positions(encodings=r)] * config.n_layer
 
     @classmethod
@@ -303,42 +261,13 @@ class RelativeAttention(Attention):
             return positions.projected.to(dtype)  # (K, H, D)
         return self.project_positions(positions.encodings.to(dtype))  # (K, H, D)
 
-    def position_scores(self, q, klen, positions, v):
-        r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        return torch.einsum("bthd,khd->bhtk", q + self.global_bias(v, "v"), r)  # (B, H, T, K): (b) + (d)
+    def positional_operands(self, q, klen, positions, v):
+        return q + self.global_bias(v, "v"), self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
 
-    @classmethod
-    def query_shifts(cls, attns, u, v):
-        if not attns:
-            return []
-        H, D = attns[0].n_head, attns[0].d_head
-
-        def shift(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return F.pad(u.reshape(H * D), (0, 2 * H * D)), v - u  # (3*H*D,) [u; 0; 0], (H, D) v - u
-
-        if u is None:  # untie_r: each layer's own
-            return [QueryShift(*shift(a.u, a.v)) for a in attns]
-        projection, positional = shift(u, v)
-        if len(attns) > 1 and projection.requires_grad and torch.is_grad_enabled():
-            # One view per layer of an expanded tensor: backward stacks the layers' gradients and sums them in one
-            # op each, where the layers' gradients of one shared tensor were added one by one (a kernel per layer).
-            return [QueryShift(a, b) for a, b in zip(projection.expand(len(attns), -1).unbind(0),
-                                                     positional.expand(len(attns), H, D).unbind(0))]
-        return [QueryShift(projection, positional)] * len(attns)
-
-    def shifted_queries(self, q, u, v, *, shift=None):
-        if shift is not None:  # q is q + u already (the projection's bias); (q + u) + (v - u) by token
-            return q, q + shift.positional  # (B, T, H, D) each
-        return q + self.global_bias(u, "u"), q + self.global_bias(v, "v")  # (B, T, H, D) each
-
-    def positional_inputs(self, q, klen, positions, v, shifted=None):
-        B, T, H, D = q.shape
-        r = self.position_keys(klen, positions, q.dtype)  # (K, H, D)
-        if shifted is None:
-            shifted = q + self.global_bias(v, "v")  # (B, T, H, D)
-        qv = shifted.permute(2, 0, 1, 3).reshape(H, B * T, D)  # (H, B*T, D), unscaled
-        inputs = (qv, r) if positions.index is None else (qv, r, positions.index)  # keys in ring order: gathered
-        return inputs, functools.partial(kernels.relative_bias, scale=self.scale)
+    @staticmethod
+    def scores_of(qv, r):
+        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch)
+        return torch.einsum("bthd,khd->bhtk", qv, r)  # (B, H, T, K), laid out (H, B, T, K)
 
 
 class ShawAttention(Attention):
@@ -372,13 +301,12 @@ class ShawAttention(Attention):
             bias = torch.cat([bias[:1].expand(klen - P, -1), bias])  # (K, H)
         return emb[-klen:].to(dtype), bias[-klen:].to(dtype)  # (K, H, D), (K, H)
 
-    def position_scores(self, q, klen, positions, v):
-        emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
-        return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
+    def positional_operands(self, q, klen, positions, v):
+        return q, *self.distance_table(klen, q.dtype)  # (B, T, H, D), (K, H, D), (K, H)
 
-    def positional_inputs(self, q, klen, positions, v, shifted=None):
-        emb, bias = self.distance_table(klen, q.dtype)  # (K, H, D), (K, H)
-        return (q * self.scale, emb, bias), functools.partial(kernels.shaw_bias, scale=self.scale)
+    @staticmethod
+    def scores_of(q, emb, bias):
+        return torch.einsum("bthd,khd->bhtk", q, emb) + bias.t()[None, :, None, :]  # (B, H, T, K)
 
 
 class AbsoluteAttention(Attention):
@@ -391,7 +319,7 @@ class AbsoluteAttention(Attention):
 
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
-        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model, shared.get(INV_FREQ)).to(dtype)
+        r = sinusoid(relative_distances(klen, clamp_len, device), config.d_model).to(dtype)
         return [Positions(absolute=drop(r))] + [None] * (config.n_layer - 1)
 
 

@@ -24,29 +24,6 @@ import torch
 from torch import nn
 
 
-class _CastGroup(torch.autograd.Function):
-    """tensors -> their copies in ``dtype``, in one op; backward: the gradients cast back in one op."""
-
-    @staticmethod
-    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = [torch.empty_like(t, dtype=dtype) for t in tensors]
-        torch._foreach_copy_(out, list(tensors))
-        ctx.dtypes = [t.dtype for t in tensors]
-        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, as it would
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        if present:
-            back = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
-            torch._foreach_copy_(back, [grads[i] for i in present])
-            for i, b in zip(present, back):
-                out[i] = b
-        return None, *out
-
-
 def matmul_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, name) of every weight and bias of the ``nn.Linear`` modules in ``modules``: what autocast casts."""
     return [(m, n) for m in modules.modules() if isinstance(m, nn.Linear)
@@ -82,7 +59,7 @@ def cast_in_place(slots: list[tuple[nn.Module, str]], dtype: torch.dtype) -> Ite
     """Within the block, each (module, name) parameter reads as its copy in ``dtype`` (one grouped cast, gradients
     flowing back to the parameter); restored on exit, also on an error."""
     params = [m._parameters[n] for m, n in slots]
-    cast = _CastGroup.apply(dtype, *params)
+    cast = cast_rows(params, [[(i, 0, p.shape[0])] for i, p in enumerate(params)], [0.0] * len(params), dtype)
     try:
         for (m, n), c in zip(slots, cast):
             m._parameters[n] = c  # read by the module's forward as self.<name>; not a Parameter: never registered

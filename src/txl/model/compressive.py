@@ -229,13 +229,5 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def horizon(*, n_layer: int, mem_len: int, tgt_len: int, cmem_len: int = 0, cmem_rate: int = 1) -> dict[str, int]:
-    """The theoretical reach in tokens of a model: one layer's window (segment + memory + c x compressed slots,
-    the farthest one attention hop reads) and n_layer hops of memory (the farthest a dependency can travel
-    through the cached states of the layers below, Dai et al. 2019 section 3.2; Rae et al. 2020 section 3)."""
-    span = mem_len + cmem_rate * cmem_len
-    return {"one_hop": tgt_len + span, "n_layer_hops": n_layer * span + tgt_len}
-
-
-__all__ = ["Compressor", "check_state", "content_attention", "evict", "horizon", "join_state", "split_state",
+__all__ = ["Compressor", "check_state", "content_attention", "evict", "join_state", "split_state",
            "window"]

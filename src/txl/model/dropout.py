@@ -1,20 +1,14 @@
-"""Dropout: ``nn.Dropout``'s distribution drawn cheaply on the CPU (the default), or ``nn.Dropout`` itself.
+"""Dropout with ``nn.Dropout``'s distribution, its training masks drawn cheaply on the CPU.
 
-``dropout(p)`` returns ``FastDropout`` (``FastReLUDropout`` for dropout(relu(x))); the model's plan sets whether it
-draws as ``ComputeConfig.dropout_impl`` asks:
-
-* 'fast' (the default): the *gaps* between dropped elements.
-  In a row of independent Bernoulli(p) trials the gaps between successes are independent Geometric(p)
-  variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped element, by the
-  inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws instead of
-  n. Kept values are scaled by 1 / (1 - p) as ``nn.Dropout`` does. On CPU this is 5x cheaper than
-  ``nn.Dropout``'s per-element Bernoulli sampler; both samplers' draws are serial (a second thread does not
-  speed them up), but here there are p * n of them and the passes over all n elements use every thread; on
-  other devices, and under torch.compile, torch's own kernel runs;
-* 'torch': ``F.dropout``, as ``nn.Dropout`` calls it (torch's RNG stream: the same draws from the same seed).
-
-(Issue 45 removed 'fast16', 16-bit masks with p rounded to 2**-16: 381.8 ms a small training step against
-'fast''s 369.9 on the CPU, benchmarks/README.md; a config that names it reads as 'fast'.)
+``Dropout`` draws the *gaps* between dropped elements where the model's plan says (``ComputePlan.gap_dropout``:
+``dropout_impl='fast'`` on the CPU). In a row of independent Bernoulli(p) trials the gaps between successes are
+independent Geometric(p) variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped
+element, by the inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws
+instead of n. Kept values are scaled by 1 / (1 - p) as ``nn.Dropout`` does. On the CPU this is 5x cheaper than
+``nn.Dropout``'s per-element Bernoulli sampler (a training step 1.17x at the small shape, 1.05x at base,
+benchmarks/README.md); both samplers' draws are serial, but here there are p * n of them and the passes over all
+n elements use every thread. Elsewhere ('torch', other devices, torch.compile) torch's own kernel runs: the draws
+``F.dropout`` makes from the same seed.
 
 tests/test_dropout.py checks the rates, the independence, the scale, the gradients and reproducibility.
 """
@@ -104,61 +98,22 @@ def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tenso
     return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - p), dropped, relu)
 
 
-class _Sampler:
-    """What the two fast modules share: when torch's kernel runs instead of the gap sampler."""
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` (same p field, same state dict), its training masks drawn from the gaps where ``gaps`` is set
+    (not the same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
+    step, where the gaps are drawn: no ReLU input or mask kept for backward; its input is a fresh tensor nothing
+    else reads (fc1's output), overwritten where no gradient needs it. Identity in evaluation."""
 
     gaps: bool = True
-    """Whether the gap sampler draws the masks (the CPU's); the model sets it from its plan (``txl.model.plan``:
-    off the CPU torch's fused kernel is fast, and 'fast' resolves to it)."""
+    """Whether the gap sampler draws the masks; the model sets it from its plan (``txl.model.plan``)."""
 
-    def torch_kernel(self, x: torch.Tensor) -> bool:
-        """``F.dropout`` instead: under torch.compile (which fuses it), at p = 1 (everything dropped, as
-        ``nn.Dropout`` does it), and where the plan says so (``gaps`` False)."""
-        return torch.compiler.is_compiling() or self.p >= 1.0 or not self.gaps
-
-    def draw(self, x: torch.Tensor, *, relu: bool) -> torch.Tensor:
-        """dropout(x), or dropout(relu(x)), in training from the gaps between dropped elements."""
-        return gap_dropout(x, self.p, relu=relu)
-
-
-class FastDropout(_Sampler, nn.Dropout):
-    """``nn.Dropout`` (same p field, same state dict) with a cheaper sampler of its distribution (the gaps). Not the
-    same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them. Identity in evaluation.
-    """
+    def __init__(self, p: float = 0.5, *, relu: bool = False) -> None:
+        super().__init__(p)
+        self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        if self.torch_kernel(x):
-            return F.dropout(x, self.p, training=True)
-        return self.draw(x, relu=False)
-
-
-def _relu(x: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """relu(x), in place when asked and autograd allows it cheaply: not on a view that needs a gradient (a linear
-    layer's 3-d output is a view of its 2-d matmul), whose in-place write autograd would undo in backward with a
-    clone of the whole base and two copies (CopySlices); a new tensor then, as the fresh output is freed anyway."""
-    if inplace and (torch.compiler.is_compiling() or not (x.requires_grad and x._is_view())):  # compiled: fused
-        return torch.relu_(x)
-    return torch.relu(x)
-
-
-class FastReLUDropout(_Sampler, nn.Dropout):
-    """dropout(relu(x)) in one step with ``FastDropout``'s samplers: no ReLU input or mask kept for backward.
-    ``inplace=True``: for an input nothing else reads (a fresh linear output), the ReLU overwrites it instead of
-    allocating another tensor."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.masks_relu(x):
-            return F.dropout(_relu(x, self.inplace), self.p, self.training)
-        return self.draw(x, relu=True)
-
-    def masks_relu(self, x: torch.Tensor) -> bool:
-        """Whether the ReLU is applied with this module's own mask (the fast samplers, training); else torch's
-        ``F.dropout`` runs after a plain ReLU."""
-        return self.training and self.p > 0 and not self.torch_kernel(x)
-
-
-def dropout(p: float, *, relu: bool = False) -> nn.Module:
-    """The dropout module (its sampler set by the model's plan); ``relu``: dropout(relu(x)) in place."""
-    return FastReLUDropout(p, inplace=True) if relu else FastDropout(p)
+        if not self.training or self.p == 0:  # relu: in place where no gradient needs x (fc1's output, read once)
+            return (torch.relu(x) if x.requires_grad else x.relu_()) if self.relu else x
+        if self.p < 1 and self.gaps and not torch.compiler.is_compiling():
+            return gap_dropout(x, self.p, relu=self.relu)
+        return F.dropout(torch.relu(x) if self.relu else x, self.p)  # torch's kernel (at p = 1: all dropped)

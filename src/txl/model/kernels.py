@@ -12,12 +12,11 @@ train and eval). Each custom autograd Function here stays for a measured win (be
 path keeps"):
 
 * ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
-  as its additive mask (evaluation), or with ``_RecomputedAttention``'s backward that recomputes the
-  scores instead of keeping the (B, H, T, K) probabilities of every layer (training), or
-  ``kept_attention``, which keeps them (autograd);
+  as its additive mask (evaluation); in training ``explicit_attention``, which keeps the (B, H, T, K) probabilities
+  for backward (autograd), or ``_RecomputedAttention``, which recomputes them there (``recompute_attention``);
 * ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
   backward written straight into the scores' layout (``_Realign``);
-* ``relative_bias`` / ``shaw_bias``: the positional scores of the two relative encodings, realigned.
+* ``positional_bias``: an encoding's positional scores (``Attention.scores_of``), realigned, scaled, masked.
 
 Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
 strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
@@ -142,62 +141,27 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
 
 
-class Mask:
-    """The attention mask of one forward pass, shared by its layers: the bool mask (``hidden``: (T, K), or
-    (B, 1, T, K) with padding, True where a key is hidden) and its additive form (``bias``), made on first use
-    for each dtype and read by every layer after (the layers' kernels only read it), instead of two kernels per
-    layer. Lives as long as the forward pass that makes it."""
+# -- the positional scores as the fused kernel reads them ------------------------------------------
 
-    def __init__(self, hidden: torch.Tensor) -> None:
-        self.hidden = hidden
-        self._biases: dict[torch.dtype, torch.Tensor] = {}
+def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Tensor, mask_bias: torch.Tensor,
+                    scale: float, index: torch.Tensor | None = None) -> torch.Tensor:
+    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance (``Attention.scores_of``)
+    realigned by key index, times ``scale``, the mask added: what the fused kernel reads as its additive bias.
 
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """0 where visible, -inf where hidden, in ``dtype``: (T, K) or (B, 1, T, K). Read only: never write to it."""
-        if dtype not in self._biases:
-            self._biases[dtype] = mask_to_bias(self.hidden, dtype)
-        return self._biases[dtype]
-
-
-def hidden(mask: torch.Tensor | Mask) -> torch.Tensor:
-    """The bool form of a mask given as a tensor or a ``Mask``."""
-    return mask.hidden if isinstance(mask, Mask) else mask
-
-
-# -- the positional scores of the relative encodings, as the fused path builds them ----------------
-
-def relative_bias(qv: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = None, *, mask_bias: torch.Tensor,
-                  scale: float = 1.0) -> torch.Tensor:
-    """Terms (b) + (d) of the relative attention: (H, B*T, D) (q + v), (K, H, D) W_kR R -> (B, H, T, K), times
-    ``scale`` (1/sqrt(D) for an unscaled qv; the model's attention hands it unscaled, the scale applied in the pass
-    that realigns).
-
-    One matmul per head over all B*T queries: R is shared by the batch, so it is not copied B times, as a
-    (B, H, T, D) x (H, D, K) broadcast would. Realigned by distance i - j, the mask added. ``index``: (T, K) the row
-    of r each (query, key) reads, for keys in any order (a ring): r (N, H, D) then holds N distances, and the
-    scores against them are gathered by it instead of realigned (evaluation: no autograd through the gather).
-    """
-    H, BT, _ = qv.shape
-    T, K = mask_bias.shape[-2:]  # (T, K), or (B, 1, T, K) with padding
+    ``index``: (T, K), the row of the positional table each (query, key) reads, for keys in any order (the rings of
+    ``txl.static_eval``): the scores against the table's N distances, (B, H, T, N), are gathered by it instead of
+    realigned (evaluation only: autograd does not go through it)."""
+    scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K); with index K = N
     if index is not None:
-        position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, r.size(0))  # (H, B, T, N)
         # gather of the expanded index: take_along_dim's broadcast made it ~5x slower on a CPU
-        position = position.gather(-1, index.expand(H, BT // T, T, K)).transpose(0, 1)  # (B, H, T, K) view
-        out = position.new_empty(position.shape)  # (B, H, T, K), laid out as SDPA reads a bias
-        return torch.add(mask_bias, position, alpha=scale, out=out)  # (B, H, T, K)
-    position = torch.bmm(qv, r.permute(1, 2, 0)).view(H, BT // T, T, K)  # (H, B, T, K)
-    return realign(position, mask_bias, heads_first=True, scale=scale)  # (B, H, T, K)
+        B, H, T, _ = scores.shape
+        position = scores.gather(-1, index.expand(B, H, T, index.size(-1)))  # (B, H, T, K)
+        return torch.add(mask_bias, position, alpha=scale)  # (B, H, T, K)
+    heads_first = not scores.is_contiguous() and scores.transpose(0, 1).is_contiguous()
+    return realign(scores.transpose(0, 1) if heads_first else scores, mask_bias, heads_first=heads_first, scale=scale)
 
 
-def shaw_bias(q: torch.Tensor, emb: torch.Tensor, bias: torch.Tensor, *, scale: float,
-              mask_bias: torch.Tensor) -> torch.Tensor:
-    """Shaw et al.'s positional scores: (B, T, H, D) scaled q, (K, H, D) E, (K, H) b -> (B, H, T, K), realigned."""
-    position = torch.matmul(q.transpose(1, 2), emb.permute(1, 2, 0))  # (B, H, T, K)
-    position = position.add_((bias * scale).t()[None, :, None, :])  # (B, H, T, K)
-    return realign(position, mask_bias, heads_first=False)  # (B, H, T, K)
-
-
-# -- attention: the fused kernel, pinned; and a backward that recomputes -------------------------
+# -- attention: the fused kernel, pinned ----------------------------------------------------------
 
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """The SDPA kernels txl's attention may run on: every one but cuDNN's.
@@ -225,76 +189,21 @@ def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: tor
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 
-def _probabilities(score: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """softmax(score + scale * qh kh^T) over the keys: (N, T, K) in ``score``'s dtype, accumulating into ``score``.
-
-    score: a fresh (N, T, K) bias (positions and mask, -inf where hidden), consumed: the content scores are
-    the accumulator of one batched matmul (baddbmm), so scores, positions and mask meet in the matmul's own
-    output pass. In place, so the operands are cast to its dtype here: autocast skips in-place ops. The
-    softmax runs in float32 (a hidden key gets probability 0).
-    """
-    dt = score.dtype
-    score = score.baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2), alpha=scale)  # (N, T, K)
-    return softmax_in(score, dt)  # (N, T, K)
-
-
-def softmax_in(score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """softmax over the last dim computed in float32, returned in ``dtype``: one kernel where the input is already
-    16-bit (torch's 16-bit softmax accumulates in float32 and rounds once: the same numbers as a float32 softmax
-    cast after, without its two casts), else a float32 softmax cast to ``dtype``."""
-    if score.dtype == dtype and dtype in (torch.bfloat16, torch.float16):
-        return torch.softmax(score, dim=-1)
-    return torch.softmax(score, dim=-1, dtype=torch.float32).to(dtype)
-
-
 def _forward_autocast(device: torch.device) -> dict:
     """The forward's autocast state, for a backward that must compute under it to the same dtypes."""
     kind = device.type
     return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
 
 
-def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * a b for batches of matrices: one kernel (the matmul's alpha), where bmm and a multiply were two."""
-    if scale == 1.0:
-        return torch.bmm(a, b)
-    unread = a.new_empty(()).expand(a.size(0), a.size(1), b.size(2))  # beta 0: never read (nor its NaNs)
-    return torch.baddbmm(unread, a, b, beta=0, alpha=scale)
-
-
-def _attention_grads(grad_out: torch.Tensor, out: torch.Tensor, prob: torch.Tensor, qh: torch.Tensor,
-                     kh: torch.Tensor, vh: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """Gradients of softmax(scale * qh kh^T + bias) vh from its probabilities, as FlashAttention's backward forms
-    them.
-
-    grad_out, out: (B, H, T, D); prob: (B*H, T, K); qh, kh, vh: (B*H, ., D). dS = P * (dP - rowsum(dO * O))
-    with dP = dO vh^T: rowsum(dO * O) = rowsum(P * dP) is a (B, H, T, D) product, not a pass over the
-    (B, H, T, K) probabilities. Returns the gradients of the query, keys and values, (B, H, ., D), and dS,
-    (B, H, T, K), which is also the bias gradient.
-    """
-    B, H, T, D = out.shape
-    K = kh.size(1)
-    go = grad_out.reshape(B * H, T, D)  # (B*H, T, D)
-    grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
-    # (B*H, T, 1): rowsum(dO * O) = rowsum(P * dP), as one batched product of (1, D) rows and (D, 1) columns (one
-    # kernel where a multiply and a sum were two; the products summed in float32 and rounded once).
-    # (SDPA's output may be laid out by token: then copied heads-first, the same count of kernels as before.)
-    delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1)).view(B * H, T, 1)
-    grad_score = torch.bmm(go, vh.transpose(1, 2)).sub_(delta).mul_(prob)  # (B*H, T, K): dS
-    del prob  # a recomputed one is freed here, before the two products below
-    grad_query = _scaled_bmm(grad_score, kh, scale)  # (B*H, T, D)
-    grad_key = _scaled_bmm(grad_score.transpose(1, 2), qh, scale)  # (B*H, K, D)
-    return (grad_query.view(B, H, T, D), grad_key.view(B, H, K, D), grad_val.view(B, H, K, D),
-            grad_score.view(B, H, T, K))
-
-
 class _RecomputedAttention(torch.autograd.Function):
-    """softmax(query k^T + bias) val for training, keeping neither the (B, H, T, K) bias nor the probabilities.
+    """softmax(scale * query k^T + bias) val for training (``recompute_attention``), keeping neither the (B, H, T, K)
+    bias nor the probabilities from forward to backward: base training peak RSS 2,005 -> 1,869 MiB for 6-7% of
+    its speed (benchmarks/README.md). torch's checkpoint around ``explicit_attention`` instead held 1,567-1,739 MB
+    against this one's 1,380-1,418 (two base training steps, issue 45), so this stays.
 
-    Forward: the fused kernel (scaled_dot_product_attention). Backward: the bias is recomputed from its
-    small inputs (``bias_fn(*bias_inputs)``, e.g. (q + v) and W_kR R), the scores and probabilities
-    from it, and then, as in FlashAttention's backward,
-    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T: one (B, H, T, K) tensor of probabilities per layer is
-    not kept from forward to backward, for the cost of the positional and content matmuls done again.
+    Forward: the fused kernel (SDPA). Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``,
+    e.g. (q + v) and W_kR R), the probabilities P from it, then as in FlashAttention's backward
+    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T (rowsum(dO * O) a (B, H, T, D) product, not a pass over P).
     dS is the bias gradient; autograd takes it on to the bias inputs.
     """
 
@@ -303,89 +212,66 @@ class _RecomputedAttention(torch.autograd.Function):
                 *bias_inputs: torch.Tensor):
         # query: (B, H, T, D), its products with the keys scaled by ``scale``; k, val: (B, H, K, D); any strides.
         with torch.no_grad():
-            bias = bias_fn(*bias_inputs)  # (B, H, T, K), -inf where hidden
-        out = sdpa(query, k, val, bias, scale, pin)  # (B, H, T, D)
-        ctx.scale = scale
+            out = sdpa(query, k, val, bias_fn(*bias_inputs), scale, pin)  # (B, H, T, D)
         ctx.autocast = _forward_autocast(query.device)  # backward recomputes under it, to the same dtypes
-        ctx.bias_fn = bias_fn
+        ctx.scale, ctx.bias_fn = scale, bias_fn
         ctx.save_for_backward(query, k, val, out, *bias_inputs)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        with torch.autocast(**ctx.autocast):
-            return _RecomputedAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out: torch.Tensor):
         query, k, val, out, *bias_inputs = ctx.saved_tensors
         B, H, T, D = query.shape
-        K = k.size(2)
-        with torch.enable_grad():
+        K, scale = k.size(2), ctx.scale
+        with torch.autocast(**ctx.autocast), torch.enable_grad():
             inputs = [x.detach().requires_grad_(x.requires_grad) for x in bias_inputs]
             bias = ctx.bias_fn(*inputs)  # (B, H, T, K)
-        qh = query.reshape(B * H, T, D)  # (B*H, T, D)
-        kh = k.reshape(B * H, K, D)  # (B*H, K, D)
-        vh = val.reshape(B * H, K, D)  # (B*H, K, D)
-        # The scores accumulate into the recomputed bias (its gradient graph does not need its values). The
-        # softmax kernel rather than exp(score - lse): torch.exp takes a slow path on the -inf of hidden keys
-        # on CPU, and the probabilities are the same up to rounding.
-        grad_query, grad_key, grad_val, grad_score = _attention_grads(  # the probabilities, hidden keys 0
-            grad_out, out, _probabilities(bias.detach().view(B * H, T, K), qh, kh, ctx.scale), qh, kh, vh, ctx.scale)
+        qh, kh, vh = (t.reshape(B * H, -1, D) for t in (query, k, val))  # (B*H, T or K, D)
+        dt = bias.dtype  # the scores accumulate into the recomputed bias (its graph does not need its values)
+        score = bias.detach().view(B * H, T, K).baddbmm_(qh.to(dt), kh.to(dt).transpose(1, 2), alpha=scale)
+        prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(dt)  # (B*H, T, K), hidden keys 0
+        go = grad_out.reshape(B * H, T, D).to(dt)  # (B*H, T, D)
+        grad_val = torch.bmm(prob.transpose(1, 2), go)  # (B*H, K, D)
+        delta = torch.bmm(go.reshape(B * H * T, 1, D), out.reshape(B * H * T, D, 1).to(dt))  # rowsum(dO * O)
+        grad_score = torch.bmm(go, vh.to(dt).transpose(1, 2)).sub_(delta.view(B * H, T, 1)).mul_(prob)  # dS
+        del prob, score
+        grad_query = torch.bmm(grad_score, kh.to(dt)).mul_(scale).view(B, H, T, D)
+        grad_key = torch.bmm(grad_score.transpose(1, 2), qh.to(dt)).mul_(scale).view(B, H, K, D)
         wanted = [x for x in inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(bias, wanted, grad_score) if wanted else ())
+        grads = iter(torch.autograd.grad(bias, wanted, grad_score.view(B, H, T, K)) if wanted else ())
         grad_inputs = [next(grads) if x.requires_grad else None for x in inputs]
-        return grad_query, grad_key, grad_val, None, None, None, *grad_inputs
-
-
-def kept_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, bias: torch.Tensor, scale: float
-                   ) -> torch.Tensor:
-    """softmax(scale * qh kh^T + bias) vh through autograd, the probabilities kept for backward
-    (``recompute_attention=False``): (B, H, T, D). qh: (B, H, T, D); kh, vh: (B, H, K, D), any strides; bias:
-    (B, H, T, K). (Issue 45 removed the hand-written backward that replaced this: 0.3% of a small training step,
-    1.7% of a base one, benchmarks/README.md.)"""
-    B, H, T, D = qh.shape
-    K = kh.size(2)
-    score = torch.baddbmm(bias.reshape(B * H, T, K), qh.reshape(B * H, T, D), kh.reshape(B * H, K, D).transpose(1, 2),
-                          alpha=scale)  # (B*H, T, K)
-    prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
-    return torch.bmm(prob, vh.reshape(B * H, K, D)).view(B, H, T, D)  # (B, H, T, D)
+        return grad_query, grad_key, grad_val.view(B, H, K, D), None, None, None, *grad_inputs
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
-                       dropout: Dropout | None = None, *, fresh: bool = True, scale: float = 1.0) -> torch.Tensor:
-    """softmax(scale * query k^T + bias) val with the probabilities kept (and dropped out by ``dropout``):
-    (B, H, T, D).
+                       dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
+    """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
+    ``dropout``): (B, H, T, D).
 
-    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K) (a fresh tensor, consumed) or
-    (T, K), -inf where hidden; ``fresh=False``: a (B, H, T, K) bias others read too (a shared ``Mask``'s), copied
-    before the scores accumulate into it. A key that is hidden gets probability 0, hence zero gradient.
+    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or (T, K), -inf where hidden (a
+    hidden key gets probability 0, hence zero gradient). The content scores accumulate into the bias in the matmul
+    (baddbmm); the softmax runs in float32.
     """
     B, T, H, D = query.shape
     K = k.size(1)
     qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
     kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
     vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-    if bias.dim() == 4 and bias.size(1) != H:  # (B, 1, T, K) padding mask: one fresh bias per head
-        bias = bias.expand(B, H, T, K).contiguous()  # (B, H, T, K)
-    elif bias.dim() == 4 and not fresh:  # another reads it: the scores accumulate into a copy
-        bias = bias.clone()  # (B, H, T, K)
-    if bias.dim() == 4:  # (B, H, T, K): the scores accumulate into it
-        prob = _probabilities(bias.view(B * H, T, K), qh, kh, scale)  # (B*H, T, K)
-    else:  # (T, K), broadcast
-        score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
-        prob = softmax_in(score, vh.dtype)  # (B*H, T, K)
+    if bias.dim() == 4:  # (B, H, T, K), or (B, 1, T, K) with padding: one per head
+        bias = bias.expand(B, H, T, K).reshape(B * H, T, K)  # (B*H, T, K)
+    score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
+    prob = torch.softmax(score, dim=-1, dtype=torch.float32).to(vh.dtype)  # (B*H, T, K)
     prob = prob if dropout is None else dropout(prob)
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
 
 Dropout = Callable[[torch.Tensor], torch.Tensor]
-"""The attention dropout: a module (``nn.Dropout``, ``FastDropout``) applied to the probabilities."""
+"""The attention dropout: a module (``txl.model.dropout.Dropout``) applied to the probabilities."""
 BiasFn = Callable[..., torch.Tensor]
 """``bias_fn(*bias_inputs, mask_bias=)`` -> (B, H, T, K) positional scores (scaled), realigned, mask added."""
 
 
-def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor | Mask,
+def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor,
                     bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
                     dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
                     pin: bool = True) -> torch.Tensor:
@@ -393,7 +279,7 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
 
     query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
     for an unscaled query: in the matmul, no pass over the query); k, val: (B, K, H, D); mask: (T, K)
-    bool (or (B, 1, T, K) with padding), True where hidden, or a ``Mask`` the layers share. The positional
+    bool (or (B, 1, T, K) with padding), True where hidden. The positional
     scores, when the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``: small inputs (e.g. (q + v)
     and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
     backward.
@@ -401,26 +287,23 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
     ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
     """
-    # A shared Mask's bias is made once for all layers (and only read); a bool mask's here, fresh.
-    shared = isinstance(mask, Mask)
-    mask_bias = mask.bias(query.dtype) if shared else mask_to_bias(mask, query.dtype)  # (T, K)
-    mask = hidden(mask)
+    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
     if dropout is not None:
         # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
         bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
-        return explicit_attention(query, k, val, bias, dropout, fresh=bias_fn is not None or not shared, scale=scale)
+        return explicit_attention(query, k, val, bias, dropout, scale=scale)
     if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
     if grad and not torch.compiler.is_compiling():
-        # The fused kernel cannot return the gradient of its additive mask (the positional term), so
-        # training recomputes what it needs in backward, or keeps the probabilities.
+        # The fused kernel cannot return the gradient of its additive mask (the positional term), so training
+        # keeps the probabilities (autograd), or recomputes what it needs in backward.
         if recompute:
             return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
                                               *bias_inputs)
-        return kept_attention(qh, kh, vh, bias_fn(*bias_inputs, mask_bias=mask_bias), scale)  # (B, H, T, D)
+        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
     # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
     # the positional scores are the fused kernel's additive mask.
     bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)

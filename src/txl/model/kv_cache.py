@@ -16,9 +16,7 @@ Like the memory, the cache goes into ``TransformerXL.forward(..., kv_cache=)`` a
 * with the weights it was built with (checked through the parameters' version counters);
 * next to the memory it was returned with: same length and alignment, truncated in the same place
   (``update_memory``);
-* for the encodings that declare themselves ``cacheable`` (``txl.model.attention``: 'relative' and
-  'shaw'). 'absolute' and 'al_rfou' add to every memory row a position that shifts each step, so its keys
-  change and cannot be cached.
+* for the encodings that declare themselves ``cacheable`` (``txl.model.attention``'s table).
 
 ``position_table`` and ``cached_keys_values`` are the cache's projections: they take the layers'
 projection functions and tensors, not the attention modules, so this module sits below attention.

@@ -33,35 +33,23 @@ def memory_length(memory: Memory | None) -> int:
 
 def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0,
                   dtype: torch.dtype | None = None) -> Memory:
-    """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, in ``dtype``
-    (None: the inputs' own).
+    """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, a copy in ``dtype``
+    (None: the inputs' own); the old memory stays valid.
 
     ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
     positions of a segment are fed again at the start of the next one (extended context), so they are
-    not written here. Nothing is modified in place: the old memory stays valid. When the segment alone
-    fills the memory (T >= mem_len) the new memory is its tail, no concatenation; else one ``cat`` writes
-    the kept old rows and the new ones, cast, into the new memory.
+    not written here.
     """
     if mem_len == 0:
         return tuple(h.new_empty((h.size(0), 0, *h.shape[2:])) for h in hiddens)  # any trailing shape: KVCache too
+    new = []
     with torch.no_grad():
-        new = []
         for l, h in enumerate(hiddens):
-            h = (h[:, : h.size(1) - ext_len] if ext_len else h).detach()  # (B, T, ...)
-            dt = dtype or h.dtype
-            T = h.size(1)
-            if torch.compiler.is_compiling():  # one form for every T: torch.export's segment length is dynamic
-                cat = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
-                new.append((cat[:, -mem_len:] if cat.size(1) > mem_len else cat).to(dt, copy=True))
-                continue
-            old = memory[l] if memory and memory[l].size(1) and T < mem_len else None
-            if old is None:  # the segment's last mem_len rows, as a copy (dropped rows are freed with h)
-                rows = h[:, T - mem_len:] if T > mem_len else h  # (B, M', ...)
-                new.append(rows.contiguous() if rows.dtype == dt else rows.to(dt))
-                continue
-            keep = min(old.size(1), mem_len - T)
-            out = h.new_empty((h.size(0), keep + T, *h.shape[2:]), dtype=dt)  # (B, M', ...)
-            new.append(torch.cat([old[:, old.size(1) - keep:], h], dim=1, out=out))
+            h = h[:, : h.size(1) - ext_len] if ext_len else h  # (B, T, ...)
+            # The segment alone fills the memory: no cat (not under torch.compile: torch.export's T is dynamic).
+            fills = h.size(1) >= mem_len and not torch.compiler.is_compiling()
+            rows = h if fills or not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], 1)
+            new.append(rows[:, -mem_len:].to(dtype or h.dtype, copy=True))  # (B, M', ...)
     return tuple(new)
 
 

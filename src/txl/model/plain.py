@@ -42,7 +42,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model.compressive import split_state, window
 from txl.model.kv_cache import KVCache
 from txl.model.memory import Memory, memory_length, update_memory
-from txl.model.positions import INV_FREQ, Positions, attention_mask, padding_mask, rel_shift
+from txl.model.positions import Positions, attention_mask, padding_mask, rel_shift
 
 
 @dataclass
@@ -161,6 +161,75 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, p: float, training: bool) -> to
 
 # -- the model: one segment, memory in and out ---------------------------------------------------------
 
+def layer_positions(model: nn.Module, klen: int, clamp_len: int, dtype: torch.dtype, drop,
+                    table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
+    """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
+    shared = {name: getattr(model, name) for name in model.encoding.shared_parameters(model.config)}
+    return model.encoding.build_positions(model.config, shared, klen, clamp_len, dtype=dtype,
+                                          device=model.embed.layers[0].weight.device, drop=drop, table=table)
+
+
+def segment_mask(T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(T, K) bool, True where query i may not see key j (causal, same_length); (B, 1, T, K) with ``padding``."""
+    mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
+                          device=device)  # (T, K)
+    return mask if padding is None else padding_mask(mask, padding)  # (B, 1, T, K): no real query sees a pad
+
+
+def read_memory(model: nn.Module, memory: Memory | None) -> tuple[Memory | None, Memory | None, list, int]:
+    """The memory passed in -> (its own rows, the compressed ones (cmem_len > 0), per layer the M rows attended to
+    before the segment with the gradient stopped (eq. (1): SG(memory)) or None, M)."""
+    own, compressed = memory, None
+    if model.compressor is not None:  # Rae et al. 2020: every layer attends over [compressed; memory; segment]
+        own, compressed = split_state(memory, model.config.n_layer)
+    rows = window(own, compressed)
+    M = memory_length(rows)
+    return own, compressed, [m.detach() for m in rows] if M else [None] * model.config.n_layer, M
+
+
+def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's segment rows (B, T, d) and memory rows (B, M, d) with an absolute encoding's positions added
+    (``Positions.absolute``, (K, d): memory rows get the earlier ones); as they are for the other encodings."""
+    if pos is None or pos.absolute is None:
+        return x, memory
+    return x + pos.absolute[M:], (None if memory is None else memory + pos.absolute[:M])
+
+
+def next_state(model: nn.Module, out: LMOutput, own: Memory | None, compressed: Memory | None,
+               hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], *, ctx: Context,
+               train: bool, kv: bool, version: int | None, table: tuple[torch.Tensor, ...] = (),
+               buffers: list | None = None) -> None:
+    """``out.memory`` for the next segment (section 3.2: the last mem_len layer inputs, or with cmem_len > 0 the
+    compressed memory too and its loss), and with ``kv`` the KVCache of exactly its rows' keys and values."""
+    if model.compressor is not None:
+        out.memory, out.compression_loss = model.compressor.update(
+            own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in model.layers], train=train)
+        if kv:
+            out.kv_cache = model.compressor.next_cache(keys, values, buffers, own, out.memory, hiddens[0].size(1),
+                                                       positions=table, weights_version=version)
+        return
+    out.memory = update_memory(own, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+    if kv:  # the keys and values of exactly the rows kept
+        out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                               values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
+                               positions=table, weights_version=version)
+
+
+def predict(out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None, score, log_prob) -> LMOutput:
+    """The adaptive softmax on ``out.hidden``: the per-token NLL (``score(hidden, target)``) and loss of ``labels``,
+    the log-probabilities (``log_prob(hidden)``) when asked, or when there are no labels."""
+    B, T, _ = out.hidden.shape
+    flat = out.hidden.reshape(B * T, -1)  # (N, d)
+    if labels is not None:
+        out.nll = score(flat, labels.reshape(-1)).view(B, T)  # (B, T)
+        out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
+        out.loss = out.nll.sum() / out.tokens.clamp(min=1)
+    if return_log_probs or (return_log_probs is None and labels is None):
+        out.log_probs = log_prob(flat).view(B, T, -1)  # (B, T, V)
+    return out
+
+
 def forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None, memory: Memory | None, *,
             ctx: Context, return_log_probs: bool | None, kv_cache: KVCache | None,
             padding: torch.Tensor | None, weights_version: int | None) -> LMOutput:
@@ -168,55 +237,22 @@ def forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | No
     read (its keys are the memory's, computed again here); the one returned holds the new memory's."""
     c, train = model.config, model.training
     drop = functools.partial(F.dropout, p=c.dropout, training=train)
-    B, T = input_ids.shape
-    own, compressed = memory, None
-    if model.compressor is not None:  # Rae et al. 2020: every layer attends over [compressed; memory; segment]
-        own, compressed = split_state(memory, c.n_layer)
-        memory = window(own, compressed)
-    M = memory_length(memory)
-    mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
-    mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
-                          device=input_ids.device)  # (T, K)
-    if padding is not None:
-        mask = padding_mask(mask, padding)  # (B, 1, T, K): no real query sees a pad
+    T = input_ids.size(1)
+    own, compressed, mems, M = read_memory(model, memory)
+    mask = segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
     h = drop(embed(model.embed, input_ids))  # (B, T, d)
-    shared = {name: getattr(model, name) for name in model.encoding.shared_parameters(c)}
-    shared[INV_FREQ] = getattr(model, INV_FREQ)
-    positions = model.encoding.build_positions(c, shared, M + T, ctx.clamp_len, dtype=h.dtype,
-                                               device=input_ids.device, drop=drop)
+    positions = layer_positions(model, M + T, ctx.clamp_len, h.dtype, drop)
     u, v = getattr(model, "u", None), getattr(model, "v", None)
     hiddens, keys, values = [], [], []
     for l, layer in enumerate(model.layers):
         hiddens.append(h)  # the memory keeps each layer's input
-        x, mem, pos = h, mems[l], positions[l]
-        if pos is not None and pos.absolute is not None:  # absolute encodings: memory rows get the earlier ones
-            x = x + pos.absolute[M:]
-            mem = None if mem is None else mem + pos.absolute[:M]
-        a, k, val = attention(layer.attn, x, mem, mask, pos, u, v, c.dropout, c.dropatt, train)
+        x, mem = add_absolute(h, mems[l], positions[l], M)
+        a, k, val = attention(layer.attn, x, mem, mask, positions[l], u, v, c.dropout, c.dropatt, train)
         h = feed_forward(layer.ff, a, c.dropout, train)  # (B, T, d)
         keys.append(k.detach())
         values.append(val.detach())
-    h = drop(h)  # (B, T, d)
-
-    out = LMOutput(memory=(), hidden=h)
-    if model.compressor is not None:
-        out.memory, out.compression_loss = model.compressor.update(
-            own, compressed, hiddens, mem_len=ctx.mem_len, layers=[layer.attn for layer in model.layers],
-            train=train and labels is not None)
-        if kv_cache is not None:
-            out.kv_cache = model.compressor.next_cache(keys, values, None, own, out.memory, T, positions=(),
-                                                       weights_version=weights_version)
-    else:
-        out.memory = update_memory(memory if M else None, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
-        if kv_cache is not None:  # the keys and values of exactly the rows kept
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   weights_version=weights_version)
-    flat = h.reshape(B * T, -1)  # (N, d)
-    if labels is not None:
-        out.nll = nll(model.softmax, flat, labels.reshape(-1)).view(B, T)  # (B, T)
-        out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
-        out.loss = out.nll.sum() / out.tokens.clamp(min=1)
-    if return_log_probs or (return_log_probs is None and labels is None):
-        out.log_probs = log_probs(model.softmax, flat).view(B, T, -1)  # (B, T, V)
-    return out
+    out = LMOutput(memory=(), hidden=drop(h))  # (B, T, d)
+    next_state(model, out, own, compressed, hiddens, keys, values, ctx=ctx, train=train and labels is not None,
+               kv=kv_cache is not None, version=weights_version)
+    return predict(out, labels, return_log_probs, functools.partial(nll, model.softmax),
+                   functools.partial(log_probs, model.softmax))

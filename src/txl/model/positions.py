@@ -15,10 +15,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-INV_FREQ = "inv_freq"
-"""The name of ``inverse_frequencies(d_model)`` where a model keeps them (a buffer, not saved), and their key in
-the ``Shared`` tensors it hands its encoding (``txl.model.attention``)."""
-
 
 def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
     """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""
@@ -26,25 +22,10 @@ def inverse_frequencies(d_model: int, device: torch.device | None = None) -> tor
     return (10000 ** (torch.arange(0, d_model, 2, device=device, dtype=torch.float32) / d_model)).reciprocal()
 
 
-def sinusoid(distances: torch.Tensor, d_model: int, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters).
-
-    ``inv_freq``: ``inverse_frequencies(d_model)`` made once (a model keeps them: four kernels fewer per call);
-    ignored (made here) unless float32 on the distances' device.
-    """
-    if inv_freq is None or inv_freq.dtype != torch.float32 or inv_freq.device != distances.device:
-        inv_freq = inverse_frequencies(d_model, distances.device)  # (d/2,)
-    # Integer distances widened by the multiply itself (exact below 2**24), not by a cast kernel of their own.
-    distances = distances.float() if distances.is_floating_point() else distances  # a float32 one: no copy
-    angles = distances[:, None] * inv_freq[None, :]  # (K, d/2) float32
-    if torch.compiler.is_compiling():
-        return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
-    # Each half written where it belongs (no cat after): constants, no autograd.
-    K, half = angles.shape
-    out = angles.new_empty(K, 2 * half)  # (K, d)
-    torch.sin(angles, out=out[:, :half])
-    torch.cos(angles, out=out[:, half:])
-    return out  # (K, d)
+def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
+    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
+    angles = distances.float()[:, None] * inverse_frequencies(d_model, distances.device)[None, :]  # (K, d/2)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
 
 
 def relative_distances(klen: int, clamp_len: int, device: torch.device | None = None) -> torch.Tensor:

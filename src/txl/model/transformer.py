@@ -23,13 +23,13 @@ from txl.config import ComputeConfig, Context, ModelConfig
 from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.model.attention import Attention, QueryShift, build_attention, encoding
-from txl.model.compressive import Compressor, check_state, split_state, window
-from txl.model.dropout import dropout
+from txl.model.attention import Attention, build_attention, encoding
+from txl.model.compressive import Compressor, check_state, split_state
+from txl.model.dropout import Dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
-from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, update_memory, zeros_memory
+from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, zeros_memory
 from txl.model.plain import LMOutput
-from txl.model.positions import INV_FREQ, Positions, attention_mask, inverse_frequencies, padding_mask
+from txl.model.positions import Positions, attention_mask
 
 
 class FeedForward(nn.Module):
@@ -41,8 +41,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = dropout(config.dropout)
-        self.relu_drop = dropout(config.dropout, relu=True)  # dropout(relu(.)); fc1's output is fresh
+        self.drop = Dropout(config.dropout)
+        self.relu_drop = Dropout(config.dropout, relu=True)  # dropout(relu(.))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what fc1 reads
@@ -56,10 +56,10 @@ class DecoderLayer(nn.Module):
         self.attn = build_attention(config)
         self.ff = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | kernels.Mask,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, shift: QueryShift | None = None) -> torch.Tensor:
-        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv, shift=shift))
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.ff(self.attn(x, memory, mask, positions, u, v, kv=kv))
 
 
 class TransformerXL(nn.Module):
@@ -84,8 +84,7 @@ class TransformerXL(nn.Module):
     prompts of different lengths read as one batch). No other position attends to a pad, so each row
     computes what it would alone; relative attention makes the shift of its positions irrelevant.
     Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-    A compressive model takes padding while its compressed memory is empty and the call compresses nothing
-    (a generation's context keeps every row): then it is the plain model over its memory.
+    A compressive model takes padding while nothing is or gets compressed (``txl.model.compressive``).
 
     ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
     the model computes on its device is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the
@@ -97,15 +96,12 @@ class TransformerXL(nn.Module):
         self.config, self.compute = config, ComputeConfig() if compute is None else compute
         c = config
         self.embed = AdaptiveEmbedding(c)
-        self.drop = dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
         self.encoding = encoding(c.attn_type)  # the layers' attention class: its traits and its positions
         # Parameters of the encoding the layers share: the relative attention's u and v (section 3.3,
         # unless untie_r), Al-Rfou's per-layer position embedding. Named as in the original's checkpoints.
         for name, shape in self.encoding.shared_parameters(c).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
-        # The sinusoid's frequencies, made once (each forward made them in four kernels): a constant of d_model, not
-        # saved, made again wherever the model moves (``_apply``).
-        self.register_buffer(INV_FREQ, inverse_frequencies(c.d_model), persistent=False)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
         # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
@@ -159,10 +155,7 @@ class TransformerXL(nn.Module):
             nn.init.normal_(getattr(self, name), 0.0, c.init_std)
 
     def use_plan(self, compute: plan.ComputePlan) -> None:
-        """Compute as ``compute`` says (``txl.model.plan``): made for the device the parameters live on when the model
-        is built and whenever it moves (``_apply``), and handed to the modules that read it, so no forward tests
-        the device. The config (what the model is, what a checkpoint stores) is unchanged: a checkpoint loads and
-        computes the same numbers, up to rounding, under any plan."""
+        """Hand ``compute`` (``txl.model.plan``) to the modules that read it, so no forward tests the device."""
         self.plan = compute
         for module in self.modules():
             if isinstance(module, (AdaptiveEmbedding, AdaptiveLogSoftmax)):
@@ -171,22 +164,16 @@ class TransformerXL(nn.Module):
                 module.pad, module.cast_weights = compute.softmax_pad, compute.cast_weights
             if isinstance(module, Attention):
                 module.pin_sdpa, module.recompute = compute.pin_sdpa, compute.recompute_attention
-            if hasattr(module, "gaps"):  # the fast dropout modules
+            if isinstance(module, Dropout):
                 module.gaps = compute.gap_dropout
 
     def _apply(self, fn, recurse=True):
-        """``nn.Module._apply`` (what ``to``, ``cuda``, ``half``, ``to_empty`` run), then the sinusoid's frequencies
-        made again where the model now lives, in float32: what ``positions.sinusoid`` makes per call on that device
-        (a copy made on another device could differ in the last bit; a cast to 16 bits, or ``to_empty``'s
-        uninitialised memory, would be wrong; a meta build's get values when it moves)."""
-        self._buffers.pop(INV_FREQ)  # not converted (a meta one cannot be): made below, still not saved
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            device = next(self.parameters()).device
-            self._buffers[INV_FREQ] = inverse_frequencies(self.config.d_model, device)
-            if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
-                self.use_plan(plan.compute_plan(self.compute, device.type))  # moved: its plan made again there
+        """``nn.Module._apply`` (what ``to``, ``cuda``, ``to_empty`` run), then the plan made again for the device
+        the model now lives on."""
+        super()._apply(fn, recurse)
+        device = next(self.parameters()).device
+        if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
+            self.use_plan(plan.compute_plan(self.compute, device.type))
         return self
 
     # -- memory ---------------------------------------------------------------------------------
@@ -211,29 +198,25 @@ class TransformerXL(nn.Module):
                 memory: Memory | None = None, *, return_log_probs: bool | None = None,
                 kv_cache: KVCache | None = None, context: Context | None = None,
                 padding: torch.Tensor | None = None) -> LMOutput:
-        """Run one segment: input_ids (B, T) with the memory of earlier ones (None: empty), labels (B, T) to score
-        (-100: ignored), log-probabilities (B, T, V) when no labels are given or return_log_probs is True. The
-        context, kv_cache and padding arguments: the class docstring. 'reference' runs ``txl.model.plain``."""
+        """One segment, memory in and out: the arguments as the class docstring says."""
         c = self.config
         ctx = c.context() if context is None else context
-        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter).
-        version = self._weights_version() if kv_cache is not None else None
+        # The weights' version, read once for the cache's check and the cache returned (it walks every parameter);
+        # None under torch.compile, which cannot read version counters: a compiled caller checks at its boundary.
+        version = None if kv_cache is None or torch.compiler.is_compiling() else weights_version(self)
         if not torch.compiler.is_compiling():  # checks at the boundary; value checks sync with the device
             self.check_inputs(input_ids, labels, memory, kv_cache, ctx, version=version, padding=padding)
         if self.plan.attn_impl == "reference":  # the plain path, the oracle of this one
             return plain.forward(self, input_ids, labels, memory, ctx=ctx, return_log_probs=return_log_probs,
                                  kv_cache=kv_cache, padding=padding, weights_version=version)
-        B, T = input_ids.shape
-        own, compressed = split_state(memory, c.n_layer) if self.compressor is not None else (memory, None)
-        memory = window(own, compressed)  # every layer attends over [compressed; memory; segment]
-        M = memory_length(memory)
-        mems = [m.detach() for m in memory] if M else [None] * c.n_layer  # eq. (1): SG(memory)
-        mask = self._mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
+        T = input_ids.size(1)
+        own, compressed, mems, M = plain.read_memory(self, memory)
+        mask = plain.segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
         attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
             attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
-        positions = self._positions(M + T, ctx.clamp_len, h.dtype, input_ids.device, table)
+        positions = plain.layer_positions(self, M + T, ctx.clamp_len, h.dtype, self.drop, table)
         # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
         # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
@@ -242,81 +225,38 @@ class TransformerXL(nn.Module):
         # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
         with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
-            shifts = self.encoding.query_shifts(attns, u, v)
             for l, layer in enumerate(self.layers):
                 hiddens.append(h)  # each layer's input, before absolute positions: the next memory
-                x, mem = add_absolute(h, mems[l], positions[l], M)
+                x, mem = plain.add_absolute(h, mems[l], positions[l], M)
                 kv = None
                 if kv_cache is not None:  # the memory rows' keys and values read from the cache
                     k, val, grown = cached_keys_values(layer.attn.keys_values, x, mem, kv_cache, l, grow=grow)
                     kv, mem = (k, val), None  # (B, K, H, D) each
                     keys.append(k), values.append(val), buffers.append(grown)
-                h = layer(x, mem, mask, positions[l], u, v, kv=kv, shift=shifts[l])
+                h = layer(x, mem, mask, positions[l], u, v, kv=kv)
         out = LMOutput(memory=(), hidden=self.drop(h))  # (B, T, d)
-        if self.compressor is not None:
-            out.memory, out.compression_loss = self.compressor.update(
-                own, compressed, hiddens, mem_len=ctx.mem_len, layers=attns, train=self.training and labels is not None)
-        elif not grow:
-            out.memory = update_memory(memory, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
-        if kv_cache is not None:
-            self._next_cache(out, kv_cache, memory, own, hiddens, keys, values, buffers, grow=grow, T=T, ctx=ctx,
-                             table=table, version=version)
-        return self._predict(out, labels, return_log_probs)
-
-    def _mask(self, T: int, M: int, ctx: Context, padding: torch.Tensor | None, device: torch.device
-              ) -> torch.Tensor | kernels.Mask:
-        """The attention mask of T queries over M + T keys: (T, K) bool, True where hidden, or (B, 1, T, K) with
-        ``padding`` (no real query sees a pad key); eagerly a ``kernels.Mask`` the layers share (its additive form
-        made once, not in every layer; a compiled graph makes it once anyway)."""
-        mask = attention_mask(T, M, mem_len=ctx.mem_len, same_length=ctx.same_length, style=ctx.same_length_style,
-                              device=device)  # (T, K)
-        if padding is not None:
-            mask = padding_mask(mask, padding)  # (B, 1, T, K)
-        return mask if torch.compiler.is_compiling() else kernels.Mask(mask)
-
-    def _positions(self, klen: int, clamp_len: int, dtype: torch.dtype, device: torch.device,
-                   table: tuple[torch.Tensor, ...]) -> list[Positions | None]:
-        """Each layer's positions for K keys (``Attention.build_positions``), from the encoding's shared parameters."""
-        shared = {name: getattr(self, name) for name in self.encoding.shared_parameters(self.config)}
-        shared[INV_FREQ] = getattr(self, INV_FREQ)
-        return self.encoding.build_positions(self.config, shared, klen, clamp_len, dtype=dtype, device=device,
-                                             drop=self.drop, table=table)
-
-    def _predict(self, out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None) -> LMOutput:
-        """The adaptive softmax on ``out.hidden``: the per-token NLL and loss of ``labels``, the log-probabilities."""
-        B, T, _ = out.hidden.shape
-        flat = out.hidden.reshape(B * T, -1)  # (B*T, d)
-        if labels is not None:
-            out.nll = self.softmax.nll(flat, labels.reshape(-1)).view(B, T)  # (B, T)
-            out.tokens = (labels != IGNORE_INDEX).sum()  # () int64
-            out.loss = out.nll.sum() / out.tokens.clamp(min=1)
-        if return_log_probs or (return_log_probs is None and labels is None):
-            out.log_probs = self.softmax.log_prob(flat).view(B, T, -1)  # (B, T, V)
-        return out
-
-    def _next_cache(self, out: LMOutput, cache: KVCache, memory: Memory | None, own: Memory | None,
-                    hiddens: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
-                    buffers: list, *, grow: bool, T: int, ctx: Context, table: tuple[torch.Tensor, ...],
-                    version: int | None) -> None:
-        """The KVCache returned (and, where the rows ``grow`` in place into its buffers, the memory): the keys and
-        values of exactly ``out.memory``'s rows."""
-        memory = memory if memory_length(memory) else None
-        buffers = buffers if grow else None
-        if self.compressor is not None:
-            out.kv_cache = self.compressor.next_cache(keys, values, buffers, own, out.memory, T, positions=table,
-                                                      weights_version=version)
-        elif buffers is not None:
-            had = [b[0] for b in cache.buffers] if cache.buffers else None
-            out.memory, memory_buffers = grow_memory(memory, hiddens, mem_len=ctx.mem_len, buffers=had)
-            # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
-            out.kv_cache = KVCache(keys=tuple(last_rows(k, ctx.mem_len) for k in keys),
-                                   values=tuple(last_rows(val, ctx.mem_len) for val in values), positions=table,
-                                   buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
-                                   weights_version=version)
+        if grow and self.compressor is None:
+            self._grow(out, kv_cache, own, hiddens, keys, values, buffers, mem_len=ctx.mem_len, table=table,
+                       version=version)
         else:
-            out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                                   positions=table, weights_version=version)
+            plain.next_state(self, out, own, compressed, hiddens, keys, values, ctx=ctx, kv=kv_cache is not None,
+                             train=self.training and labels is not None, version=version, table=table,
+                             buffers=buffers if grow else None)
+        return plain.predict(out, labels, return_log_probs, self.softmax.nll, self.softmax.log_prob)
+
+    def _grow(self, out: LMOutput, cache: KVCache, memory: Memory | None, hiddens: list[torch.Tensor],
+              keys: list[torch.Tensor], values: list[torch.Tensor], buffers: list, *, mem_len: int,
+              table: tuple[torch.Tensor, ...], version: int | None) -> None:
+        """``out.memory`` and ``out.kv_cache`` as views of the cache's RowBuffers, the new rows appended in place
+        (``txl.model.memory.grow_memory``): the keys and values of exactly ``out.memory``'s rows."""
+        had = [b[0] for b in cache.buffers] if cache.buffers else None
+        out.memory, memory_buffers = grow_memory(memory if memory_length(memory) else None, hiddens, mem_len=mem_len,
+                                                 buffers=had)
+        # keys/values cover all K rows, so keeping their last mem_len keeps them aligned with the memory.
+        out.kv_cache = KVCache(keys=tuple(last_rows(k, mem_len) for k in keys),
+                               values=tuple(last_rows(val, mem_len) for val in values), positions=table,
+                               buffers=tuple((m, *kv) for m, kv in zip(memory_buffers, buffers)),
+                               weights_version=version)
 
     def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
         """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
@@ -337,11 +277,6 @@ class TransformerXL(nn.Module):
         if not params or any(p.dtype == dtype for p in params):  # nothing to cast ('grouped' without autocast)
             return contextlib.nullcontext()
         return casting.cast_in_place(slots, dtype)
-
-    def _weights_version(self) -> int | None:
-        """The parameters' version for a KVCache; None under torch.compile, which cannot read version
-        counters (a graph break): a compiled caller checks its cache at its boundary, as it checks inputs."""
-        return None if torch.compiler.is_compiling() else weights_version(self)
 
     def check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
@@ -442,15 +377,6 @@ class TransformerXL(nn.Module):
                                  f"(use {IGNORE_INDEX} to ignore a position)")
             if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
                 self.softmax.check_rows(labels)
-
-
-def add_absolute(x: torch.Tensor, memory: torch.Tensor | None, pos: Positions | None, M: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's segment rows (B, T, d) and memory rows (B, M, d) with an absolute encoding's positions added
-    (``Positions.absolute``, (K, d): memory rows get the earlier ones); as they are for the other encodings."""
-    if pos is None or pos.absolute is None:
-        return x, memory
-    return x + pos.absolute[M:], (None if memory is None else memory + pos.absolute[:M])
 
 
 def reads_values(t: torch.Tensor) -> bool:

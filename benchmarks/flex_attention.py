@@ -9,11 +9,11 @@ Here the products stay as they come out of the matmul, by distance, and FlexAtte
 realigned entry itself, ``score + table[h, b, i, K-1-M-i+j]``; the causal mask is a block mask, so blocks of
 keys no query sees are skipped, not filled with -inf. No realigned copy and no mask tensor are made.
 
-A candidate beside SDPA, not a path of the model: ``benchmarks.flex`` times the two on a device. Its forward
-equals the fused kernel's (tests/test_flex.py, on a CPU, where torch runs FlexAttention unfused); torch 2.13
-has no FlexAttention backward on a CPU, so its gradients (to the query, keys, values, and through the
-captured table to q + v and W_kR R) are checked on CUDA only (``-m gpu``). Causal masking only: same_length,
-padding and attention dropout stay with ``kernels``.
+A candidate beside SDPA, not a path of the model, so it lives beside its benchmark (``benchmarks.flex`` times the
+two on a device). Its forward equals the fused kernel's (tests/test_flex.py, on a CPU, where torch runs
+FlexAttention unfused); torch 2.13 has no FlexAttention backward on a CPU, so its gradients (to the query, keys,
+values, and through the captured table to q + v and W_kR R) are checked on CUDA only (``-m gpu``). Causal masking
+only: same_length, padding and attention dropout stay with ``txl.model.kernels``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,21 @@ from collections.abc import Callable
 
 import torch
 
+from txl.model import kernels
+
 
 def position_table(qv: torch.Tensor, r: torch.Tensor, batch: int) -> torch.Tensor:
     """(H, B*T, D) scaled (q + v) and (K, H, D) W_kR R -> (H, B, T, K) positional scores, column p against
-    distance K-1-p (not realigned): the operands of ``kernels.relative_bias``, one matmul per head."""
+    distance K-1-p (not realigned): ``RelativeAttention.scores_of``, one matmul per head."""
     H, BT, _ = qv.shape
     K = r.size(0)
     return torch.bmm(qv, r.permute(1, 2, 0)).view(H, batch, BT // batch, K)  # (H, B, T, K)
+
+
+def relative_bias(qv: torch.Tensor, r: torch.Tensor, *, mask_bias: torch.Tensor) -> torch.Tensor:
+    """The dense bias the model's fused path hands SDPA for these operands: ``position_table`` realigned by key
+    index, the (T, K) mask added: (B, H, T, K). A ``bias_fn`` of ``kernels.fused_attention``."""
+    return kernels.realign(position_table(qv, r, qv.size(1) // mask_bias.size(-2)), mask_bias, heads_first=True)
 
 
 def relative_flex_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, qv: torch.Tensor,
@@ -37,7 +45,7 @@ def relative_flex_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Ten
 
     query: (B, T, H, D), content bias u added and scaled by 1/sqrt(D); k, val: (B, K, H, D) keys and values of
     [memory; segment]; qv: (H, B*T, D) scaled (q + v); r: (K, H, D) W_kR R for distances K-1 .. 0 (the
-    operands ``RelativeAttention.positional_inputs`` hands ``kernels.relative_bias``). ``attend``: the
+    operands of ``relative_bias``). ``attend``: the
     FlexAttention to call (``torch.compile(flex_attention)`` on a GPU, the fused kernel; None: torch's own,
     unfused in eager mode).
     """
