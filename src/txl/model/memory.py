@@ -47,7 +47,7 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
         for l, h in enumerate(hiddens):
             h = h[:, : h.size(1) - ext_len] if ext_len else h  # (B, T, ...)
             # The segment alone fills the memory: no cat (not under torch.compile: torch.export's T is dynamic).
-            fills = h.size(1) >= mem_len and not torch.compiler.is_compiling()
+            fills = not torch.compiler.is_compiling() and h.size(1) >= mem_len
             rows = h if fills or not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], 1)
             new.append(rows[:, -mem_len:].to(dtype or h.dtype, copy=True))  # (B, M', ...)
     return tuple(new)
