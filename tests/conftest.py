@@ -70,6 +70,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Graphs compiled by another test are not reused (dynamo's cache is per process): reset before and after."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """The one tiny model shape of the suite (2 layers, 4 heads of 8, memory 6, no dropout): each test
     states only what it changes. A plain function, so module-level builders and parametrisations can
@@ -86,6 +94,16 @@ def tiny_model(**overrides):
     how = {f.name for f in dataclasses.fields(ComputeConfig)}
     return TransformerXL(tiny_config(**{k: v for k, v in overrides.items() if k not in how}),
                          ComputeConfig(**{k: v for k, v in overrides.items() if k in how}))
+
+
+def perturbed_model(**overrides):
+    """``tiny_model`` in eval mode, seeded, every weight moved away from its initialisation so every term counts."""
+    torch.manual_seed(0)
+    model = tiny_model(**overrides).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
 
 
 def assert_training_equal(fast, reference, tokens: torch.Tensor, tol: dict) -> None:

@@ -13,31 +13,14 @@ GPU: what a CUDA graph needs of it, checked on the CPU.
 
 import pytest
 import torch
-from conftest import Counting, HostSyncs, tiny_model
+from conftest import Counting, HostSyncs, perturbed_model
 
-import txl
 from txl.decoding import Picker
 from txl.serve.runner import Drawn, Model, Unit, draw
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
 V = 61
-
-
-@pytest.fixture(autouse=True)
-def fresh_graphs():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def model_of(**overrides) -> txl.TransformerXL:
-    torch.manual_seed(0)
-    model = tiny_model(vocab_size=V, **overrides).eval()
-    with torch.no_grad():  # every weight away from its initialisation, so every term counts
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
 
 
 def generate(m: Model, steps: int, away: range = range(0)) -> tuple[list[list[int]], list, list]:
@@ -68,7 +51,7 @@ def generate(m: Model, steps: int, away: range = range(0)) -> tuple[list[list[in
 def test_the_static_step_generates_what_the_eager_engine_generates(clamp_len, overrides):
     """150 steps (the ring outgrows its first 128 columns and is copied into 256), row 1 away for 20 of them:
     the same tokens (greedy, seeded, penalised), log-probs and kept memory, keys and values as the eager engine."""
-    model = model_of(**overrides)
+    model = perturbed_model(**overrides)
     ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=clamp_len)
     eager = generate(Model(model, graphs="off", **ctx), 150, away=range(40, 60))
     static_model = Model(model, graphs="on", **ctx)
@@ -87,7 +70,7 @@ def test_one_graph_per_bucket_and_the_buffers_stay_put():
     and leaving (all bucket 4: one graph), two rows alone for 10 (bucket 2: a second graph, the two moved down),
     three again (bucket 4's graph again, no third); every buffer a graph reads at the same address throughout."""
     backend = Counting()
-    m = Model(model_of(), segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs="on",
+    m = Model(perturbed_model(), segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs="on",
               graph_backend=backend)
     pick = Picker(temperature=0.0, vocab_size=V)
     rows = [m.run("prefill", [Unit("prefill", list(range(1, n)), None, pick=pick)])[0] for n in (4, 6, 3, 8)]
@@ -112,7 +95,7 @@ def test_no_host_sync_inside_a_step():
     softmax (clusters resolved as on a GPU: every cluster scores every row, no data-dependent shape); nor does
     the runner's whole step once the rows are seated and their inputs are the last step's tokens on the device
     (the host learns the tokens from ``Drawn.get`` after it)."""
-    model = model_of(cutoffs=[20, 40], div_val=2, cluster_rows="all")
+    model = perturbed_model(cutoffs=[20, 40], div_val=2, cluster_rows="all")
     m = Model(model, segment_len=8, mem_len=8, same_length=False, clamp_len=0, graphs="on")
     pick = Picker(temperature=0.0, vocab_size=V)
     rows = [m.run("prefill", [Unit("prefill", p, None, pick=pick)])[0] for p in ([1, 2, 3], [4, 5, 6, 7])]
@@ -169,13 +152,13 @@ def test_drawing_on_the_device_chooses_what_each_rows_picker_chooses():
 def test_the_runner_says_which_step_generates():
     """One line for the server's start-up: the static step where asked (uncaptured without CUDA), else the eager or
     compiled step and why; 'on' for a model the step cannot read is refused at start."""
-    model = model_of()
+    model = perturbed_model()
     ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=0)
     assert Model(model, **ctx).steps == "generation steps: eager, not captured (no CUDA device)"
     assert Model(model, graphs="off", compile=True, **ctx).steps == (
         "generation steps: compiled, not captured (--serve.graphs off)")
     assert "static-buffer decode step, not captured (no CUDA)" in Model(model, graphs="on", **ctx).steps
-    absolute = model_of(attn_type="absolute")
+    absolute = perturbed_model(attn_type="absolute")
     assert "attn_type='absolute'" in Model(absolute, **ctx).steps
     with pytest.raises(ValueError, match=r"serve.graphs on: attn_type='absolute'.*--serve.graphs auto or off"):
         Model(absolute, graphs="on", **ctx)
@@ -185,7 +168,7 @@ def test_the_runner_says_which_step_generates():
 def test_the_static_step_compiled_by_inductor_generates_what_the_eager_engine_generates():
     """The step as a GPU compiles it before capture (``--serve.compile`` with graphs): inductor's kernels, here for
     the CPU, give the eager engine's tokens (greedy, seeded, penalised) with log-probs within 1e-4."""
-    model = model_of()
+    model = perturbed_model()
     ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=0)
     eager = generate(Model(model, graphs="off", **ctx), 20, away=range(8, 12))
     compiled = generate(Model(model, graphs="on", compile=True, **ctx), 20, away=range(8, 12))
@@ -252,7 +235,7 @@ def test_on_cuda_the_captured_graphs_generate_what_the_eager_engine_generates(co
     ``compile``) give the eager engine's tokens (greedy, seeded, penalised) with rows leaving and coming back and
     the ring outgrowing its first buffers, log-probs within float tolerance; one graph per bucket used (4, and 2
     while row 1 is away)."""
-    model = model_of().cuda()
+    model = perturbed_model().cuda()
     ctx = dict(segment_len=8, mem_len=8, same_length=False, clamp_len=0)
     eager = generate(Model(model, graphs="off", **ctx), 150, away=range(40, 60))
     captured_model = Model(model, graphs="auto", compile=compile, **ctx)

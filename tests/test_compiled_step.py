@@ -8,34 +8,16 @@ AOTAutograd make, without inductor's code generation, which takes tens of second
 
 import pytest
 import torch
-from conftest import Counting, tiny_config
+from conftest import Counting, perturbed_model
 
-import txl
 from txl.compiled_step import HEADROOM, CompiledStep, compiled_step_error
 from txl.decoding import Decoder
 from txl.serve.engine import Model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
 STEPS = HEADROOM + 6  # the rows move to a new buffer on the way
 LEAD = [0, 2, 4]  # a left-padded prompt batch: rows of 7, 5 and 3 tokens
-
-
-@pytest.fixture(autouse=True)
-def fresh_graphs():
-    """Graphs compiled by another test are not reused (dynamo's cache is per process)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def model_of(**overrides) -> txl.TransformerXL:
-    torch.manual_seed(0)
-    model = txl.TransformerXL(tiny_config(**overrides)).eval()
-    with torch.no_grad():  # every weight away from its initialisation, so every term counts
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
 
 
 def greedy(decoder: Decoder, steps: int = STEPS, leave_at: int | None = None) -> tuple[torch.Tensor, list]:
@@ -64,7 +46,7 @@ def greedy(decoder: Decoder, steps: int = STEPS, leave_at: int | None = None) ->
     # leaves the batch after 10 steps (batch 3, then 2: the batch size is a symbol too)
 ], ids=["all_clamped_later", "window_clamp", "pre_ln_untied_leave"])
 def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides, leave_at, graphs):
-    model = model_of(clamp_len=clamp_len, **overrides)
+    model = perturbed_model(clamp_len=clamp_len, **overrides)
     backend = Counting()
     compiled = Decoder(model, mem_len=mem_len, compile=True, backend=backend)
     assert compiled.compiled is not None
@@ -80,7 +62,7 @@ def test_compiled_steps_equal_eager_in_one_graph(mem_len, clamp_len, overrides, 
 @pytest.mark.slow  # torch.compile (16 s loaded)
 def test_the_compiled_step_writes_into_the_rows_buffers():
     """The memory, keys and values the step returns are views of buffers it wrote in place: no per-token copy."""
-    model = model_of()
+    model = perturbed_model()
     decoder = Decoder(model, compile=True, backend=Counting())
     ids = torch.randint(0, 61, (2, 4), generator=torch.Generator().manual_seed(2))  # (B, T)
     lp, rows = decoder.run(ids)
@@ -97,7 +79,7 @@ def test_the_compiled_step_writes_into_the_rows_buffers():
 @pytest.mark.parametrize("overrides", [dict(attn_type="absolute"), dict(attn_type="shaw"), dict(attn_type="rotary"),
                                        dict(cmem_len=4)], ids=["absolute", "shaw", "rotary", "compressive"])
 def test_other_encodings_compile_the_whole_forward(overrides):
-    model = model_of(**overrides)
+    model = perturbed_model(**overrides)
     why = compiled_step_error(model)
     assert why is not None and why.split("=")[0] in ("attn_type", "cmem_len")
     with pytest.raises(ValueError, match="a compiled generation step is not available: .*generate without compile"):
@@ -107,18 +89,18 @@ def test_other_encodings_compile_the_whole_forward(overrides):
 
 
 def test_the_serving_engine_passes_compile_on():
-    model = model_of()
+    model = perturbed_model()
     assert Model(model, segment_len=8, compile=True).decoder.compiled is not None
     assert Model(model, segment_len=8).decoder.compiled is None
     with pytest.raises(ValueError, match=r"serve.compile: attn_type='absolute': .* without --serve.compile"):
-        Model(model_of(attn_type="absolute"), segment_len=8, compile=True)  # refused at start, not compiled whole
+        Model(perturbed_model(attn_type="absolute"), segment_len=8, compile=True)  # refused at start
 
 
 @pytest.mark.slow
 def test_inductor_steps_equal_eager():
     """Inductor's generated code (the path `txl serve --serve.compile true` runs): greedy tokens identical, log-probs
     within 1e-4 (its fused loops sum in another order), one graph for the batch of 3 across the new buffer."""
-    model = model_of(clamp_len=5)
+    model = perturbed_model(clamp_len=5)
     backend = Counting("inductor")
     got, got_tokens = greedy(Decoder(model, mem_len=9, compile=True, backend=backend))
     want, want_tokens = greedy(Decoder(model, mem_len=9))
