@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from txl.config import Context
+from txl.graphs import on_side_stream
 from txl.labels import IGNORE_INDEX
 from txl.model import kernels
 from txl.model.attention import RelativeAttention
@@ -234,11 +235,7 @@ class StaticEval:
         elif self.graph is not None:
             self.graph.replay()
         elif self.runs < self.warmup:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.fn(*args, **options)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            on_side_stream(lambda: self.fn(*args, **options), self.device)
         else:
             graph = torch.cuda.CUDAGraph()
             try:

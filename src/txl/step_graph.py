@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from txl.graphs import memory_dtype, static_shape_error
+from txl.graphs import memory_dtype, on_side_stream, static_shape_error
 from txl.model.memory import Memory, memory_length
 from txl.model.plan import resolved
 from txl.step_stats import StepStats
@@ -204,11 +204,7 @@ class StepGraph:
         elif self.graph is not None:
             self.graph.replay()
         elif self.runs < self.warmup:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            on_side_stream(self.body, self.device)
         else:
             for group in self.optimizer.param_groups:  # a resumed optimiser's groups carry the saved flag
                 group["capturable"] = True
