@@ -96,13 +96,20 @@ def check_split_fits(split: str, n_tokens: int, *, batch_size: int, tgt_len: int
                          "or a corpus with a larger split")
 
 
-def fit_capacity(model: TransformerXL, it: OrderedIterator, chunks: int = 1) -> None:
+def sizes_capacity(model: TransformerXL, static: bool) -> bool:
+    """Whether the model's adaptive softmax reads 'capacity' rows: it runs 'capacity', or 'selected' under
+    torch.compile or CUDA graphs (``static``), where 'selected' becomes 'capacity'."""
+    rows = model.softmax.rows
+    return bool(model.softmax.n_clusters) and (rows == "capacity" or (rows == "selected" and static))
+
+
+def fit_capacity(model: TransformerXL, it: OrderedIterator, chunks: int = 1, *, static: bool = True) -> None:
     """Size the adaptive softmax's 'capacity' rows for every batch ``it`` yields, each cut into ``chunks`` model calls
     (``OrderedIterator.tail_counts``, ``AdaptiveLogSoftmax.fit_capacity``): none of them can overflow. Before anything
-    is compiled or captured (their shapes are the rows'); rows only grow. Nothing to size without tail clusters or
-    when every token is scored ('all'); 'selected' uses them under torch.compile."""
+    is compiled or captured (their shapes are the rows'); rows only grow. Nothing to count where no rows are read
+    (``sizes_capacity``: 'all', or 'selected' run eagerly, ``static`` False)."""
     softmax = model.softmax
-    if softmax.n_clusters and softmax.rows != "all":
+    if sizes_capacity(model, static):
         softmax.fit_capacity(it.tail_counts(softmax.bounds[1:-1], chunks))
 
 
@@ -129,7 +136,8 @@ def evaluate(model: TransformerXL, tokens: np.ndarray, *, metric: str, batch_siz
     context = model.config.context() if context is None else context
     it = eval_iterator(tokens, batch_size=batch_size, tgt_len=tgt_len, ext_len=context.ext_len, rank=info.rank,
                        world_size=info.world_size, device=device)
-    fit_capacity(model, it)  # a split known ahead: 'capacity' rows its batches fit (sized by txl.train already there)
+    # a split known ahead: 'capacity' rows its batches fit (sized by txl.train already there)
+    fit_capacity(model, it, static=compile or graphs)
     why = static_eval_error(model, context) if graphs else "graphs off"
     ring = StaticEval(model, context) if why is None else None
     if graphs and ring is None:

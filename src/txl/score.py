@@ -28,7 +28,7 @@ import torch
 
 from txl.config import Context
 from txl.decoding import read
-from txl.evaluate import inference_context
+from txl.evaluate import inference_context, sizes_capacity
 from txl.labels import IGNORE_INDEX
 from txl.model import Memory, TransformerXL
 from txl.static_eval import StaticEval, static_eval_error
@@ -131,13 +131,13 @@ def _group(documents: Sequence[Iterable[int]], batch_size: int) -> list[list[int
 
 
 def _fit_capacity(model: TransformerXL, documents: Sequence[Iterable[int]], *, batch_size: int, segment_len: int,
-                  context_id: int | None) -> None:
+                  context_id: int | None, static: bool) -> None:
     """Size the adaptive softmax's 'capacity' rows (``AdaptiveLogSoftmax.fit_capacity``) for every segment of
     ``documents`` where their lengths are known ahead (sequences, not iterators): per group read together and per
     segment, each tail's labels (a document's ids, less the first without ``context_id``). Iterators: the Zipf
     estimate stays (a NaN score is a tail holding more labels than its rows)."""
     softmax = model.softmax
-    if not softmax.n_clusters or softmax.rows == "all" or not all(hasattr(d, "__len__") for d in documents):
+    if not sizes_capacity(model, static) or not all(hasattr(d, "__len__") for d in documents):
         return
     cutoffs, most = softmax.bounds[1:-1], np.zeros(softmax.n_clusters, dtype=np.int64)
     for group in _group(documents, batch_size):
@@ -228,7 +228,8 @@ def iter_scores(model: TransformerXL, documents: Sequence[Iterable[int]], *, seg
     device = next(model.parameters()).device
     changes = dict(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, ext_len=0)
     context = model.config.context(**changes)
-    _fit_capacity(model, documents, batch_size=batch_size, segment_len=segment_len, context_id=context_id)
+    _fit_capacity(model, documents, batch_size=batch_size, segment_len=segment_len, context_id=context_id,
+                  static=graphs)
     why = static_eval_error(model, context) if graphs else "graphs off"
     if graphs and why is not None:
         log.info("score graphs: the segments run uncaptured, not over rings: %s", why)

@@ -42,7 +42,7 @@ from txl.distributed import (
     naming_dead_peers,
     shutdown,
 )
-from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, fit_capacity, metric_value
+from txl.evaluate import EvalResult, autocast, check_split_fits, evaluate, fit_capacity, metric_value, sizes_capacity
 from txl.fileio import remove_partial
 from txl.graphs import StaticSteps
 from txl.labels import IGNORE_INDEX
@@ -311,13 +311,6 @@ def _divergence_advice(latest: Path | None, then: str, capacity: bool = False) -
     return f"The last good checkpoint is {latest}. {fix}, then {then}{overflow}"
 
 
-def _capacity_rows(model: TransformerXL, compiled: bool) -> bool:
-    """Whether the adaptive softmax scores fixed rows per tail cluster ('capacity'; 'selected' under torch.compile
-    or CUDA graphs): a label beyond them is a NaN loss on a device."""
-    rows = model.softmax.rows
-    return bool(model.softmax.n_clusters) and (rows == "capacity" or (rows == "selected" and compiled))
-
-
 class Trainer:
     """The run's stateful parts and the loop that drives them; holds no state a checkpoint forgets."""
 
@@ -353,11 +346,12 @@ class Trainer:
         self.state = TrainState(iterator=it, device=info.device, grad_accum=t.grad_accum)
         # 'capacity' rows (the adaptive softmax's static shapes) sized from every batch the run reads, before anything
         # is compiled or captured: training's in grad_accum chunks, validation's and the test's (txl.evaluate).
-        fit_capacity(self.model, it, t.grad_accum)
+        static = t.compile or cfg.eval.compile or graphs != "off"
+        fit_capacity(self.model, it, t.grad_accum, static=static)
         for split, tgt in ((corpus.valid, t.tgt_len), (corpus.test, cfg.eval.segment_len(t.tgt_len))):
             fit_capacity(self.model, eval_iterator(split, batch_size=cfg.eval.batch_size, tgt_len=tgt,
-                                                   world_size=info.world_size))
-        self.capacity = _capacity_rows(self.model, t.compile or cfg.eval.compile or graphs != "off")
+                                                   world_size=info.world_size), static=static)
+        self.capacity = sizes_capacity(self.model, static)
         self.checkpointer = ckpt.Checkpointer(self.out, keep_last=t.keep_last)
         # DDP first, then compile: dynamo splits at buckets. graphs: static shapes, CUDA graphs (txl.graphs).
         self.step_model = StaticSteps(self.ddp) if graphs == "model" else compile_model(self.ddp, t.compile)
