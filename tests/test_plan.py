@@ -122,3 +122,10 @@ def test_a_checkpoint_computes_the_same_under_the_cpu_and_the_cuda_plan():
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=1e-6)
     for a, b in zip(outs[0][1], outs[1][1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_resolve_refuses_a_model_config():
+    """A ModelConfig has none of the how-fields: resolved, it would come back as it is and the model would run its
+    own device's path, silently. Refused, naming the call to make."""
+    with pytest.raises(TypeError, match=r"plan.resolve takes a ComputeConfig, not a ModelConfig"):
+        plan.resolve(tiny_config(), "cuda")

@@ -109,6 +109,9 @@ def resolve(compute: ComputeConfig, device_type: str) -> ComputeConfig:
     name of its own, so its resolution keeps 'fast', which means torch's kernel elsewhere.
     """
     _check_device_type(device_type)
+    if not isinstance(compute, ComputeConfig):  # a ModelConfig has none of the fields: it would resolve to itself
+        raise TypeError(f"plan.resolve takes a ComputeConfig, not a {type(compute).__name__}: build the model with "
+                        "TransformerXL(config, plan.resolve(ComputeConfig(), device_type))")
     changes = {c.field: c.on(device_type) for c in CHOICES
                if hasattr(compute, c.field) and getattr(compute, c.field) == c.value}
     return compute.replace(**changes)
