@@ -69,17 +69,6 @@ def compile_static(model: torch.nn.Module, backend: str | None = None) -> Callab
     return torch.compile(model, backend=backend, dynamic=False)
 
 
-def on_side_stream(fn: Callable[[], object], device: torch.device) -> None:
-    """``fn()`` on a side stream that waits for, and is waited for by, ``device``'s current stream: the warm-up runs
-    before a CUDA-graph capture (torch's recipe: the lazy initialisations they trigger stay out of the capture's
-    memory pool). ``txl.step_graph`` and ``txl.static_eval`` warm up with it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-
-
 def _left_padded(rows: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, M, ...) -> (B, length, ...) in ``dtype``: zeros before the M rows (the rows the caller has not yet)."""
     B, M = rows.shape[:2]
@@ -203,4 +192,4 @@ class StaticSteps:
                        weights_version=cache.weights_version)
 
 
-__all__ = ["StaticSteps", "compile_static", "memory_dtype", "on_side_stream", "static_shape_error"]
+__all__ = ["StaticSteps", "compile_static", "memory_dtype", "static_shape_error"]

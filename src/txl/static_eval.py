@@ -44,7 +44,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from txl.config import Context
-from txl.graphs import on_side_stream
 from txl.labels import IGNORE_INDEX
 from txl.model import kernels
 from txl.model.attention import RelativeAttention
@@ -77,6 +76,17 @@ def static_eval_error(model, context: Context) -> str | None:
     if context.ext_len:
         return f"ext_len={context.ext_len} re-feeds rows each segment (a ring holds each position once)"
     return None
+
+
+def on_side_stream(fn: Callable[[], object], device: torch.device) -> None:
+    """``fn()`` on a side stream that waits for, and is waited for by, ``device``'s current stream: the warm-up runs
+    before a CUDA-graph capture (torch's recipe: the lazy initialisations they trigger stay out of the capture's
+    memory pool). ``txl.step_graph`` warms up with it too."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def ring_mask(start: torch.Tensor, filled: torch.Tensor, T: int, R: int, horizon: int

@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from txl.graphs import memory_dtype, on_side_stream, static_shape_error
+from txl.graphs import memory_dtype, static_shape_error
 from txl.model.memory import Memory, memory_length
 from txl.model.plan import resolved
+from txl.static_eval import on_side_stream
 from txl.step_stats import StepStats
 
 log = logging.getLogger(__name__)
