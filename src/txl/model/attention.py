@@ -147,7 +147,9 @@ class Attention(nn.Module):
         q, k = self.place(q, k)
         # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
         # the pass that realigns them), where scaling the queries was a pass over them.
-        query = q + self.content_bias(u)  # (B, T, H, D): (a) + (c) read q + u
+        # (a) + (c) read q + u, u in the queries' dtype: a 16-bit query (autocast) would be promoted to float32
+        shift = self.content_bias(u)
+        query = q + (shift.to(q.dtype) if isinstance(shift, torch.Tensor) else shift)  # (B, T, H, D)
         # (b) + (d): the positional scores made of small operands by the kernels (in backward again, to recompute)
         operands = self.positional_operands(q, k.size(1), positions, v)
         index = None if positions is None else positions.index  # keys in ring order (txl.static_eval): gathered
@@ -262,12 +264,16 @@ class RelativeAttention(Attention):
         return self.project_positions(positions.encodings.to(dtype))  # (K, H, D)
 
     def positional_operands(self, q, klen, positions, v):
-        return q + self.global_bias(v, "v"), self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
+        qv = q + self.global_bias(v, "v").to(q.dtype)  # (B, T, H, D): 16-bit under autocast, as q
+        return qv, self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
 
     @staticmethod
     def scores_of(qv, r):
-        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch)
-        return torch.einsum("bthd,khd->bhtk", qv, r)  # (B, H, T, K), laid out (H, B, T, K)
+        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch, not copied
+        # B times); a bmm, not einsum: under CPU autocast einsum copied its (B, H, T, K) output twice
+        B, T, H, D = qv.shape
+        scores = torch.bmm(qv.permute(2, 0, 1, 3).reshape(H, B * T, D), r.permute(1, 2, 0))  # (H, B*T, K)
+        return scores.view(H, B, T, -1).transpose(0, 1)  # (B, H, T, K), laid out (H, B, T, K)
 
 
 class ShawAttention(Attention):
