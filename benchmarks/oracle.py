@@ -14,7 +14,8 @@ else runs on the machine (waiting for a busy core is not counted), so on a share
 ratio; with more threads it also counts the threads' spin-waits.
 
 Training: forward, backward and an Adam step on one segment, memory carried (each model's own), dropout as
-configured (``nn.Dropout`` in both; txl's default ``dropout_impl='torch'``). Evaluation: ``torch.no_grad()``
+configured (the oracle's ``nn.Dropout``; txl's default ``dropout_impl='fast'``, its gap sampler on the CPU, the same
+distribution). Evaluation: ``torch.no_grad()``
 forward with labels and memory; txl carries its key/value cache as ``txl.evaluate`` does, the oracle its mems.
 bf16 is ``torch.autocast`` around txl's step (worth timing only where the CPU has AVX512_BF16 or AMX); the
 oracle fails under it (its adaptive softmax writes bf16 rows into a float32 tensor), so it runs in fp32.
