@@ -14,7 +14,7 @@ import txl
 from txl import checkpoint
 from txl.config import MOVED_FIELDS, ComputeConfig, ModelConfig, RunConfig
 from txl.model import plan
-from txl.presets import apply_overrides, run_config
+from txl.presets import apply_overrides, run_config, typed
 from txl.pretrained import from_pretrained, save_pretrained
 
 OLD_HOW = dict(attn_impl="reference", recompute_attention=True, dropout_impl="fast16", cluster_rows="all",
@@ -48,6 +48,17 @@ def test_an_old_model_section_moves_to_compute_in_a_run_and_is_dropped_from_a_mo
     # Round trip: what a run writes now holds the how in [compute], none of it in [model].
     again = RunConfig.from_dict(json.loads(json.dumps(run.to_dict())))
     assert again == run and not set(MOVED_FIELDS) & set(run.to_dict()["model"])
+
+
+def test_an_old_toml_model_section_types_its_moved_fields_as_compute_does():
+    # Text values (a TOML written as strings, a run.json edited by hand) of the moved fields are typed with
+    # ComputeConfig's hints, then moved: not handed on as strings ('false' would read as true).
+    data = typed({"model": {"recompute_attention": "false", "softmax_pad": "64", "mem_len": "10"}})
+    assert data["model"] == {"recompute_attention": False, "softmax_pad": 64, "mem_len": 10}
+    run = RunConfig.from_dict({"model": {**tiny_config().to_dict(), **data["model"]}})
+    assert (run.compute.recompute_attention, run.compute.softmax_pad, run.model.mem_len) == (False, 64, 10)
+    with pytest.raises(ValueError, match="softmax_pad"):
+        typed({"model": {"softmax_pad": "wide"}})
 
 
 def test_the_command_line_sets_compute_and_names_the_moved_flag():

@@ -202,6 +202,8 @@ def typed(data: dict[str, Any]) -> dict[str, Any]:
             out[section] = values
             continue
         hints = field_types(SECTIONS[section])
+        if section == "model":  # a file written before issue 45: its how-fields typed as [compute]'s, moved later
+            hints = {**{n: t for n, t in field_types(SECTIONS["compute"]).items() if n in MOVED_FIELDS}, **hints}
         out[section] = {name: _coerce(section, name, value, hints[name]) if name in hints else value
                         for name, value in values.items()}
     return out
