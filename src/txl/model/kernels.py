@@ -1,26 +1,17 @@
-"""Attention kernels on tensors: the fast paths, each tested against the plain path it replaces.
+"""Attention kernels on tensors: the default ('fused') path, each tested against ``txl.model.plain``.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, A, C the two leading dims of a score block.
 
-A kernel takes tensors and plain numbers (a query, keys, values, a positional bias or the function that
-makes it from small inputs, a mask, the attention dropout, whether to recompute), never the module that
-calls it: it sits below ``txl.model.attention`` and never imports it. ``txl.model.plain`` is the paper's model
-term by term; ``ComputeConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
-tests/test_plain.py compare the two (outputs, gradients of inputs and parameters, memories, every attention type,
-train and eval). Each custom autograd Function here stays for a measured win (benchmarks/README.md, "What the fast
-path keeps"):
+A kernel takes tensors and plain numbers, never the module that calls it (it sits below ``txl.model.attention``).
+Each custom autograd Function stays for a measured win (benchmarks/README.md, "What the fast path keeps"):
 
-* ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
-  as its additive mask (evaluation); in training ``explicit_attention``, which keeps the (B, H, T, K) probabilities
-  for backward (autograd), or ``_RecomputedAttention``, which recomputes them there (``recompute_attention``);
-* ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
-  backward written straight into the scores' layout (``_Realign``);
+* ``fused_attention``: SDPA with the positional scores as its additive mask (evaluation); in training
+  ``explicit_attention`` (autograd keeps the probabilities) or ``_RecomputedAttention`` (``recompute_attention``);
+* ``realign``: ``rel_shift`` as a strided view, scale and mask added in the same pass, exact backward (``_Realign``);
 * ``positional_bias``: an encoding's positional scores (``Attention.scores_of``), realigned, scaled, masked.
 
-Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
-strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
-the compiler fuses those itself.
+Under ``torch.compile`` the Functions are not traced: ordinary ops take their place, which the compiler fuses.
 """
 
 from __future__ import annotations
@@ -42,14 +33,9 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; a 16-bit stream (the adaptive embedding's projection, or a model in a 16-bit dtype,
-    under autocast) is normalised in its own dtype, the norm's weight and bias cast to it.
-
-    The condition is the stream's dtype, not a mismatch with the weights: CUDA's layer norm takes one dtype for its
-    input and weights (the CPU's also takes float32 weights beside a 16-bit input, so a mismatch passes there and fails
-    only on a GPU), and CUDA's autocast runs layer norm in float32 whatever the weights are (it would cast x up and the
-    next matmul cast it down again). The kernel computes the statistics in float32 either way.
-    """
+    """``norm(x)``; a 16-bit stream is normalised in its own dtype, the norm's weight and bias cast to it: CUDA's
+    layer norm takes one dtype for input and weights, and its autocast would run it in float32 (a cast up and down
+    again). The statistics are float32 either way."""
     if x.dtype in (torch.float16, torch.bfloat16):
         with torch.autocast(x.device.type, enabled=False):
             return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
@@ -70,14 +56,10 @@ def _shifted_view(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Realign(torch.autograd.Function):
-    """Forward: the key-aligned positional scores plus the additive mask, as a new (B, H, T, K) tensor.
-
-    Backward: the gradient is written straight into the layout of the scores with one strided copy,
-    instead of autograd's zero-filled buffer + scatter of ``as_strided`` (or the slice and pad copies of
-    ``rel_shift``). Within a (T, K) block each score feeds one output entry, except the T-1 shared by
-    the end of row i and the start of row i+1, whose two gradients are added, and the first T-1, which
-    feed none: this is the exact gradient.
-    """
+    """Forward: the key-aligned positional scores plus the additive mask, a new (B, H, T, K) tensor. Backward: the
+    gradient written straight into the scores' layout by one strided copy. Within a (T, K) block each score feeds
+    one output entry, except the T-1 shared by the end of row i and the start of row i+1 (their two gradients
+    added) and the first T-1, which feed none: the exact gradient."""
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool, scale: float) -> torch.Tensor:
@@ -87,8 +69,6 @@ class _Realign(torch.autograd.Function):
         ctx.heads_first, ctx.scale = heads_first, scale
         ctx.scores_shape = scores.shape
         out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
-        if scale == 1.0:
-            return torch.add(shifted, mask_bias, out=out)
         return torch.add(mask_bias, shifted, alpha=scale, out=out)  # scaled in the same pass
 
     @staticmethod
@@ -103,19 +83,13 @@ class _Realign(torch.autograd.Function):
             buf.as_strided((A, C, 2, T - 1), (C * T * K, T * K, T * K - T + 1, 1), buf.storage_offset()).zero_()
         # Each row's first K-1 entries tile the rest of the block exactly ...
         rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
-        scale = ctx.scale
-        if scale == 1.0:
-            rows.copy_(g[..., :K - 1])
-        else:  # the forward's scale, applied as the gradient is written
-            torch.mul(g[..., :K - 1], scale, out=rows)
+        torch.mul(g[..., :K - 1], ctx.scale, out=rows)  # the forward's scale, applied as the gradient is written
         # ... the rows' last entries add onto the next row's first, and the last row's onto the zeroed last entry.
         last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
         if T > 1:
-            last.add_(g[..., K - 1], alpha=scale)
-        elif scale == 1.0:
-            last.copy_(g[..., K - 1])
+            last.add_(g[..., K - 1], alpha=ctx.scale)
         else:
-            torch.mul(g[..., K - 1], scale, out=last)
+            torch.mul(g[..., K - 1], ctx.scale, out=last)
         return buf.view(A, C, T, K), None, None, None
 
 
@@ -123,16 +97,13 @@ def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool,
     """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), times ``scale``, mask added.
 
     scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
-    distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
-    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K), a slower bool-mask
-    kernel on CPU. Against rel_shift's pad-and-view with the scale and mask as plain ops, a layer's positional
-    scores at the base shape: forward 2.2 against 7.5 ms, forward and backward 4.2 against 18.9 ms (5% of an
-    evaluation step, 4% of a training step; benchmarks/README.md, issue 45).
+    distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere (added in the pass that
+    realigns anyway; the win: benchmarks/README.md, "What the fast path keeps").
     """
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         shifted = rel_shift(scores)  # (A, C, T, K)
         shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
-        return (shifted * scale + mask_bias if scale != 1.0 else shifted + mask_bias).contiguous()  # (B, H, T, K)
+        return (shifted * scale + mask_bias).contiguous()  # (B, H, T, K)
     return _Realign.apply(scores.contiguous(), mask_bias, heads_first, scale)
 
 
@@ -153,7 +124,7 @@ def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Ten
     realigned (evaluation only: autograd does not go through it)."""
     scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K); with index K = N
     if index is not None:
-        # gather of the expanded index: take_along_dim's broadcast made it ~5x slower on a CPU
+        # gather of the expanded index (take_along_dim's broadcast is slower on a CPU)
         B, H, T, _ = scores.shape
         position = scores.gather(-1, index.expand(B, H, T, index.size(-1)))  # (B, H, T, K)
         return torch.add(mask_bias, position, alpha=scale)  # (B, H, T, K)
@@ -164,25 +135,15 @@ def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Ten
 # -- attention: the fused kernel, pinned ----------------------------------------------------------
 
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""The SDPA kernels txl's attention may run on: every one but cuDNN's.
-
-Our scores carry a dense additive bias (the positional terms and the mask, (B, H, T, K)) and the key length
-K = M + T changes from call to call while the memory fills (and its stride with it). On sm90 torch tries cuDNN
-first for a dense bias, and cuDNN builds an execution plan for every new (shape, stride): 47 ms of host time
-in 16 calls per evaluation segment on an H200 (issue 34's profile), more than the segment's whole device time.
-The memory-efficient kernel takes the same bias with no plan to build (and returns its gradient under
-torch.compile); flash takes no bias at all, so it runs only where there is none; the CPU's fused kernel
-is its 'flash' one; math is the fallback everywhere."""
+"""The SDPA kernels txl's attention may run on: every one but cuDNN's, which builds an execution plan for every new
+(shape, stride) of the dense bias, and K = M + T changes while the memory fills (benchmarks/README.md, "What the
+fast path keeps"). Flash runs where there is no bias; math is the fallback."""
 
 
 def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0,
          pin: bool = True) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``.
-
-    ``pin`` is the model's plan (``ComputePlan.pin_sdpa``): on a CPU there is no cuDNN kernel to keep out, and the
-    backend context costs 20-40 us a call there, so the call is made as is; on any other device (CUDA; meta, where
-    the tests read the flags) inside the context.
-    """
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``
+    (``ComputePlan.pin_sdpa``: off on a CPU, which has no cuDNN and where the context costs time)."""
     if not pin:
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
     with sdpa_kernel(list(SDPA_BACKENDS)):
@@ -197,14 +158,11 @@ def _forward_autocast(device: torch.device) -> dict:
 
 class _RecomputedAttention(torch.autograd.Function):
     """softmax(scale * query k^T + bias) val for training (``recompute_attention``), keeping neither the (B, H, T, K)
-    bias nor the probabilities from forward to backward: base training peak RSS 2,005 -> 1,869 MiB for 6-7% of
-    its speed (benchmarks/README.md). torch's checkpoint around ``explicit_attention`` instead held 1,567-1,739 MB
-    against this one's 1,380-1,418 (two base training steps, issue 45), so this stays.
+    bias nor the probabilities for backward: memory, not speed (benchmarks/README.md, "What the fast path keeps").
 
-    Forward: the fused kernel (SDPA). Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``,
-    e.g. (q + v) and W_kR R), the probabilities P from it, then as in FlashAttention's backward
-    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T (rowsum(dO * O) a (B, H, T, D) product, not a pass over P).
-    dS is the bias gradient; autograd takes it on to the bias inputs.
+    Forward: SDPA. Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``), the probabilities P
+    from it, then as in FlashAttention's backward dS = P * (dP - rowsum(dO * O)) with dP = dO val^T. dS is the
+    bias gradient; autograd takes it on to the bias inputs.
     """
 
     @staticmethod
@@ -260,8 +218,7 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     if bias.dim() == 4:  # (B, H, T, K), or (B, 1, T, K) with padding: one per head
         bias = bias.expand(B, H, T, K).reshape(B * H, T, K)  # (B*H, T, K)
     score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
-    # A 16-bit score's own softmax accumulates in float32 and rounds once: the float32 softmax's numbers, without
-    # its two (B*H, T, K) casts forward and two backward (~8% of a small bf16 CPU training step)
+    # A 16-bit score's own softmax accumulates in float32 and rounds once: the float32 softmax's numbers, no casts
     sixteen = score.dtype in (torch.float16, torch.bfloat16)
     prob = torch.softmax(score, -1) if sixteen else torch.softmax(score, -1, dtype=torch.float32).to(vh.dtype)
     prob = prob if dropout is None else dropout(prob)
@@ -280,15 +237,11 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
                     pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
 
-    query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
-    for an unscaled query: in the matmul, no pass over the query); k, val: (B, K, H, D); mask: (T, K)
-    bool (or (B, 1, T, K) with padding), True where hidden. The positional
-    scores, when the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``: small inputs (e.g. (q + v)
-    and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
-    backward.
-    dropout: applied to the probabilities (None: no attention dropout, as in evaluation or dropatt 0);
-    recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
-    ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
+    query: (B, T, H, D), content bias added; scale: multiplies its products with the keys (1/sqrt(D)); k, val:
+    (B, K, H, D); mask: (T, K) bool (or (B, 1, T, K) with padding), True where hidden. The positional scores, when
+    the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``, so training can recompute them in backward.
+    dropout: on the probabilities (None: none); recompute: in training, recompute the scores in backward instead of
+    keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS`` (``sdpa``).
     """
     mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
