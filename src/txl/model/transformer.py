@@ -268,13 +268,10 @@ class TransformerXL(nn.Module):
         first = next(self.layers.parameters(), None)
         if first is None or first.dtype == dtype:  # no autocast (the usual float32 run): nothing to walk or cast
             return contextlib.nullcontext()
-        slots = casting.matmul_weights(self.layers)
-        if with_norms:
-            slots += casting.norm_weights(self.layers)
+        slots = casting.matmul_weights(self.layers) + (casting.norm_weights(self.layers) if with_norms else [])
         params = [m._parameters[n] for m, n in slots]
-        if mode == "auto" and not casting.groupable(params, dtype):
-            return contextlib.nullcontext()
-        if not params or any(p.dtype == dtype for p in params):  # nothing to cast ('grouped' without autocast)
+        if not params or any(p.dtype == dtype for p in params) or mode == "auto" and not casting.groupable(
+                params, dtype):  # nothing to cast, or 'auto' keeps the casts per use (``casting.groupable``)
             return contextlib.nullcontext()
         return casting.cast_in_place(slots, dtype)
 
@@ -294,8 +291,28 @@ class TransformerXL(nn.Module):
         if not isinstance(ctx, Context):
             raise ValueError(f"context must be a txl.Context (model.config.context(mem_len=...)), "
                              f"got {type(ctx).__name__}")
-        self._check_inputs(input_ids, labels, ctx)
-        B = input_ids.size(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
+                             f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty: pass at least one token")
+        on_host = reads_values(input_ids)  # values are read on the host only (the docstring)
+        if on_host:
+            check_token_ids(input_ids, c.vocab_size)
+        B, T = input_ids.shape
+        if ctx.ext_len and ctx.ext_len >= T:
+            raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({T} tokens); lower ext_len "
+                             "or feed longer segments")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                                 f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
+            valid = labels[labels != IGNORE_INDEX] if on_host else labels[:0]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
+                raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
+                                 f"(use {IGNORE_INDEX} to ignore a position)")
+            if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
+                self.softmax.check_rows(labels)
         if memory is not None:
             check = check_memory if self.compressor is None else check_state
             check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
@@ -303,18 +320,13 @@ class TransformerXL(nn.Module):
             raise ValueError("a compressive model (cmem_len > 0) reads with mem_len >= 1, same_length false and "
                              "ext_len 0: with mem_len 0 nothing is kept to compress from (ModelConfig refuses it too), "
                              "same_length would hide the compressed slots, ext_len feed rows twice")
-        if kv_cache is not None:  # a compressive model's cache covers its window, [compressed; memory]
-            rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
-                memory, c.n_layer)))
-            self._check_kv_cache(kv_cache, rows, B, version)
-        if padding is not None:
-            self._check_padding(padding, memory, B, input_ids.size(1), ctx)
-
-    def _check_padding(self, padding: torch.Tensor, memory: Memory | None, B: int, T: int, ctx: Context) -> None:
-        """Raise a ValueError saying why ``padding`` does not cover this call's memory rows and segment."""
-        c = self.config
+        # The rows attended to before the segment: a compressive model's window, [compressed; memory].
         own, compressed = (memory, None) if self.compressor is None else split_state(memory, c.n_layer)
         M = memory_length(own) + memory_length(compressed)
+        if kv_cache is not None:
+            self._check_kv_cache(kv_cache, M, B, version)
+        if padding is None:
+            return
         if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
             # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
             # distances shifted), and rows leaving would compress pads with real states.
@@ -351,32 +363,6 @@ class TransformerXL(nn.Module):
         if cache.weights_version not in (None, weights_version(self) if version is None else version):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
-
-    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, ctx: Context) -> None:
-        c = self.config
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
-                             f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
-        if input_ids.numel() == 0:
-            raise ValueError("input_ids is empty: pass at least one token")
-        # Values are read on the host only: on a GPU each read is a host sync inside the step. Callers that move
-        # data check it before it moves (txl.train, txl.evaluate: check_token_ids on the corpus arrays).
-        on_host = reads_values(input_ids)
-        if on_host:
-            check_token_ids(input_ids, c.vocab_size)
-        if ctx.ext_len and ctx.ext_len >= input_ids.size(1):
-            raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({input_ids.size(1)} "
-                             "tokens); lower ext_len or feed longer segments")
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
-                                 f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
-            valid = labels[labels != IGNORE_INDEX] if on_host else labels[:0]
-            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
-                raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
-                                 f"(use {IGNORE_INDEX} to ignore a position)")
-            if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
-                self.softmax.check_rows(labels)
 
 
 def reads_values(t: torch.Tensor) -> bool:
