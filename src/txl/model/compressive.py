@@ -6,39 +6,25 @@ Shape legend: B batch, T segment length, M memory length, C compressed slots, c 
 Transformer-XL drops the states that leave its memory of ``mem_len`` rows. The Compressive Transformer
 compresses them instead, c rows to one slot, into a second memory of ``cmem_len`` slots per layer (oldest
 slots dropped), and every layer attends over [compressed; memory; segment] (Rae et al. 2020, Algorithm 1).
-At a fixed size of mem_len + cmem_len slots per layer, one layer then reaches mem_len + c x cmem_len states
-back instead of mem_len + cmem_len.
 
-**The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both
-memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
-first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
-next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Left
-padding (``forward(padding=)``) is taken while nothing is or gets compressed (a generation keeps every row), refused
-otherwise; ``txl.export`` has a static, padded form of the eviction. ``txl serve`` carries both in a
-session (its rows batched only with rows of the same lengths). A KV cache holds the keys and values of the
-window [compressed; memory] (``Compressor.next_cache``): kept while the window only grows (a generation), rebuilt
-from the state after a compression.
+**The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both:
+2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row first in each
+(``split_state``), so every caller that carries the memory carries both. Left padding is taken
+while nothing is or gets compressed. A KV cache holds the keys and values of the window [compressed; memory]
+(``Compressor.next_cache``): kept while the window only grows, rebuilt from the state after a compression.
 
-**Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment], the
-oldest floor((M + T - mem_len) / c) x c are compressed, and the memory keeps the rest (mem_len to
-mem_len + c - 1 rows), so no state is dropped unless it leaves the compressed memory. With segments and
-memory a multiple of c (training) the memory keeps exactly mem_len rows; a stream of (B, 1) steps
-compresses one group every c steps.
+**Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment] the oldest
+floor((M + T - mem_len) / c) x c are compressed and the memory keeps the rest (mem_len to mem_len + c - 1 rows).
 
-**Positions.** The layers attend over the concatenation [compressed; memory; segment], and every encoding
-gives each row the position of its index in that window, as Rae et al.'s Algorithm 1 feeds the
-concatenation to Transformer-XL's relative attention: for the relative encoding compressed slot j of C
-is at distance C + M + i - j from query i, as if each slot were one token. The alternative, each slot at
-the distance of the c tokens it stands for, is not a function of i - j on the window's indices (the
-Toeplitz structure ``rel_shift``, the fused kernels and the KV cache's distance table rely on). Which
-encodings read a compressed memory is declared by each (``Attention.reads_compressed``).
+**Positions.** Every encoding gives each row the position of its index in the window, as Algorithm 1 feeds the
+concatenation to Transformer-XL's attention: compressed slot j of C is at distance C + M + i - j from query i.
+(A slot at the distance of the c tokens it stands for would not be a function of i - j, which ``rel_shift``,
+the kernels and the KV cache's distance table rely on.)
 
-**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019,
-eq. (1)): the language-model loss never reaches the compression function. Its parameters ('conv') are
-trained by the attention-reconstruction loss alone (Rae et al. 2020, section 3.2, Algorithm 2): per
-layer, the layer's content attention of the current segment over the rows leaving the memory against
-over their compression, || attn(h, old) - attn(h, f_c(old)) ||^2, with h, the old rows and the layer's
-weights all stop-gradient. The loss reaches the compression parameters only.
+**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019, eq. (1)).
+Its parameters ('conv') are trained by the attention-reconstruction loss alone (Rae et al. 2020, section 3.2,
+Algorithm 2): per layer || attn(h, old) - attn(h, f_c(old)) ||^2, h, the old rows and the layer's weights
+stop-gradient.
 """
 
 from __future__ import annotations
@@ -64,11 +50,6 @@ def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memo
                          f"the compressed memory, one per layer); got {n}. Pass the .memory of the previous "
                          "output, or None to start afresh")
     return tuple(state[:n_layer]), tuple(state[n_layer:])
-
-
-def join_state(memory: Memory, compressed: Memory) -> Memory:
-    """(memory, compressed) -> the 2L tensors of a compressive model's memory."""
-    return (*memory, *compressed)
 
 
 def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int,
@@ -164,7 +145,7 @@ class Compressor(nn.Module):
     def update(self, memory: Memory | None, compressed: Memory | None, hiddens: Sequence[torch.Tensor], *,
                mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
                ) -> tuple[Memory, torch.Tensor | None]:
-        """The next state (memory, then compressed memory: ``join_state``) and, with ``train``, the
+        """The next state (the L memory tensors, then the L compressed ones) and, with ``train``, the
         attention-reconstruction loss (mean over layers of the mean squared error; None without parameters).
 
         ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
@@ -176,8 +157,7 @@ class Compressor(nn.Module):
         new, losses = [], []
         for l, old in enumerate(leaving):
             have = compressed[l] if compressed else old.new_empty(old.size(0), 0, old.size(2))  # (B, C, d)
-            if dtype is not None:
-                have = have.to(dtype)
+            have = have if dtype is None else have.to(dtype)
             if old.size(1) == 0:
                 new.append(have)
                 continue
@@ -188,12 +168,11 @@ class Compressor(nn.Module):
             slots = slots.detach().to(have.dtype)
             cat = torch.cat([have, slots], dim=1) if have.size(1) else slots  # (B, C + N / c, d)
             new.append(cat[:, -self.cmem_len:].contiguous() if cat.size(1) > self.cmem_len else cat)
-        loss = None
-        if learn:
-            # Every step uses every compression parameter, also one that compressed nothing (the first segments of
-            # a stream): DDP's reducer then sees the same parameters used at every step.
-            loss = torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
-        return join_state(kept, tuple(new)), loss
+        if not learn:
+            return (*kept, *new), None
+        # Every step uses every compression parameter, also one that compressed nothing (the first segments of a
+        # stream): DDP's reducer then sees the same parameters used at every step.
+        return (*kept, *new), torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
 
     @staticmethod
     def next_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], buffers: Sequence | None,
@@ -229,5 +208,4 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-__all__ = ["Compressor", "check_state", "content_attention", "evict", "join_state", "split_state",
-           "window"]
+__all__ = ["Compressor", "check_state", "content_attention", "evict", "split_state", "window"]
