@@ -7,9 +7,8 @@ Dai et al. 2019, section 3.3 (``txl.model.plain`` writes it out term by term):
 A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d). Queries are only computed for
 the T segment rows: memory rows need keys and values alone.
 
-Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
-positional inputs; everything else (the model, the cache, export, generation, the CLI, experiments,
-tests) asks it through ``encoding(attn_type)``:
+Each encoding (``ModelConfig.attn_type``) is one class that says once what it is and builds its own positional
+inputs; everything else asks it through ``encoding(attn_type)``:
 
 =========================  ============  ===========  =================  ===========================
 class (attn_type)          relative      cacheable    clamps_distances   positions
@@ -21,12 +20,9 @@ AlRfouAttention            no            no           no                 learned
 RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
-Every one also reads a compressed memory (``reads_compressed``). A new encoding is one subclass here (with
-``attn_type`` set) and its name in ``txl.config.AttnType``.
-
-``ComputeConfig.attn_impl`` chooses the path: 'reference' (``txl.model.plain``) and 'fused' (the default, the kernels
-of ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and ``scores_of`` (the positional
-scores, written once), ``content_bias``, ``place``.
+A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``. Both paths
+('reference', ``txl.model.plain``, and 'fused', ``txl.model.kernels``) read the same encoding methods:
+``positional_operands`` and ``scores_of`` (the positional scores, written once), ``content_bias``, ``place``.
 """
 
 from __future__ import annotations
@@ -51,14 +47,9 @@ Shared = dict[str, torch.Tensor]
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention over [memory; segment] with residual and layer norm.
-
-    The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``positional_operands`` and ``scores_of``, read by both paths), a
-    content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
-    Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
-    projection, one layer norm.
-    """
+    """Causal multi-head attention over [memory; segment] with residual and layer norm; no positional term of its own
+    (each encoding subclass adds its own). Parameters as the original: one fused q/k/v projection (W_q, W_kE, W_v),
+    an output projection, one layer norm."""
 
     attn_type: ClassVar[str] = ""
     """The ``ModelConfig.attn_type`` this class implements."""
@@ -73,9 +64,8 @@ class Attention(nn.Module):
     clamps_distances: ClassVar[bool] = False
     """``Context.clamp_len`` applies to its positions (Shaw's learned table clamps at its own size)."""
     reads_compressed: ClassVar[bool] = True
-    """It can attend over a compressed memory (``ModelConfig.cmem_len``, Rae et al. 2020): the layers read
-    [compressed; memory; segment] as one window and each row takes the position of its index in it
-    (``txl.model.compressive``). Every encoding here positions rows by window index, so all of them can."""
+    """It can attend over a compressed memory (``ModelConfig.cmem_len``, ``txl.model.compressive``): rows positioned
+    by their index in the window [compressed; memory; segment], as every encoding here does."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -120,19 +110,15 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
 
-        x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
-        (B, 1, T, K) when rows hide different keys: padding);
-        positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
-        this layer's own, untie_r).
-
-        kv: the keys and values (B, K, H, D) of [memory; segment] already projected
-        (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
+        x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or (B, 1, T, K)
+        with padding); positions: this layer's (``build_positions``), or None; u, v: the model's shared biases
+        (None: this layer's own, untie_r); kv: the keys and values (B, K, H, D) of [memory; segment] already
+        projected (``kv_cache.cached_keys_values``), memory then None.
         """
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what the projections read
-        # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
-        # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
+        # The fused q/k/v weight cast once and sliced after (a slice misses autocast's cache of cast weights)
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
@@ -145,9 +131,8 @@ class Attention(nn.Module):
             q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
-        # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
-        # the pass that realigns them), where scaling the queries was a pass over them.
-        # (a) + (c) read q + u, u in the queries' dtype: a 16-bit query (autocast) would be promoted to float32
+        # Unscaled: the kernels scale by 1/sqrt(D) in their matmuls. (a) + (c) read q + u, u in the queries' dtype
+        # (a 16-bit query would be promoted to float32)
         shift = self.content_bias(u)
         query = q + (shift.to(q.dtype) if isinstance(shift, torch.Tensor) else shift)  # (B, T, H, D)
         # (b) + (d): the positional scores made of small operands by the kernels (in backward again, to recompute)
@@ -190,12 +175,9 @@ class Attention(nn.Module):
         return None if operands is None else self.scores_of(*operands)
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each; ``weight``: W_kE and
-        W_v (2*H*D, d) already cast to the compute dtype (None: cast here).
-
-        The projection ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per row), so keys
-        cached from here are the ones the uncached pass would compute.
-        """
+        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each, as ``forward`` projects
+        memory rows (so cached keys are the uncached pass's); ``weight``: W_kE and W_v (2*H*D, d) already cast to
+        the compute dtype (None: cast here)."""
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
@@ -230,9 +212,8 @@ class RelativeAttention(Attention):
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
         if table and (clamp_len <= 0 or klen - 1 <= clamp_len):
-            # W_kR R depends on the distance alone, and no distance is clamped: the cache's table holds the farthest
-            # first, so distances K-1 .. 0 are its last K rows, a view (a gather of them cost most of a (1, 1)
-            # decoding step's time outside the matmuls on CPU).
+            # No distance clamped: the cache's table holds the farthest first, so distances K-1 .. 0 are its last K
+            # rows, a view (no gather)
             return [Positions(projected=t[t.size(0) - klen:]) for t in table]  # (K, H, D) each
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
@@ -269,8 +250,8 @@ class RelativeAttention(Attention):
 
     @staticmethod
     def scores_of(qv, r):
-        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch, not copied
-        # B times); a bmm, not einsum: under CPU autocast einsum copied its (B, H, T, K) output twice
+        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R shared by the batch, not copied);
+        # a bmm, not einsum, which copies its output under CPU autocast
         B, T, H, D = qv.shape
         scores = torch.bmm(qv.permute(2, 0, 1, 3).reshape(H, B * T, D), r.permute(1, 2, 0))  # (H, B*T, K)
         return scores.view(H, B, T, -1).transpose(0, 1)  # (B, H, T, K), laid out (H, B, T, K)
@@ -352,13 +333,9 @@ class AlRfouAttention(Attention):
 
 
 class RotaryAttention(Attention):
-    """Rotary positions (RoFormer, Su et al. 2021; the default of modern models), beside the paper's: queries
-    and keys rotated by their index in [memory; segment] (``txl.model.rotary``), so q_i . k_j depends on the
-    content and the distance i - j alone. No positional term in the scores and no parameters beyond plain
-    attention's. The rotation happens here, at attention time, so memory rows and cached keys hold unrotated
-    W_k h and take the positions of the current window: they keep their distances to the current queries as
-    they move back (the coherence the paper's relative encoding gives, section 3.3), and a longer memory at
-    evaluation only adds keys at larger distances."""
+    """Rotary positions (RoFormer, Su et al. 2021), beside the paper's: queries and keys rotated by their index in
+    [memory; segment] at attention time (``txl.model.rotary``), so q_i . k_j depends on the content and i - j alone;
+    memory rows and cached keys hold unrotated W_k h. No positional term in the scores, no parameters."""
 
     attn_type = "rotary"
     title = "Rotary (Su et al. 2021)"
