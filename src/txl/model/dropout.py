@@ -2,15 +2,9 @@
 
 ``Dropout`` draws the *gaps* between dropped elements where the model's plan says (``ComputePlan.gap_dropout``:
 ``dropout_impl='fast'`` on the CPU). In a row of independent Bernoulli(p) trials the gaps between successes are
-independent Geometric(p) variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped
-element, by the inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws
-instead of n. Kept values are scaled by 1 / (1 - p) as ``nn.Dropout`` does. On the CPU this is 5x cheaper than
-``nn.Dropout``'s per-element Bernoulli sampler (a training step 1.17x at the small shape, 1.05x at base,
-benchmarks/README.md); both samplers' draws are serial, but here there are p * n of them and the passes over all
-n elements use every thread. Elsewhere ('torch', other devices, torch.compile) torch's own kernel runs: the draws
-``F.dropout`` makes from the same seed.
-
-tests/test_dropout.py checks the rates, the independence, the scale, the gradients and reproducibility.
+independent Geometric(p) variables, so drawing the gaps (``rare_positions``) gives nn.Dropout's distribution, to
+float64 rounding, from p * n draws instead of n (the win: benchmarks/README.md, "What the fast path keeps").
+Elsewhere ('torch', other devices, torch.compile) torch's own kernel runs.
 """
 
 from __future__ import annotations
@@ -66,15 +60,9 @@ class _GapDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        if ctx.relu:
-            return _relu_scale_backward(grad, saved, ctx.scale), None, None, None, None
+        if ctx.relu:  # the gradient passes, scaled, where the output is positive (kept and x > 0): ReLU's backward
+            return torch.ops.aten.threshold_backward(grad, saved, 0).mul_(ctx.scale), None, None, None, None
         return _scatter_scaled(grad.contiguous(), saved, ctx.scale, ctx.dropped), None, None, None, None
-
-
-def _relu_scale_backward(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
-    """The gradient of dropout(relu(x)) from its output: it passes, scaled, exactly where the output is positive
-    (kept and x > 0). threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own backward."""
-    return torch.ops.aten.threshold_backward(grad, out, 0).mul_(scale)
 
 
 def _scatter_scaled(y: torch.Tensor, pos: torch.Tensor, scale: float, dropped: bool,
