@@ -19,11 +19,8 @@ Memory = tuple[torch.Tensor, ...]
 
 def zeros_memory(n_layer: int, batch_size: int, d_model: int, length: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Memory:
-    """A zero-filled memory of ``length`` positions that *is* attended to.
-
-    Hugging Face's TransfoXL and the original TensorFlow code start every stream this way; checkpoints
-    trained like that expect it, and parity with them needs it.
-    """
+    """A zero-filled memory of ``length`` positions that *is* attended to, as Hugging Face's TransfoXL and the
+    original TensorFlow code start every stream (their checkpoints expect it)."""
     return tuple(torch.zeros(batch_size, length, d_model, device=device, dtype=dtype) for _ in range(n_layer))
 
 
@@ -54,17 +51,12 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
 
 
 class RowBuffer:
-    """Storage that rows are appended to in place: a sequence grown a few rows at a time (a generation's memory
-    and cached keys/values, one row per (B, 1) step) is not copied whole at every step.
-
-    Without it every step's ``torch.cat`` copies each layer's (B, M, ...) rows to add one: O(M) bytes per token
-    and most of a batched generation step's time (41-45% at B = 8-16 in the `txl serve` benchmarks).
+    """Storage that rows are appended to in place, so a sequence grown a row per (B, 1) step (a generation's memory
+    and cached keys/values) is not copied whole at every step, as ``torch.cat`` would.
 
     ``data`` (B, C, ...) holds rows [0, ``end``); the tensors handed out are views of windows of it ending at
-    ``end``. Appending writes past ``end``, never into rows a view already covers, so every view handed out
-    keeps its values, as with ``torch.cat``. Only the view ending at ``end`` is extended in place: an older one
-    (a caller going back to an earlier memory) or one another caller already extended is copied into a new
-    buffer instead.
+    ``end``. Appending writes past ``end``, never into rows a view covers, so every view keeps its values. Only the
+    view ending at ``end`` is extended in place; an older one is copied into a new buffer instead.
     """
 
     def __init__(self, data: torch.Tensor) -> None:
@@ -85,9 +77,8 @@ def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer |
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
     window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer.
 
-    A (B, 1) step then copies the rows it keeps once every ``headroom`` steps instead of every step, and the
-    spare capacity stays small and fixed: doubling the capacity doubled a serving process's peak memory, and
-    room for T more rows made a segment-by-segment evaluation (T = M = 256, the base shape) hold 12% more.
+    A (B, 1) step then copies its rows once every ``headroom`` steps, and the spare capacity stays small and fixed
+    (doubling it doubled a serving process's peak memory).
     """
     n, T = (0 if old is None else old.size(1)), new.size(1)
     fits = (buffer is not None and old is not None and buffer.ends(old) and new.dtype == buffer.data.dtype

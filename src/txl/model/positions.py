@@ -2,10 +2,6 @@
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, d d_model.
-
-The bottom of ``txl.model``: pure functions of shapes and tensors, importing torch only. The attention
-encodings (``txl.model.attention``) build their positional inputs from these; the kernels
-(``txl.model.kernels``) realign scores with them.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import torch.nn.functional as F
 
 def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
     """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""
-    # reciprocal(): what 1.0 / x runs, without its multiply by 1.0 (the same numbers, one kernel fewer).
     return (10000 ** (torch.arange(0, d_model, 2, device=device, dtype=torch.float32) / d_model)).reciprocal()
 
 
