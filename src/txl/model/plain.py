@@ -4,10 +4,8 @@ Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, 
 N = B*T tokens, V vocabulary, e_i the embedding width of cluster i.
 
 ``ComputeConfig.attn_impl='reference'`` runs this module: no custom autograd Function, no device test, no cast of
-its own (under autocast, autocast casts), no kernel switch. It is the oracle of the model: it equals the original
-(the Hugging Face 4.37.2 oracle, tests/test_parity_hf.py) and every faster path (``txl.model.transformer``'s
-default, ``txl.model.kernels``) is tested against it: forward, gradients, new memory, key/value cache,
-compressed memory (tests/test_plain.py, tests/test_kernels.py).
+its own. It equals the original (tests/test_parity_hf.py) and is the oracle every faster path is tested against
+(tests/test_plain.py, tests/test_kernels.py).
 
 One segment, as section 3.2 of the paper reads it:
 
@@ -59,8 +57,7 @@ class LMOutput:
     nll: torch.Tensor | None = None
     """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
     tokens: torch.Tensor | None = None
-    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over (a trainer's token count
-    without counting again: a step launches its kernels once)."""
+    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over."""
     log_probs: torch.Tensor | None = None
     """(B, T, V) log-probabilities of the next token (float32)."""
     kv_cache: KVCache | None = None
