@@ -77,18 +77,14 @@ class TransformerXL(nn.Module):
 
     kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
     for incremental decoding: the memory rows' keys and values are read from it instead of being
-    projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
-    ``txl.model.kv_cache``.
+    projected again, with the same result. Eval mode under ``torch.no_grad()`` only (``txl.model.kv_cache``).
 
     padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
-    prompts of different lengths read as one batch). No other position attends to a pad, so each row
-    computes what it would alone; relative attention makes the shift of its positions irrelevant.
-    Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-    A compressive model takes padding while nothing is or gets compressed (``txl.model.compressive``).
+    prompts of different lengths read as one batch): each row computes what it would alone (with a relative
+    encoding); pads' outputs are meaningless. A compressive model takes it while nothing is or gets compressed.
 
-    ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
-    the model computes on its device is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the
-    defaults) where the model is built and again wherever it moves.
+    ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``); how the model computes on its device
+    is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the defaults) where it is built or moved.
     """
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
@@ -213,16 +209,14 @@ class TransformerXL(nn.Module):
         own, compressed, mems, M = plain.read_memory(self, memory)
         mask = plain.segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
-        attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
-            attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
+            [layer.attn for layer in self.layers], kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model,
+            dtype=h.dtype, device=h.device)
         positions = plain.layer_positions(self, M + T, ctx.clamp_len, h.dtype, self.drop, table)
-        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
-        # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
+        # With a cache the memory, keys and values grow in place into its RowBuffers (not with ext_len: rows fed again)
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
-        # Under autocast the layers' weights cast by one grouped op (ComputeConfig.cast_weights); a 16-bit input (the
-        # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
+        # Under autocast the layers' weights cast by one grouped op (``casting``), the norms' too for a 16-bit input
         with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
             for l, layer in enumerate(self.layers):
@@ -259,9 +253,8 @@ class TransformerXL(nn.Module):
                                weights_version=version)
 
     def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
-        """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
-        to ``dtype`` by one grouped op (``ComputeConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
-        or with 'per_use'."""
+        """Where the layers read their matmul weights (and with ``with_norms`` the norms') cast to ``dtype`` by one
+        grouped op (``txl.model.casting``); a no-op without autocast or with 'per_use'."""
         mode = self.plan.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
@@ -281,9 +274,8 @@ class TransformerXL(nn.Module):
                      padding: torch.Tensor | None = None) -> None:
         """Raise a ValueError naming what is wrong with the arguments of ``forward``.
 
-        ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
-        host (CPU) tensors only: on a GPU they would read values back from the device, a host sync inside every
-        step (and a graph break), so callers check their data on the host before it moves (``check_token_ids``).
+        ``forward`` calls it, except under torch.compile. Token ids and labels are range-checked on host tensors only
+        (on a GPU a read is a host sync): callers check their data before it moves (``check_token_ids``).
         ``version``: ``weights_version(self)`` when the caller has read it already (None: read here).
         """
         c = self.config
