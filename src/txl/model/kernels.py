@@ -204,12 +204,8 @@ class _RecomputedAttention(torch.autograd.Function):
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
                        dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
-    ``dropout``): (B, H, T, D).
-
-    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or (T, K), -inf where hidden (a
-    hidden key gets probability 0, hence zero gradient). The content scores accumulate into the bias in the matmul
-    (baddbmm); the softmax runs in float32.
-    """
+    ``dropout``): (B, H, T, D). query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or
+    (T, K), -inf where hidden."""
     B, T, H, D = query.shape
     K = k.size(1)
     qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
@@ -243,24 +239,20 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
     dropout: on the probabilities (None: none); recompute: in training, recompute the scores in backward instead of
     keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS`` (``sdpa``).
     """
-    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
-    if dropout is not None:
-        # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
-        bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
-        return explicit_attention(query, k, val, bias, dropout, scale=scale)
-    if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
+    if bias_fn is None and dropout is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
-    if grad and not torch.compiler.is_compiling():
-        # The fused kernel cannot return the gradient of its additive mask (the positional term), so training
-        # keeps the probabilities (autograd), or recomputes what it needs in backward.
-        if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
-                                              *bias_inputs)
-        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
-    # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
-    # the positional scores are the fused kernel's additive mask.
-    bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
+    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
+    # The fused kernel cannot return the gradient of its additive mask (the positional term): training keeps the
+    # probabilities (autograd), or recomputes what it needs in backward; dropped probabilities must exist.
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
+    explicit = dropout is not None or (grad and not torch.compiler.is_compiling())
+    if explicit and recompute and dropout is None:
+        return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
+                                          *bias_inputs)
+    bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
+    if explicit:
+        return explicit_attention(query, k, val, bias, dropout, scale=scale)
+    # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too).
     return sdpa(qh, kh, vh, bias, scale, pin)  # (B, H, T, D)
