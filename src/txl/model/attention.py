@@ -20,9 +20,10 @@ AlRfouAttention            no            no           no                 learned
 RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
-A new encoding is one subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``. Both paths
-('reference', ``txl.model.plain``, and 'fused', ``txl.model.kernels``) read the same encoding methods:
-``positional_operands`` and ``scores_of`` (the positional scores, written once), ``content_bias``, ``place``.
+Every one positions rows by their index in the window, so every one reads a compressed memory. A new encoding is one
+subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``. Both paths ('reference',
+``txl.model.plain``, and 'fused', ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and
+``scores_of`` (the positional scores, written once), ``content_bias``, ``place``.
 """
 
 from __future__ import annotations
@@ -63,9 +64,6 @@ class Attention(nn.Module):
     (absolute encodings add to each memory row a position that shifts every step)."""
     clamps_distances: ClassVar[bool] = False
     """``Context.clamp_len`` applies to its positions (Shaw's learned table clamps at its own size)."""
-    reads_compressed: ClassVar[bool] = True
-    """It can attend over a compressed memory (``ModelConfig.cmem_len``, ``txl.model.compressive``): rows positioned
-    by their index in the window [compressed; memory; segment], as every encoding here does."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

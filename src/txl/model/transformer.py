@@ -100,9 +100,7 @@ class TransformerXL(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
-        # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
-        if c.cmem_len and not self.encoding.reads_compressed:
-            raise ValueError(f"attn_type={c.attn_type!r} cannot read a compressed memory; set cmem_len 0")
+        # Rae et al. 2020: the second, compressed memory's function (every encoding positions rows by window index)
         self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
