@@ -196,15 +196,13 @@ class RelativeAttention(Attention):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        # W_kR: its own projection of the sinusoid, separate from W_kE inside qkv.
-        self.r_proj = nn.Linear(config.d_model, config.n_head * config.d_head, bias=False)
+        self.r_proj = nn.Linear(config.d_model, config.n_head * config.d_head, bias=False)  # W_kR (W_kE: in qkv)
         if config.untie_r:  # one pair of global biases per layer
             self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
             self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
     @classmethod
-    def shared_parameters(cls, config):
-        # u, v shared by all layers (section 3.3), unless each layer has its own (untie_r)
+    def shared_parameters(cls, config):  # u, v shared by all layers (section 3.3), unless untie_r
         return {} if config.untie_r else {"u": (config.n_head, config.d_head), "v": (config.n_head, config.d_head)}
 
     @classmethod
@@ -236,15 +234,10 @@ class RelativeAttention(Attention):
         """W_kR R: (N, d) encodings -> (N, H, D)."""
         return self.r_proj(r).view(-1, self.n_head, self.d_head)  # (N, H, D)
 
-    def position_keys(self, klen: int, positions: Positions, dtype: torch.dtype) -> torch.Tensor:
-        """W_kR R: (K, H, D) for distances K-1 .. 0, projected here or read from the cache's table."""
-        if positions.projected is not None:
-            return positions.projected.to(dtype)  # (K, H, D)
-        return self.project_positions(positions.encodings.to(dtype))  # (K, H, D)
-
     def positional_operands(self, q, klen, positions, v):
         qv = q + self.global_bias(v, "v").to(q.dtype)  # (B, T, H, D): 16-bit under autocast, as q
-        return qv, self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
+        r = positions.projected  # W_kR R (K, H, D), distances K-1 .. 0: read from the cache's table, or projected
+        return qv, r.to(q.dtype) if r is not None else self.project_positions(positions.encodings.to(q.dtype))
 
     @staticmethod
     def scores_of(qv, r):
