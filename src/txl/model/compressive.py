@@ -37,7 +37,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.model.kv_cache import KVCache
-from txl.model.memory import Memory, check_memory, memory_length
+from txl.model.memory import Memory, memory_length
 
 
 def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memory | None]:
@@ -52,14 +52,6 @@ def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memo
     return tuple(state[:n_layer]), tuple(state[n_layer:])
 
 
-def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int,
-                device: torch.device | None = None) -> None:
-    """Raise a ValueError naming what is wrong with a compressive model's memory passed in by a caller."""
-    memory, compressed = split_state(state, n_layer)
-    check_memory(memory, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
-    check_memory(compressed, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
-
-
 def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
     """Per layer the rows the layer attends to before the segment: [compressed; memory] (B, C + M, d)."""
     if memory is None:
@@ -71,12 +63,8 @@ def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
 
 def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int,
           dtype: torch.dtype | None = None) -> tuple[Memory, list[torch.Tensor]]:
-    """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``.
-
-    Of [memory; segment] the oldest floor((M + T - mem_len) / rate) x rate rows leave; the rest stay (mem_len
-    to mem_len + rate - 1 rows). Gradient stopped and kept in ``dtype`` (None: the inputs' own), as
-    ``update_memory``.
-    """
+    """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``
+    (the module docstring's eviction); gradient stopped, kept in ``dtype`` (None: the inputs' own)."""
     kept, leaving = [], []
     with torch.no_grad():
         for l, h in enumerate(hiddens):
@@ -208,4 +196,4 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-__all__ = ["Compressor", "check_state", "content_attention", "evict", "split_state", "window"]
+__all__ = ["Compressor", "content_attention", "evict", "split_state", "window"]

@@ -24,7 +24,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
-from txl.model.compressive import Compressor, check_state, split_state
+from txl.model.compressive import Compressor, split_state
 from txl.model.dropout import Dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, zeros_memory
@@ -303,9 +303,10 @@ class TransformerXL(nn.Module):
                                  f"(use {IGNORE_INDEX} to ignore a position)")
             if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
                 self.softmax.check_rows(labels)
-        if memory is not None:
-            check = check_memory if self.compressor is None else check_state
-            check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
+        if memory is not None:  # a compressive model's holds two (split_state checks that it does)
+            for part in (memory,) if self.compressor is None else split_state(memory, c.n_layer):
+                check_memory(part, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
+                             device=self.embed.layers[0].weight.device)
         if self.compressor is not None and (ctx.same_length or ctx.ext_len or not ctx.mem_len):
             raise ValueError("a compressive model (cmem_len > 0) reads with mem_len >= 1, same_length false and "
                              "ext_len 0: with mem_len 0 nothing is kept to compress from (ModelConfig refuses it too), "
