@@ -90,10 +90,8 @@ class Attention(nn.Module):
     def build_positions(cls, config: ModelConfig, shared: Shared, klen: int, clamp_len: int, *,
                         dtype: torch.dtype, device: torch.device, drop: nn.Module,
                         table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
-        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none).
-
-        ``drop``: the model's embedding dropout, for encodings applied like an embedding; ``table``: a
-        KVCache's per-layer positional table (``grow_table``), when there is one."""
+        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none). ``drop``: the model's
+        embedding dropout; ``table``: a KVCache's per-layer positional table (``grow_table``), when there is one."""
         return [None] * config.n_layer
 
     @classmethod
@@ -249,10 +247,8 @@ class RelativeAttention(Attention):
 
 
 class ShawAttention(Attention):
-    """Shaw et al. 2018 (the paper's Table 6 ablation): a learned embedding per relative distance.
-
-    As the original's attn_type 1: scores (q + u) . k + q . E_dist + b_dist, with E (P, H, D) and
-    b (P, H) indexed like R (row P-1 is distance 0); distances of P or more share row 0.
+    """Shaw et al. 2018 (the paper's Table 6 ablation), as the original's attn_type 1: scores (q + u) . k + q . E_dist
+    + b_dist, E (P, H, D) and b (P, H) learned per distance, indexed like R (row P-1 is distance 0; P or more: row 0).
     """
 
     attn_type = "shaw"

@@ -79,9 +79,7 @@ def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: in
 def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch.Tensor, n_head: int,
                       norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
     """A layer's content attention (no positional term) of queries (B, T, d) over rows (B, N, d): (B, H, T, D).
-
-    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN layer norm (weight, bias,
-    eps), or None (post-LN: the projections read the rows as they are).
+    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN norm (weight, bias, eps), or None.
     """
     if norm is not None:
         queries = F.layer_norm(queries, queries.shape[-1:], norm[0], norm[1], norm[2])
@@ -96,11 +94,8 @@ def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch
 
 class Compressor(nn.Module):
     """The compression function f_c: (B, N, d) rows -> (B, N / c, d) slots, and the compressed memory's update.
-
-    'conv': a 1-D convolution of kernel and stride c (Rae et al. 2020 found it the best of their functions),
-    initialised to mean pooling so that it starts from 'mean' and the reconstruction loss improves on it;
-    'mean' and 'max': pooling over each group of c rows, no parameters (nothing to train).
-    """
+    'conv': a 1-D convolution of kernel and stride c (Rae et al. 2020's best), initialised to mean pooling;
+    'mean' and 'max': pooling over each group of c rows, no parameters."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -134,12 +129,9 @@ class Compressor(nn.Module):
                mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
                ) -> tuple[Memory, torch.Tensor | None]:
         """The next state (the L memory tensors, then the L compressed ones) and, with ``train``, the
-        attention-reconstruction loss (mean over layers of the mean squared error; None without parameters).
-
-        ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
-        ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped);
-        ``dtype``: what both memories are kept in (None: the layer inputs' own).
-        """
+        attention-reconstruction loss (mean over layers; None without parameters). ``hiddens[l]``: layer l's input
+        rows (B, T, d), also the reconstruction's queries; ``layers``: each layer's attention (its weights read,
+        gradient stopped); ``dtype``: what both memories are kept in (None: the layer inputs' own)."""
         kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
         learn = train and self.learns and torch.is_grad_enabled()
         new, losses = [], []
@@ -166,10 +158,8 @@ class Compressor(nn.Module):
     def next_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], buffers: Sequence | None,
                    memory: Memory | None, state: Memory, T: int, *, positions, weights_version) -> KVCache:
         """The KV cache for the call after one that read T tokens over the window [compressed; ``memory``] with
-        ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None), ``state``
-        the state it returned. While nothing was compressed the next window is this one grown by the T rows, whose
-        keys these are (a generation, whose memory keeps every row, never compresses); once rows left the memory
-        the window changed (rows gone, new slots): an empty cache, which the next call fills from the state."""
+        ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None) and returned
+        ``state``: these keys while nothing was compressed (the window only grew), else an empty cache."""
         L = len(keys)
         if memory_length(state[:L]) != memory_length(memory) + T:
             return KVCache(positions=positions)

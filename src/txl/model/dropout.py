@@ -19,11 +19,9 @@ from torch import nn
 def rare_positions(n: int, q: float, device: torch.device, *, first: int | None = None) -> torch.Tensor:
     """The sorted positions (int64) of the successes in n independent Bernoulli(q) trials, 0 < q <= 0.5.
 
-    Drawn as gaps: G = floor(log(1 - u) / log(1 - q)) + 1 for u uniform in [0, 1) is Geometric(q)
-    (P(G > g) = (1 - q)**g), and the successes sit at the running sums of the gaps, minus one. Draws come
-    in chunks of ``first`` (default: the mean count plus six standard deviations); the process has no
-    memory, so a chunk that ends before n is continued from its last success with the same formula, and the
-    positions depend only on the generator's stream, not on the chunk sizes.
+    Drawn as gaps: G = floor(log(1 - u) / log(1 - q)) + 1 for u uniform in [0, 1) is Geometric(q), and the
+    successes sit at the running sums of the gaps, minus one. Draws come in chunks of ``first`` (default: the mean
+    count plus six standard deviations), continued from the last success: the positions do not depend on them.
     """
     log_miss = math.log1p(-q)
     chunks, start = [], 0
@@ -41,13 +39,9 @@ def rare_positions(n: int, q: float, device: torch.device, *, first: int | None 
 
 
 class _GapDropout(torch.autograd.Function):
-    """dropout(x), or dropout(relu(x)), from the positions of the rarer outcome (``rare_positions``).
-
-    ``dropped``: the positions are the dropped elements (p <= 0.5): out = x * scale with zeros written at
-    them; else the kept ones: out = zeros with x * scale written at them. Saved for backward: the positions
-    (about min(p, 1 - p) n of them), or with ``relu`` nothing of its own (the gradient passes where the
-    output, which the next linear layer keeps anyway, is positive).
-    """
+    """dropout(x), or dropout(relu(x)), from the positions of the rarer outcome (``rare_positions``): the dropped
+    elements (``dropped``, p <= 0.5: zeros written into x * scale) or the kept ones (x * scale written into zeros).
+    Saved for backward: the positions, or with ``relu`` the output (which the next linear layer keeps anyway)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, pos: torch.Tensor, scale: float, dropped: bool, relu: bool) -> torch.Tensor:
@@ -88,9 +82,8 @@ def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tenso
 
 class Dropout(nn.Dropout):
     """``nn.Dropout`` (same p field, same state dict), its training masks drawn from the gaps where ``gaps`` is set
-    (not the same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
-    step, where the gaps are drawn: no ReLU input or mask kept for backward; its input is a fresh tensor nothing
-    else reads (fc1's output), overwritten where no gradient needs it. Identity in evaluation."""
+    (other draws than ``nn.Dropout``'s; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
+    step; its input (fc1's output, read by nothing else) is overwritten where no gradient needs it."""
 
     gaps: bool = True
     """Whether the gap sampler draws the masks; the model sets it from its plan (``txl.model.plan``)."""
