@@ -33,9 +33,8 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; a 16-bit stream is normalised in its own dtype, the norm's weight and bias cast to it: CUDA's
-    layer norm takes one dtype for input and weights, and its autocast would run it in float32 (a cast up and down
-    again). The statistics are float32 either way."""
+    """``norm(x)``; a 16-bit stream normalised in its own dtype, the norm's weight and bias cast to it (CUDA's layer
+    norm takes one dtype for all three; its autocast would cast up and down again). Statistics in float32."""
     if x.dtype in (torch.float16, torch.bfloat16):
         with torch.autocast(x.device.type, enabled=False):
             return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
@@ -45,12 +44,9 @@ def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 # -- rel_shift without the padded copy ------------------------------------------------------------
 
 def _shifted_view(x: torch.Tensor) -> torch.Tensor:
-    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view, no pad needed.
-
-    y[i, j] = x[i, T-1-i+j] sits at flat offset i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K)
-    block: rows of K read with a stride of K-1 from offset T-1. Row i's last entry is row i+1's first
-    (both a hidden future key for i < T-1); the last row ends at the block's last element.
-    """
+    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view: y[i, j] = x[i, T-1-i+j] sits at flat offset
+    i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K) block, so rows of K are read with a stride of K-1 from offset
+    T-1. Row i's last entry is row i+1's first (a hidden future key for i < T-1)."""
     A, C, T, K = x.shape
     return x.as_strided((A, C, T, K), (C * T * K, T * K, K - 1, 1), x.storage_offset() + T - 1)
 
@@ -95,11 +91,8 @@ class _Realign(torch.autograd.Function):
 
 def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool, scale: float = 1.0) -> torch.Tensor:
     """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), times ``scale``, mask added.
-
-    scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
-    distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere (added in the pass that
-    realigns anyway; the win: benchmarks/README.md, "What the fast path keeps").
-    """
+    scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K), column p against distance K-1-p; mask_bias:
+    (T, K), 0 where query i may see key j, else -inf (benchmarks/README.md, "What the fast path keeps")."""
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         shifted = rel_shift(scores)  # (A, C, T, K)
         shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
@@ -116,12 +109,9 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Tensor, mask_bias: torch.Tensor,
                     scale: float, index: torch.Tensor | None = None) -> torch.Tensor:
-    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance (``Attention.scores_of``)
-    realigned by key index, times ``scale``, the mask added: what the fused kernel reads as its additive bias.
-
-    ``index``: (T, K), the row of the positional table each (query, key) reads, for keys in any order (the rings of
-    ``txl.static_eval``): the scores against the table's N distances, (B, H, T, N), are gathered by it instead of
-    realigned (evaluation only: autograd does not go through it)."""
+    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance realigned by key index,
+    times ``scale``, the mask added: the fused kernel's additive bias. ``index``: (T, K), the table row each (query,
+    key) reads, for keys in any order (``txl.static_eval``'s rings; evaluation only): gathered, not realigned."""
     scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K); with index K = N
     if index is not None:
         # gather of the expanded index (take_along_dim's broadcast is slower on a CPU)
@@ -159,11 +149,8 @@ def _forward_autocast(device: torch.device) -> dict:
 class _RecomputedAttention(torch.autograd.Function):
     """softmax(scale * query k^T + bias) val for training (``recompute_attention``), keeping neither the (B, H, T, K)
     bias nor the probabilities for backward: memory, not speed (benchmarks/README.md, "What the fast path keeps").
-
-    Forward: SDPA. Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``), the probabilities P
-    from it, then as in FlashAttention's backward dS = P * (dP - rowsum(dO * O)) with dP = dO val^T. dS is the
-    bias gradient; autograd takes it on to the bias inputs.
-    """
+    Backward recomputes the bias (``bias_fn(*inputs)``) and P, then as FlashAttention's backward
+    dS = P * (dP - rowsum(dO * O)), dP = dO val^T; autograd takes dS on to the bias inputs."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
@@ -232,13 +219,11 @@ def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, 
                     dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
                     pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
-
     query: (B, T, H, D), content bias added; scale: multiplies its products with the keys (1/sqrt(D)); k, val:
     (B, K, H, D); mask: (T, K) bool (or (B, 1, T, K) with padding), True where hidden. The positional scores, when
     the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``, so training can recompute them in backward.
     dropout: on the probabilities (None: none); recompute: in training, recompute the scores in backward instead of
-    keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS`` (``sdpa``).
-    """
+    keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS`` (``sdpa``)."""
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
     if bias_fn is None and dropout is None:  # no positional scores: the fused kernel, forward and backward
