@@ -29,10 +29,8 @@ from txl.model.positions import sinusoid
 
 @dataclass(frozen=True)
 class KVCache:
-    """Per layer: the keys and values of exactly the memory rows, and W_kR R(n) for distances 0..N-1.
-
-    ``KVCache()`` is an empty cache to start with: it is filled from the memory passed with it.
-    """
+    """Per layer: the keys and values of exactly the memory rows, and W_kR R(n) for distances 0..N-1. ``KVCache()``
+    is an empty cache to start with: it is filled from the memory passed with it."""
 
     keys: tuple[torch.Tensor, ...] = ()
     """One (B, M, H, D) tensor per layer: W_kE h (W_kE LN(h) with pre-LN) of the memory rows."""
@@ -42,9 +40,8 @@ class KVCache:
     """Relative attention: one (N, H, D) tensor per layer, row n = W_kR R(N-1-n), the farthest distance first (the
     distances K-1 .. 0 a forward pass reads are its last K rows, a view); grown when K needs more."""
     buffers: tuple[tuple[RowBuffer, RowBuffer, RowBuffer], ...] = ()
-    """Per layer, the storage (``txl.model.memory.RowBuffer``) that the memory, keys and values returned with it
-    are views of: the next call appends its rows there in place instead of copying all M of them. () when they
-    are plain tensors (under torch.compile, with ext_len, or a cache put together by hand)."""
+    """Per layer, the ``RowBuffer``s the memory, keys and values returned with it are views of, which the next call
+    appends to in place; () when they are plain tensors (torch.compile, ext_len, a cache put together by hand)."""
     weights_version: int | None = None
     """Sum of the parameters' version counters when the cache was built: an optimiser step changes it
     (None: built under torch.compile, which cannot read them; not checked)."""
@@ -74,11 +71,8 @@ def weights_version(module: torch.nn.Module) -> int:
 def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]], table: tuple[torch.Tensor, ...],
                    need: int, *, clamp_len: int, d_model: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per layer (N, H, D), row n = W_kR R(N-1-n) (the farthest first), with N >= need (the largest distance + 1).
-
-    ``projections``: each layer's W_kR, (N, d) -> (N, H, D). Grown by doubling (clamp_len caps it), so a stream of
-    (B, 1) steps projects each distance once; farthest first, so a pass over K keys reads its last K rows as they lie.
-    """
+    """Per layer (N, H, D), row n = W_kR R(N-1-n) (the farthest first: a pass over K keys reads the last K rows), N >=
+    need; ``projections``: each layer's W_kR. Grown by doubling (clamp_len caps it): each distance projected once."""
     have = table[0].size(0) if table else 0
     if have >= need:
         return table
@@ -92,12 +86,9 @@ def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]]
 def cached_keys_values(keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                        memory: torch.Tensor | None, cache: KVCache, layer: int, *, grow: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[RowBuffer, RowBuffer] | None]:
-    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache``; and, with
-    ``grow``, the RowBuffers they are views of (the cache's own, extended in place where it can be).
-
-    ``keys_values``: the layer's projection of (B, N, d) rows to keys and values (B, N, H, D). Only the T
-    new rows are projected; an empty cache projects the memory rows once, here.
-    """
+    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache`` (an empty one: the
+    memory rows projected once, here), and with ``grow`` the RowBuffers they are views of. ``keys_values``: the
+    layer's projection of (B, N, d) rows to keys and values (B, N, H, D)."""
     rows = x if cache.keys or memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, T or K, d)
     k, val = keys_values(rows)  # (B, T or K, H, D) each
     old_k, old_val = (cache.keys[layer].to(k.dtype), cache.values[layer].to(val.dtype)) if cache.keys else (None, None)

@@ -31,12 +31,8 @@ def memory_length(memory: Memory | None) -> int:
 def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0,
                   dtype: torch.dtype | None = None) -> Memory:
     """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, a copy in ``dtype``
-    (None: the inputs' own); the old memory stays valid.
-
-    ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
-    positions of a segment are fed again at the start of the next one (extended context), so they are
-    not written here.
-    """
+    (None: the inputs' own); the old memory stays valid. ``hiddens[l]``: the (B, T, d) input of layer l; its last
+    ``ext_len`` positions are fed again with the next segment (extended context), so they are not kept."""
     if mem_len == 0:
         return tuple(h.new_empty((h.size(0), 0, *h.shape[2:])) for h in hiddens)  # any trailing shape: KVCache too
     new = []
@@ -52,12 +48,9 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
 
 class RowBuffer:
     """Storage that rows are appended to in place, so a sequence grown a row per (B, 1) step (a generation's memory
-    and cached keys/values) is not copied whole at every step, as ``torch.cat`` would.
-
-    ``data`` (B, C, ...) holds rows [0, ``end``); the tensors handed out are views of windows of it ending at
-    ``end``. Appending writes past ``end``, never into rows a view covers, so every view keeps its values. Only the
-    view ending at ``end`` is extended in place; an older one is copied into a new buffer instead.
-    """
+    and cached keys/values) is not copied whole at every step, as ``torch.cat`` would. ``data`` (B, C, ...) holds
+    rows [0, ``end``); views handed out end at ``end``. Appending writes past ``end``, so every view keeps its
+    values; only the view ending at ``end`` is extended in place, an older one is copied into a new buffer."""
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
@@ -75,11 +68,8 @@ class RowBuffer:
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
                 headroom: int = 64, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowBuffer]:
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
-    window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer.
-
-    A (B, 1) step then copies its rows once every ``headroom`` steps, and the spare capacity stays small and fixed
-    (doubling it doubled a serving process's peak memory).
-    """
+    window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer. A small fixed
+    headroom, not doubling: a (B, 1) step copies once every ``headroom`` steps without doubling the peak memory."""
     n, T = (0 if old is None else old.size(1)), new.size(1)
     fits = (buffer is not None and old is not None and buffer.ends(old) and new.dtype == buffer.data.dtype
             and buffer.end + T <= buffer.data.size(1)

@@ -44,10 +44,8 @@ def rel_shift(x: torch.Tensor) -> torch.Tensor:
 
 
 class Positions(NamedTuple):
-    """What one layer's attention gets of the positions in a forward pass, for key index 0..K-1.
-
-    Each encoding (``txl.model.attention``) builds its own and sets what it uses; the rest stay None.
-    """
+    """What one layer's attention gets of the positions in a forward pass, for key index 0..K-1: each encoding sets
+    what it uses, the rest stay None."""
 
     encodings: torch.Tensor | None = None
     """(K, d) the sinusoids R of distances K-1 .. 0 (clamped), dropout applied: relative attention
@@ -63,11 +61,9 @@ class Positions(NamedTuple):
 
 def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
                    device: torch.device | None = None) -> torch.Tensor:
-    """(T, K) bool, True where query i may not see key j.
-
-    Causal: query i (key index M+i) sees keys j <= M+i. With same_length every query sees the same
-    number of keys, the far ones hidden: mem_len keys in the original PyTorch / Hugging Face convention,
-    mem_len + 1 in the original TensorFlow / NVIDIA one (which also keeps the query's own position).
+    """(T, K) bool, True where query i may not see key j. Causal: query i (key index M+i) sees keys j <= M+i. With
+    same_length every query sees the same number of keys, the far ones hidden: mem_len keys in the original PyTorch /
+    Hugging Face convention, mem_len + 1 in the original TensorFlow / NVIDIA one (the query's own position too).
     """
     klen = mlen + qlen
     ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
@@ -80,10 +76,8 @@ def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, sty
 
 
 def padding_mask(mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """(T, K) causal mask and (B, K) bool pads -> (B, 1, T, K): no real query sees a pad key.
-
-    A pad query keeps its causal keys (pads, being on the left), so no softmax row is empty.
-    """
+    """(T, K) causal mask and (B, K) bool pads -> (B, 1, T, K): no real query sees a pad key; a pad query keeps its
+    causal keys (pads, being on the left), so no softmax row is empty."""
     T = mask.size(0)
     hide = padding[:, None, :] & ~padding[:, -T:, None]  # (B, T, K)
     return (mask | hide)[:, None]  # (B, 1, T, K)
