@@ -122,12 +122,10 @@ def nll(sm: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tens
 def attention(attn: nn.Module, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
               pos: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None, p: float, p_att: float,
               training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Relative multi-head attention over [memory; segment], residual, layer norm (section 3.3).
-
-    x: (B, T, d); memory: (B, M, d) or None; mask: (T, K) or (B, 1, T, K), True where a key is hidden; pos: the
-    layer's positions; u, v: the shared global biases (None: the layer's own, untie_r). Returns the layer's
-    output (B, T, d), and the keys and values (B, K, H, D) of [memory; segment] (what a KVCache keeps).
-    """
+    """Relative multi-head attention over [memory; segment], residual, layer norm (section 3.3). x: (B, T, d);
+    memory: (B, M, d) or None; mask: (T, K) or (B, 1, T, K), True where a key is hidden; pos: the layer's positions;
+    u, v: the shared global biases (None: the layer's own, untie_r). Returns the layer's output (B, T, d), and the
+    keys and values (B, K, H, D) of [memory; segment] (what a KVCache keeps)."""
     B, T, _ = x.shape
     H, D = attn.n_head, attn.d_head
     rows = x if memory is None else torch.cat([memory, x], dim=1)  # (B, K, d)

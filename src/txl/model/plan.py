@@ -64,12 +64,6 @@ CHOICES = (
 _BY_FIELD = {(c.field, c.value): c for c in CHOICES}
 
 
-def _check_device_type(device_type: str) -> None:
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)} (a "
-                         "device's .type, e.g. torch.device('cuda:1').type == 'cuda')")
-
-
 def resolved(field: str, value: Any, device_type: str) -> Any:
     """``field``'s ``value`` as a ``device_type`` device resolves it (a type the table does not name, e.g. 'meta', as
     'other'); a value that does not depend on the device, as is."""
@@ -78,13 +72,12 @@ def resolved(field: str, value: Any, device_type: str) -> Any:
 
 
 def resolve(compute: ComputeConfig, device_type: str) -> ComputeConfig:
-    """A copy of ``compute`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``).
-
-    Build a model with it to run ``device_type``'s path on any device. ``resolve(resolve(c, d), e) == resolve(c, d)``
-    for every d but 'cpu' (a config resolved for it no longer depends on the device); the CPU's gap sampler has no
-    name of its own, so its resolution keeps 'fast', which means torch's kernel elsewhere.
-    """
-    _check_device_type(device_type)
+    """A copy of ``compute`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``):
+    build a model with it to run ``device_type``'s path on any device. Resolving again changes nothing, except after
+    'cpu', whose gap sampler has no name of its own: it keeps 'fast', which is torch's kernel elsewhere."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)} (a "
+                         "device's .type, e.g. torch.device('cuda:1').type == 'cuda')")
     if not isinstance(compute, ComputeConfig):  # a ModelConfig has none of the fields: it would resolve to itself
         raise TypeError(f"plan.resolve takes a ComputeConfig, not a {type(compute).__name__}: build the model with "
                         "TransformerXL(config, plan.resolve(ComputeConfig(), device_type))")
@@ -122,8 +115,7 @@ class ComputePlan:
     softmax_pad: int
     """The multiple each output matmul's width of the softmax is padded to (1: none)."""
     gap_dropout: bool
-    """Dropout draws the gaps between dropped elements (``dropout_impl='fast'`` where it pays: the CPU); else
-    torch's kernel."""
+    """Dropout draws the gaps between dropped elements (``dropout_impl='fast'`` on the CPU), else torch's kernel."""
     pin_sdpa: bool
     """SDPA runs inside the backend context that keeps cuDNN out (``kernels.SDPA_BACKENDS``); not on the CPU."""
 
