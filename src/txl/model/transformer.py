@@ -119,12 +119,9 @@ class TransformerXL(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The original initialisation, one method dispatching on types.
-
-        Linear and embedding weights, cluster weights, biases u and v and learned positions:
-        normal(0, init_std); embedding and softmax projections: normal(0, proj_init_std);
-        LayerNorm weights normal(1, init_std); every bias 0.
-        """
+        """The original initialisation, one method dispatching on types: linear and embedding weights, cluster
+        weights, biases u and v and learned positions normal(0, init_std); embedding and softmax projections
+        normal(0, proj_init_std); LayerNorm weights normal(1, init_std); every bias 0."""
         c = self.config
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -162,8 +159,7 @@ class TransformerXL(nn.Module):
                 module.gaps = compute.gap_dropout
 
     def _apply(self, fn, recurse=True):
-        """``nn.Module._apply`` (what ``to``, ``cuda``, ``to_empty`` run), then the plan made again for the device
-        the model now lives on."""
+        """``nn.Module._apply`` (``to``, ``cuda``, ``to_empty``), then the plan made again for the model's device."""
         super()._apply(fn, recurse)
         device = next(self.parameters()).device
         if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
@@ -183,8 +179,7 @@ class TransformerXL(nn.Module):
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step); a
-        compressive model's cache holds the keys and values of its window, [compressed; memory]."""
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
         return KVCache() if self.encoding.cacheable else None
 
     # -- forward --------------------------------------------------------------------------------
@@ -270,12 +265,10 @@ class TransformerXL(nn.Module):
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
                      context: Context | None = None, *, version: int | None = None,
                      padding: torch.Tensor | None = None) -> None:
-        """Raise a ValueError naming what is wrong with the arguments of ``forward``.
-
-        ``forward`` calls it, except under torch.compile. Token ids and labels are range-checked on host tensors only
-        (on a GPU a read is a host sync): callers check their data before it moves (``check_token_ids``).
-        ``version``: ``weights_version(self)`` when the caller has read it already (None: read here).
-        """
+        """Raise a ValueError naming what is wrong with the arguments of ``forward`` (which calls it, except under
+        torch.compile). Token ids and labels are range-checked on host tensors only (on a GPU a read is a host sync):
+        callers check their data before it moves (``check_token_ids``). ``version``: ``weights_version(self)`` when
+        the caller has read it already (None: read here)."""
         c = self.config
         ctx = c.context() if context is None else context
         if not isinstance(ctx, Context):
