@@ -16,6 +16,7 @@ Under ``torch.compile`` the Functions are not traced: ordinary ops take their pl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -134,9 +135,7 @@ def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: tor
          pin: bool = True) -> torch.Tensor:
     """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``
     (``ComputePlan.pin_sdpa``: off on a CPU, which has no cuDNN and where the context costs time)."""
-    if not pin:
-        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
-    with sdpa_kernel(list(SDPA_BACKENDS)):
+    with sdpa_kernel(list(SDPA_BACKENDS)) if pin else contextlib.nullcontext():
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 

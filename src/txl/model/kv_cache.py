@@ -6,14 +6,9 @@ N rows of the positional table, L layers.
 Without a cache every forward projects again the keys and values of all M memory rows (W_kE h, W_v h) and the K
 relative encodings (W_kR R), although neither changes while the weights are fixed; a KVCache keeps both. Like the
 memory it goes into ``TransformerXL.forward(..., kv_cache=)`` and comes back as ``LMOutput.kv_cache``. It is valid
-only:
-
-* in eval mode without autograd (``torch.no_grad()``): the keys are detached, so gradients to W_kE and
-  W_v through memory rows would silently be lost, and dropout would make cached rows differ;
-* with the weights it was built with (checked through the parameters' version counters);
-* next to the memory it was returned with: same length and alignment, truncated in the same place
-  (``update_memory``);
-* for the encodings that declare themselves ``cacheable`` (``txl.model.attention``'s table).
+only in eval mode without autograd (``torch.no_grad()``: cached keys are detached, and dropout would make them
+differ), with the weights it was built with (checked by the parameters' version counters), next to the memory it
+was returned with (same length and alignment), and for the ``cacheable`` encodings (``txl.model.attention``).
 """
 
 from __future__ import annotations
