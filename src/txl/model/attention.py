@@ -43,9 +43,6 @@ from txl.model.dropout import Dropout
 from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, relative_distances, sinusoid
 
-Shared = dict[str, torch.Tensor]
-"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
-
 
 class Attention(nn.Module):
     """Causal multi-head attention over [memory; segment] with residual and layer norm; no positional term of its own
@@ -87,11 +84,12 @@ class Attention(nn.Module):
         return {}
 
     @classmethod
-    def build_positions(cls, config: ModelConfig, shared: Shared, klen: int, clamp_len: int, *,
+    def build_positions(cls, config: ModelConfig, shared: dict[str, torch.Tensor], klen: int, clamp_len: int, *,
                         dtype: torch.dtype, device: torch.device, drop: nn.Module,
                         table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
-        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none). ``drop``: the model's
-        embedding dropout; ``table``: a KVCache's per-layer positional table (``grow_table``), when there is one."""
+        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none). ``shared``: the
+        model's ``shared_parameters`` by name; ``drop``: the model's embedding dropout; ``table``: a KVCache's
+        per-layer positional table (``grow_table``), when there is one."""
         return [None] * config.n_layer
 
     @classmethod

@@ -12,14 +12,12 @@ import torch
 import torch.nn.functional as F
 
 
-def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
-    """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""
-    return (10000 ** (torch.arange(0, d_model, 2, device=device, dtype=torch.float32) / d_model)).reciprocal()
-
-
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
-    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
-    angles = distances.float()[:, None] * inverse_frequencies(d_model, distances.device)[None, :]  # (K, d/2)
+    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters), at the
+    frequencies 1 / 10000^(2i/d) (Vaswani et al. 2017)."""
+    inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32) / d_model)
+                ).reciprocal()  # (d/2,)
+    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
     return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
 
 
