@@ -188,7 +188,8 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
-                       dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
+                       dropout: Callable[[torch.Tensor], torch.Tensor] | None = None, *, scale: float = 1.0
+                       ) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
     ``dropout``): (B, H, T, D). query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or
     (T, K), -inf where hidden."""
@@ -207,22 +208,16 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
 
-Dropout = Callable[[torch.Tensor], torch.Tensor]
-"""The attention dropout: a module (``txl.model.dropout.Dropout``) applied to the probabilities."""
-BiasFn = Callable[..., torch.Tensor]
-"""``bias_fn(*bias_inputs, mask_bias=)`` -> (B, H, T, K) positional scores (scaled), realigned, mask added."""
-
-
 def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor,
-                    bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
-                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
-                    pin: bool = True) -> torch.Tensor:
+                    bias_fn: Callable[..., torch.Tensor] | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
+                    dropout: Callable[[torch.Tensor], torch.Tensor] | None = None, recompute: bool = True,
+                    scale: float = 1.0, pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
     query: (B, T, H, D), content bias added; scale: multiplies its products with the keys (1/sqrt(D)); k, val:
     (B, K, H, D); mask: (T, K) bool (or (B, 1, T, K) with padding), True where hidden. The positional scores, when
-    the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``, so training can recompute them in backward.
-    dropout: on the probabilities (None: none); recompute: in training, recompute the scores in backward instead of
-    keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS`` (``sdpa``)."""
+    the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)`` (scaled, realigned, mask added), so training
+    can recompute them in backward. dropout: the attention dropout module (None: none); recompute: in training,
+    recompute the scores in backward instead of keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS``."""
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
     if bias_fn is None and dropout is None:  # no positional scores: the fused kernel, forward and backward
