@@ -4,8 +4,7 @@ Shape legend: B batch, T query (segment) length, M memory length, K = M + T key 
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
 
 Dai et al. 2019, section 3.3 (``txl.model.plain`` writes it out term by term):
-A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d). Queries are only computed for
-the T segment rows: memory rows need keys and values alone.
+A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d).
 
 Each encoding (``ModelConfig.attn_type``) is one class that says once what it is and builds its own positional
 inputs; everything else asks it through ``encoding(attn_type)``:

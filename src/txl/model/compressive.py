@@ -9,22 +9,19 @@ slots dropped), and every layer attends over [compressed; memory; segment] (Rae 
 
 **The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both:
 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row first in each
-(``split_state``), so every caller that carries the memory carries both. Left padding is taken
-while nothing is or gets compressed. A KV cache holds the keys and values of the window [compressed; memory]
-(``Compressor.next_cache``): kept while the window only grows, rebuilt from the state after a compression.
+(``split_state``). Left padding is taken while nothing is or gets compressed. A KV cache holds the keys and values
+of the window [compressed; memory]: kept while the window only grows, rebuilt after a compression.
 
 **Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment] the oldest
 floor((M + T - mem_len) / c) x c are compressed and the memory keeps the rest (mem_len to mem_len + c - 1 rows).
 
-**Positions.** Every encoding gives each row the position of its index in the window, as Algorithm 1 feeds the
-concatenation to Transformer-XL's attention: compressed slot j of C is at distance C + M + i - j from query i.
-(A slot at the distance of the c tokens it stands for would not be a function of i - j, which ``rel_shift``,
-the kernels and the KV cache's distance table rely on.)
+**Positions.** Each row takes the position of its index in the window, as Algorithm 1 feeds the concatenation to
+Transformer-XL's attention: compressed slot j of C is at distance C + M + i - j from query i (a function of i - j,
+which ``rel_shift``, the kernels and the KV cache's distance table rely on).
 
-**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019, eq. (1)).
-Its parameters ('conv') are trained by the attention-reconstruction loss alone (Rae et al. 2020, section 3.2,
-Algorithm 2): per layer || attn(h, old) - attn(h, f_c(old)) ||^2, h, the old rows and the layer's weights
-stop-gradient.
+**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019, eq. (1)); its
+parameters ('conv') are trained by the attention-reconstruction loss alone (Rae et al. 2020, Algorithm 2): per layer
+|| attn(h, old) - attn(h, f_c(old)) ||^2, with h, the old rows and the layer's weights stop-gradient.
 """
 
 from __future__ import annotations
