@@ -73,13 +73,6 @@ def _scatter_scaled(y: torch.Tensor, pos: torch.Tensor, scale: float, dropped: b
     return res
 
 
-def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tensor:
-    """dropout(x) (or dropout(relu(x))) in training with nn.Dropout's distribution, from gaps: 0 < p < 1."""
-    dropped = p <= 0.5  # draw the rarer outcome: the fewer positions, the fewer draws
-    pos = rare_positions(x.numel(), p if dropped else 1.0 - p, x.device)
-    return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - p), dropped, relu)
-
-
 class Dropout(nn.Dropout):
     """``nn.Dropout`` (same p field, same state dict), its training masks drawn from the gaps where ``gaps`` is set
     (other draws than ``nn.Dropout``'s; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
@@ -95,6 +88,8 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:  # relu: in place where no gradient needs x (fc1's output, read once)
             return (torch.relu(x) if x.requires_grad else x.relu_()) if self.relu else x
-        if self.p < 1 and self.gaps and not torch.compiler.is_compiling():
-            return gap_dropout(x, self.p, relu=self.relu)
+        if self.p < 1 and self.gaps and not torch.compiler.is_compiling():  # the gaps, of the rarer outcome
+            dropped = self.p <= 0.5
+            pos = rare_positions(x.numel(), self.p if dropped else 1.0 - self.p, x.device)
+            return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - self.p), dropped, self.relu)
         return F.dropout(torch.relu(x) if self.relu else x, self.p)  # torch's kernel (at p = 1: all dropped)
