@@ -58,14 +58,13 @@ def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
     return tuple(torch.cat([cm, m.to(cm.dtype)], dim=1) for cm, m in zip(compressed, memory))  # (B, C + M, d)
 
 
-def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int,
-          dtype: torch.dtype | None = None) -> tuple[Memory, list[torch.Tensor]]:
+def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int
+          ) -> tuple[Memory, list[torch.Tensor]]:
     """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``
-    (the module docstring's eviction); gradient stopped, kept in ``dtype`` (None: the inputs' own)."""
+    (the module docstring's eviction), gradient stopped."""
     kept, leaving = [], []
     with torch.no_grad():
         for l, h in enumerate(hiddens):
-            h = h if dtype is None else h.to(dtype)
             rows = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
             n = max(0, rows.size(1) - mem_len) // rate * rate  # (B, M + T, d): the first n rows leave
             kept.append(rows[:, n:].detach().contiguous() if n else rows.detach())  # (B, M', d)
@@ -123,18 +122,16 @@ class Compressor(nn.Module):
         return groups.mean(2) if self.fn == "mean" else groups.amax(2)  # (B, N / c, d)
 
     def update(self, memory: Memory | None, compressed: Memory | None, hiddens: Sequence[torch.Tensor], *,
-               mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
-               ) -> tuple[Memory, torch.Tensor | None]:
+               mem_len: int, layers: Sequence[nn.Module], train: bool) -> tuple[Memory, torch.Tensor | None]:
         """The next state (the L memory tensors, then the L compressed ones) and, with ``train``, the
         attention-reconstruction loss (mean over layers; None without parameters). ``hiddens[l]``: layer l's input
         rows (B, T, d), also the reconstruction's queries; ``layers``: each layer's attention (its weights read,
-        gradient stopped); ``dtype``: what both memories are kept in (None: the layer inputs' own)."""
-        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
+        gradient stopped)."""
+        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate)
         learn = train and self.learns and torch.is_grad_enabled()
         new, losses = [], []
         for l, old in enumerate(leaving):
             have = compressed[l] if compressed else old.new_empty(old.size(0), 0, old.size(2))  # (B, C, d)
-            have = have if dtype is None else have.to(dtype)
             if old.size(1) == 0:
                 new.append(have)
                 continue

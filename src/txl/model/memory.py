@@ -66,7 +66,7 @@ class RowBuffer:
 
 
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
-                headroom: int = 64, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowBuffer]:
+                headroom: int = 64) -> tuple[torch.Tensor, RowBuffer]:
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
     window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer. A small fixed
     headroom, not doubling: a (B, 1) step copies once every ``headroom`` steps without doubling the peak memory."""
@@ -75,7 +75,7 @@ def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer |
             and buffer.end + T <= buffer.data.size(1)
             and (torch.is_inference_mode_enabled() or not buffer.data.is_inference()))  # writable here
     if not fits:
-        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:], dtype=dtype))  # (B, C, ...)
+        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:]))  # (B, C, ...)
         if n:
             buffer.data[:, :n] = old
         buffer.end = n
@@ -90,14 +90,13 @@ def last_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def grow_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int,
-                buffers: Sequence[RowBuffer | None], dtype: torch.dtype | None = None
-                ) -> tuple[Memory, tuple[RowBuffer, ...]]:
+                buffers: Sequence[RowBuffer | None]) -> tuple[Memory, tuple[RowBuffer, ...]]:
     """``update_memory`` (ext_len 0) with each layer's rows appended in place to its ``RowBuffer``: the memory
     is views of the buffers, returned with them. Under ``torch.no_grad()`` (the KVCache's condition)."""
     new, bufs = [], []
     for l, h in enumerate(hiddens):
         old = memory[l] if memory and memory[l].size(1) else None
-        rows, buffer = append_rows(old, h, buffers[l] if buffers else None, dtype=dtype)  # (B, M + T, d)
+        rows, buffer = append_rows(old, h, buffers[l] if buffers else None)  # (B, M + T, d)
         new.append(last_rows(rows, mem_len))
         bufs.append(buffer)
     return tuple(new), tuple(bufs)
