@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -29,17 +30,11 @@ def norm_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
             for n, p in m._parameters.items() if p is not None]
 
 
-def multi_process() -> bool:
-    """Whether a process group of more than one process is running (DDP, FSDP)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def groupable(params: list[torch.Tensor], dtype: torch.dtype) -> bool:
     """Whether the grouped cast applies: float32 plain parameters (not FSDP's DTensors) under an autocast dtype
-    of their own, and no multi-process group (DDP would lose its overlap of all-reduce with backward)."""
-    if not params or dtype == params[0].dtype or multi_process():
+    of their own, and no process group of more than one (DDP would lose its overlap of all-reduce with backward)."""
+    if not params or dtype == params[0].dtype or (dist.is_available() and dist.is_initialized()
+                                                  and dist.get_world_size() > 1):
         return False
     return all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
 
