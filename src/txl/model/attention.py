@@ -101,13 +101,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
-
-        x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or (B, 1, T, K)
-        with padding); positions: this layer's (``build_positions``), or None; u, v: the model's shared biases
-        (None: this layer's own, untie_r); kv: the keys and values (B, K, H, D) of [memory; segment] already
-        projected (``kv_cache.cached_keys_values``), memory then None.
-        """
+        """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly). x: (B, T, d)
+        segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or (B, 1, T, K) with padding);
+        positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None: this layer's
+        own, untie_r); kv: the keys and values (B, K, H, D) of [memory; segment] already projected
+        (``kv_cache.cached_keys_values``), memory then None."""
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what the projections read
@@ -333,8 +331,7 @@ class RotaryAttention(Attention):
 def encoding(attn_type: str) -> type[Attention]:
     """The class of ``attn_type``: ask it for the encoding's traits (``relative``, ``cacheable``,
     ``clamps_distances``, ``title``) instead of listing attention types by hand."""
-    found = {}
-    todo = [Attention]
+    found, todo = {}, [Attention]
     while todo:  # every subclass, however deep
         cls = todo.pop()
         todo.extend(cls.__subclasses__())

@@ -63,8 +63,7 @@ class _Realign(torch.autograd.Function):
         shifted = _shifted_view(scores)  # (A, C, T, K)
         if heads_first:
             shifted = shifted.transpose(0, 1)  # (H, B, T, K) -> (B, H, T, K) view
-        ctx.heads_first, ctx.scale = heads_first, scale
-        ctx.scores_shape = scores.shape
+        ctx.heads_first, ctx.scale, ctx.scores_shape = heads_first, scale, scores.shape
         out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
         return torch.add(mask_bias, shifted, alpha=scale, out=out)  # scaled in the same pass
 

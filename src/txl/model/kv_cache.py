@@ -54,9 +54,7 @@ def weights_version(module: torch.nn.Module) -> int:
     total, todo = 0, [module]
     while todo:
         m = todo.pop()
-        if m is None:  # a submodule slot set to None
-            continue
-        todo.extend(m._modules.values())
+        todo.extend(c for c in m._modules.values() if c is not None)  # a submodule slot may be None
         for p in m._parameters.values():
             if p is not None and not p.is_inference():
                 total += p._version
