@@ -242,9 +242,8 @@ class RelativeAttention(Attention):
 
 
 class ShawAttention(Attention):
-    """Shaw et al. 2018 (the paper's Table 6 ablation), as the original's attn_type 1: scores (q + u) . k + q . E_dist
-    + b_dist, E (P, H, D) and b (P, H) learned per distance, indexed like R (row P-1 is distance 0; P or more: row 0).
-    """
+    """Shaw et al. 2018 (the paper's Table 6 ablation), as the original's attn_type 1: scores (q + u) . k +
+    q . E_dist + b_dist, E (P, H, D) and b (P, H) learned per distance, indexed like R (row P-1: distance 0)."""
 
     attn_type = "shaw"
     title = "Shaw et al. (2018)"

@@ -118,8 +118,6 @@ class _CastRows(torch.autograd.Function):
 def cast_rows(params: list[torch.Tensor], layouts: list[list[Piece]], pads: list[float],
               dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One output per layout in ``dtype``, its rows the listed blocks of ``params`` in order, a pad block filled with
-    its output's ``pads`` value; gradients flow back to ``params`` (float32 when ``groupable``). The same numbers
-    as casts, cats and slices: a parameter row no block of a used output covers gets a zero gradient, a parameter
-    no used output reads gets None.
-    """
+    its output's ``pads`` value; gradients flow back to ``params`` (float32 when ``groupable``). The same numbers as
+    casts, cats and slices: a parameter row no used block covers gets a zero gradient, an unread parameter None."""
     return _CastRows.apply(dtype, tuple(tuple(lay) for lay in layouts), tuple(pads), *params)

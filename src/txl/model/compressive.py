@@ -75,8 +75,7 @@ def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: in
 def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch.Tensor, n_head: int,
                       norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
     """A layer's content attention (no positional term) of queries (B, T, d) over rows (B, N, d): (B, H, T, D).
-    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN norm (weight, bias, eps), or None.
-    """
+    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN norm (weight, bias, eps) or None."""
     if norm is not None:
         queries = F.layer_norm(queries, queries.shape[-1:], norm[0], norm[1], norm[2])
         rows = F.layer_norm(rows, rows.shape[-1:], norm[0], norm[1], norm[2])

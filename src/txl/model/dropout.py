@@ -21,8 +21,7 @@ def rare_positions(n: int, q: float, device: torch.device, *, first: int | None 
 
     Drawn as gaps: G = floor(log(1 - u) / log(1 - q)) + 1 for u uniform in [0, 1) is Geometric(q), and the
     successes sit at the running sums of the gaps, minus one. Draws come in chunks of ``first`` (default: the mean
-    count plus six standard deviations), continued from the last success: the positions do not depend on them.
-    """
+    count plus six standard deviations), continued from the last success: the positions do not depend on them."""
     log_miss = math.log1p(-q)
     chunks, start = [], 0
     while True:

@@ -30,12 +30,10 @@ def relative_distances(klen: int, clamp_len: int, device: torch.device | None = 
 def rel_shift(x: torch.Tensor) -> torch.Tensor:
     """Realign (..., T, K) scores from "encoding index p" to "key index j" (the original's pad-and-view form).
 
-    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
-    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column
-    in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the padded
-    row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
-    ``kernels.realign`` is the same shift without the padded copy.
-    """
+    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j is at
+    distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column in front and reading
+    the flat (T, K+1) buffer from offset T in rows of K (one less than the padded row) shifts row i left by T-1-i.
+    Entries with j > M+i (future keys, always masked) are meaningless; ``kernels.realign`` needs no padded copy."""
     *lead, T, K = x.shape
     padded = F.pad(x, (1, 0)).reshape(*lead, T * (K + 1))  # (..., T*(K+1))
     return padded[..., T:].view(*lead, T, K)  # (..., T, K)
@@ -61,8 +59,7 @@ def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, sty
                    device: torch.device | None = None) -> torch.Tensor:
     """(T, K) bool, True where query i may not see key j. Causal: query i (key index M+i) sees keys j <= M+i. With
     same_length every query sees the same number of keys, the far ones hidden: mem_len keys in the original PyTorch /
-    Hugging Face convention, mem_len + 1 in the original TensorFlow / NVIDIA one (the query's own position too).
-    """
+    Hugging Face convention, mem_len + 1 in the original TensorFlow / NVIDIA one (the query's own position too)."""
     klen = mlen + qlen
     ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
     mask = torch.triu(ones, diagonal=1 + mlen)
