@@ -2,9 +2,9 @@
 
 Shapes: B batch, M memory length, T segment length, d d_model, L layers.
 
-A memory is a tuple with one (B, M, d) tensor per layer: the *input* hidden states of that layer for
-the M positions before the current segment. Memory goes in and comes out of the model explicitly;
-these pure functions are the only place where it is built, truncated and detached.
+A memory is a tuple with one (B, M, d) tensor per layer: the *input* hidden states of that layer for the M positions
+before the current segment. It goes in and comes out of the model explicitly; these pure functions are the only
+place where it is built, truncated and detached.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Rotary position embedding (RoFormer, Su et al. 2021) over the [memory; segment] window: pure functions.
 
-Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads, D head
-width (even), N rows being rotated.
+Shape legend: B batch, T query (segment) length, M memory length, K = M + T, H heads, D head width (even), N rows.
 
 Each pair of channels (x[..., c], x[..., c + D/2]) of a query or key at position n is rotated by the angle
 n * theta_c, theta_c = base^(-2c/D) (the half-split pairing of GPT-NeoX / Llama), so q_i . k_j depends on the

@@ -1,14 +1,12 @@
 """The Transformer-XL language model (Dai et al. 2019).
 
-Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, V vocabulary,
-L layers, P learned positions.
+Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, V vocabulary, L layers.
 
-A forward pass reads one segment of token ids with the memory of earlier segments, and returns the
-per-token loss (or log-probabilities) and the memory for the next segment:
+A forward pass reads one segment of token ids with the memory of earlier segments, and returns the per-token loss
+(or log-probabilities) and the memory for the next segment (memory_l: the inputs of layer l for the M previous
+positions, section 3.2):
 
     embed -> dropout -> [layer_l(h, memory_l) for l in 0..L-1] -> dropout -> adaptive softmax
-
-where memory_l holds the inputs of layer l for the M previous positions (section 3.2).
 """
 
 from __future__ import annotations
