@@ -69,8 +69,7 @@ def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]]
     have = table[0].size(0) if table else 0
     if have >= need:
         return table
-    cap = clamp_len + 1 if clamp_len > 0 else None
-    size = max(need, 2 * have) if cap is None else min(max(need, 2 * have), cap)
+    size = max(need, 2 * have) if clamp_len <= 0 else min(max(need, 2 * have), clamp_len + 1)  # clamp_len caps it
     r = sinusoid(torch.arange(size - 1, have - 1, -1, device=device), d_model).to(dtype)  # (size-have, d), far first
     new = [project(r) for project in projections]  # (size-have, H, D) each
     return tuple(new) if not table else tuple(torch.cat([n, old]) for old, n in zip(table, new))

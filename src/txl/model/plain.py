@@ -206,9 +206,8 @@ def next_state(model: nn.Module, out: LMOutput, own: Memory | None, compressed: 
         return
     out.memory = update_memory(own, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
     if kv:  # the keys and values of exactly the rows kept
-        out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                               values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                               positions=table, weights_version=version)
+        keep = functools.partial(update_memory, None, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+        out.kv_cache = KVCache(keys=keep(keys), values=keep(values), positions=table, weights_version=version)
 
 
 def predict(out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None, score, log_prob) -> LMOutput:

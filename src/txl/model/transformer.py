@@ -167,12 +167,10 @@ class TransformerXL(nn.Module):
     # -- memory ---------------------------------------------------------------------------------
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
         """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
-        p = next(self.parameters())
-        memory = zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
-                              device=p.device, dtype=p.dtype)
+        p, c = next(self.parameters()), self.config
+        memory = zeros_memory(c.n_layer, batch_size, c.d_model, length, device=p.device, dtype=p.dtype)
         if self.compressor is not None:  # and an empty compressed memory
-            memory += zeros_memory(self.config.n_layer, batch_size, self.config.d_model, 0, device=p.device,
-                                   dtype=p.dtype)
+            memory += zeros_memory(c.n_layer, batch_size, c.d_model, 0, device=p.device, dtype=p.dtype)
         return memory
 
     def start_kv_cache(self) -> KVCache | None:
