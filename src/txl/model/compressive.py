@@ -51,9 +51,7 @@ def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memo
 
 def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
     """Per layer the rows the layer attends to before the segment: [compressed; memory] (B, C + M, d)."""
-    if memory is None:
-        return None
-    if not compressed or compressed[0].size(1) == 0:
+    if memory is None or not compressed or compressed[0].size(1) == 0:  # no compressed rows: the memory as is
         return memory
     return tuple(torch.cat([cm, m.to(cm.dtype)], dim=1) for cm, m in zip(compressed, memory))  # (B, C + M, d)
 
@@ -96,8 +94,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.fn, self.rate, self.cmem_len = config.cmem_fn, config.cmem_rate, config.cmem_len
         d, c = config.d_model, config.cmem_rate
-        self.learns = config.cmem_fn == "conv"
-        """Whether f_c has parameters, trained by the reconstruction loss."""
+        self.learns = config.cmem_fn == "conv"  # f_c has parameters, trained by the reconstruction loss
         if self.learns:  # torch.empty, no random draw: the rest of the model initialises as without a compressor
             self.weight = nn.Parameter(torch.empty(d, d, c))  # (d_out, d_in, c): Conv1d's layout
             self.bias = nn.Parameter(torch.empty(d))
