@@ -115,8 +115,7 @@ def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Ten
     scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K); with index K = N
     if index is not None:
         # gather of the expanded index (take_along_dim's broadcast is slower on a CPU)
-        B, H, T, _ = scores.shape
-        position = scores.gather(-1, index.expand(B, H, T, index.size(-1)))  # (B, H, T, K)
+        position = scores.gather(-1, index.expand(*scores.shape[:3], index.size(-1)))  # (B, H, T, K)
         return torch.add(mask_bias, position, alpha=scale)  # (B, H, T, K)
     heads_first = not scores.is_contiguous() and scores.transpose(0, 1).is_contiguous()
     return realign(scores.transpose(0, 1) if heads_first else scores, mask_bias, heads_first=heads_first, scale=scale)
@@ -192,11 +191,8 @@ def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, 
     """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
     ``dropout``): (B, H, T, D). query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or
     (T, K), -inf where hidden."""
-    B, T, H, D = query.shape
-    K = k.size(1)
-    qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
-    kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-    vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+    (B, T, H, D), K = query.shape, k.size(1)
+    qh, kh, vh = (t.transpose(1, 2).reshape(B * H, -1, D) for t in (query, k, val))  # (B*H, T or K, D)
     if bias.dim() == 4:  # (B, H, T, K), or (B, 1, T, K) with padding: one per head
         bias = bias.expand(B, H, T, K).reshape(B * H, T, K)  # (B*H, T, K)
     score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
