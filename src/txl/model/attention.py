@@ -174,8 +174,7 @@ class Attention(nn.Module):
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
         # pre-LN: LN(rows) (per row); else the rows in the weights' dtype, as autocast would cast them in the matmul
         h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)  # (B, N, d)
-        k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
-        return k, val
+        return F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
 
 
 class RelativeAttention(Attention):

@@ -150,8 +150,7 @@ class Compressor(nn.Module):
         """The KV cache for the call after one that read T tokens over the window [compressed; ``memory``] with
         ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None) and returned
         ``state``: these keys while nothing was compressed (the window only grew), else an empty cache."""
-        L = len(keys)
-        if memory_length(state[:L]) != memory_length(memory) + T:
+        if memory_length(state[:len(keys)]) != memory_length(memory) + T:  # rows left the memory: a new window
             return KVCache(positions=positions)
         return KVCache(keys=tuple(keys), values=tuple(values), positions=positions, weights_version=weights_version,
                        buffers=tuple((None, *b) for b in buffers) if buffers is not None else ())

@@ -174,9 +174,8 @@ def segment_mask(T: int, M: int, ctx: Context, padding: torch.Tensor | None, dev
 def read_memory(model: nn.Module, memory: Memory | None) -> tuple[Memory | None, Memory | None, list, int]:
     """The memory passed in -> (its own rows, the compressed ones (cmem_len > 0), per layer the M rows attended to
     before the segment with the gradient stopped (eq. (1): SG(memory)) or None, M)."""
-    own, compressed = memory, None
-    if model.compressor is not None:  # Rae et al. 2020: every layer attends over [compressed; memory; segment]
-        own, compressed = split_state(memory, model.config.n_layer)
+    # Rae et al. 2020: a compressive model's layers attend over [compressed; memory; segment]
+    own, compressed = (memory, None) if model.compressor is None else split_state(memory, model.config.n_layer)
     rows = window(own, compressed)
     M = memory_length(rows)
     return own, compressed, [m.detach() for m in rows] if M else [None] * model.config.n_layer, M
