@@ -16,7 +16,7 @@ def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
     """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters), at the
     frequencies 1 / 10000^(2i/d) (Vaswani et al. 2017)."""
     inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32) / d_model)
-                ).reciprocal()  # (d/2,)
+                ).reciprocal()  # (d/2,): 1.0 / x's numbers in one kernel
     angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
     return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
 
