@@ -9,19 +9,14 @@ and the TensorFlow original's order; the converter reorders the PyTorch original
 is log p(cluster) + log p(token | cluster).
 
 Which rows a tail cluster scores is ``ComputeConfig.cluster_rows`` (the model's plan): its own tokens ('selected',
-found with ``nonzero``: the least work, a data-dependent shape, a host sync per cluster); a fixed number of rows its
-tokens fill in order ('capacity': static shapes for torch.compile and CUDA graphs at about 'selected''s work); or every
-token ('all': 2.4x a training step's FLOPs at NVIDIA's WikiText-103 shape). 'auto' is 'selected' eagerly on the CPU,
-'capacity' elsewhere and under torch.compile (``txl.model.plan``). Static shapes cost the worst batch's work:
-'capacity''s rows are the worst batch's counts where txl knows the batches ahead (``fit_capacity``), else a Zipf bound
-(``capacities``; WikiText-2 exceeds it). A label beyond is loud: the input check raises (``check_rows``), NaN on a GPU.
-Each tail's rows are scored in 4 blocks, a quarter of its logits and their gradients at a time: the peak memory
-stays under 'selected''s (benchmarks/adaptive_softmax.py). Output weights: cast once per call, sliced after;
-``softmax_pad`` pads widths with zero rows scored -inf; ``cast_weights`` lays them out in one op (``casting``).
+found with ``nonzero``: the least work, a host sync per cluster); a fixed number of rows its tokens fill in order
+('capacity': static shapes for torch.compile and CUDA graphs); or every token ('all'). 'capacity''s rows are the worst
+batch's counts where the batches are known ahead (``fit_capacity``), else a Zipf bound (``capacities``); a label
+beyond them raises in the input check (``check_rows``), NaN on a GPU. Each tail's rows are scored in 4 blocks, so
+the peak memory stays under 'selected''s (benchmarks/README.md, "The adaptive softmax's rows at NVIDIA's shape").
 
 A 'selected' tail no token falls in is skipped (no gradient); ``every_cluster = True`` (``txl.parallel.shard``) runs
-it on no rows (zero gradients): FSDP processes must reduce-scatter the same gradients (torch 2.13's
-``set_reduce_scatter_unused_params`` does it inside FSDP; this works with every FSDP2).
+it on no rows (zero gradients), so that FSDP processes reduce-scatter the same gradients.
 """
 
 from __future__ import annotations
@@ -61,8 +56,8 @@ def zipf_shares(config: ModelConfig) -> list[float]:
 
 
 def cluster_of(target: torch.Tensor, cutoffs: list[int]) -> torch.Tensor:
-    """(N,) ids -> (N,) int64 cluster index (0 = head): how many cutoffs each id reaches. Comparisons with ints, not
-    ``bucketize``: no tensor per call, plain elementwise ops (the compiler's bucketize failed in Triton on a GPU)."""
+    """(N,) ids -> (N,) int64 cluster index (0 = head): how many cutoffs each id reaches (elementwise comparisons:
+    the compiler's ``bucketize`` failed in Triton on a GPU)."""
     cluster = (target >= cutoffs[0]).long()  # (N,)
     for c in cutoffs[1:]:
         cluster += target >= c
@@ -145,8 +140,8 @@ class AdaptiveLogSoftmax(nn.Module):
             return self._cast_clusters(params, dtype)
         weights = [layer.weight.to(dtype) for layer in self.layers]  # (V_i, e_i) each, or one (V, e)
         biases = [layer.bias.to(dtype) for layer in self.layers]
-        if self.div_val == 1 and self.n_clusters:  # views of one cast: split's backward is one cat, where a slice
-            sizes = [hi - lo for lo, hi in zip(self.bounds, self.bounds[1:])]  # per cluster adds a (V, e) zeros each
+        if self.div_val == 1 and self.n_clusters:  # views of one cast (split's backward is one cat)
+            sizes = [hi - lo for lo, hi in zip(self.bounds, self.bounds[1:])]
             weights, biases = list(weights[0].split(sizes)), list(biases[0].split(sizes))
         out = []
         for i, (weight, bias) in enumerate(zip(weights, biases)):

@@ -4,12 +4,10 @@ Shape legend: B batch, T query (segment) length, M memory length, K = M + T key 
 H heads, D head width (d_head), d d_model, P learned positions, L layers.
 
 Dai et al. 2019, section 3.3 (``txl.model.plain`` writes it out term by term):
-A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d). Queries are only computed for
-the T segment rows: memory rows need keys and values alone.
+A(i, j) = (q_i + u) . k_j + (q_i + v) . W_kR R(i-j), terms (a) + (c) and (b) + (d).
 
-Each encoding (``ModelConfig.attn_type``) is one class that says once what it is, and builds its own
-positional inputs; everything else (the model, the cache, export, generation, the CLI, experiments,
-tests) asks it through ``encoding(attn_type)``:
+Each encoding (``ModelConfig.attn_type``) is one class that says once what it is and builds its own positional
+inputs; everything else asks it through ``encoding(attn_type)``:
 
 =========================  ============  ===========  =================  ===========================
 class (attn_type)          relative      cacheable    clamps_distances   positions
@@ -21,12 +19,10 @@ AlRfouAttention            no            no           no                 learned
 RotaryAttention            yes           yes          no                 q, k rotated by window index
 =========================  ============  ===========  =================  ===========================
 
-Every one also reads a compressed memory (``reads_compressed``). A new encoding is one subclass here (with
-``attn_type`` set) and its name in ``txl.config.AttnType``.
-
-``ComputeConfig.attn_impl`` chooses the path: 'reference' (``txl.model.plain``) and 'fused' (the default, the kernels
-of ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and ``scores_of`` (the positional
-scores, written once), ``content_bias``, ``place``.
+Every one positions rows by their index in the window, so every one reads a compressed memory. A new encoding is one
+subclass here (with ``attn_type`` set) and its name in ``txl.config.AttnType``. Both paths ('reference',
+``txl.model.plain``, and 'fused', ``txl.model.kernels``) read the same encoding methods: ``positional_operands`` and
+``scores_of`` (the positional scores, written once), ``content_bias``, ``place``.
 """
 
 from __future__ import annotations
@@ -46,19 +42,11 @@ from txl.model.dropout import Dropout
 from txl.model.kv_cache import position_table
 from txl.model.positions import Positions, relative_distances, sinusoid
 
-Shared = dict[str, torch.Tensor]
-"""The model-level parameters of an encoding by name (``shared_parameters``), e.g. the u and v all layers share."""
-
 
 class Attention(nn.Module):
-    """Causal multi-head attention over [memory; segment] with residual and layer norm.
-
-    The base class has no positional term of its own; each encoding subclass adds what it has: a
-    positional score (``positional_operands`` and ``scores_of``, read by both paths), a
-    content bias (``content_bias``), and the positions it builds per forward pass (``build_positions``).
-    Parameters mirror the original layout: one fused q/k/v projection (W_q, W_kE, W_v), an output
-    projection, one layer norm.
-    """
+    """Causal multi-head attention over [memory; segment] with residual and layer norm; no positional term of its own
+    (each encoding subclass adds its own). Parameters as the original: one fused q/k/v projection (W_q, W_kE, W_v),
+    an output projection, one layer norm."""
 
     attn_type: ClassVar[str] = ""
     """The ``ModelConfig.attn_type`` this class implements."""
@@ -72,10 +60,6 @@ class Attention(nn.Module):
     (absolute encodings add to each memory row a position that shifts every step)."""
     clamps_distances: ClassVar[bool] = False
     """``Context.clamp_len`` applies to its positions (Shaw's learned table clamps at its own size)."""
-    reads_compressed: ClassVar[bool] = True
-    """It can attend over a compressed memory (``ModelConfig.cmem_len``, Rae et al. 2020): the layers read
-    [compressed; memory; segment] as one window and each row takes the position of its index in it
-    (``txl.model.compressive``). Every encoding here positions rows by window index, so all of them can."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -99,13 +83,12 @@ class Attention(nn.Module):
         return {}
 
     @classmethod
-    def build_positions(cls, config: ModelConfig, shared: Shared, klen: int, clamp_len: int, *,
+    def build_positions(cls, config: ModelConfig, shared: dict[str, torch.Tensor], klen: int, clamp_len: int, *,
                         dtype: torch.dtype, device: torch.device, drop: nn.Module,
                         table: tuple[torch.Tensor, ...] = ()) -> list[Positions | None]:
-        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none).
-
-        ``drop``: the model's embedding dropout, for encodings applied like an embedding; ``table``: a
-        KVCache's per-layer positional table (``grow_table``), when there is one."""
+        """Per layer, the positions of one forward pass over K = M + T keys (None: it has none). ``shared``: the
+        model's ``shared_parameters`` by name; ``drop``: the model's embedding dropout; ``table``: a KVCache's
+        per-layer positional table (``grow_table``), when there is one."""
         return [None] * config.n_layer
 
     @classmethod
@@ -118,21 +101,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
                 positions: Positions | None, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly).
-
-        x: (B, T, d) segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or
-        (B, 1, T, K) when rows hide different keys: padding);
-        positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None:
-        this layer's own, untie_r).
-
-        kv: the keys and values (B, K, H, D) of [memory; segment] already projected
-        (``kv_cache.cached_keys_values``); memory is then None and only the query is projected here.
-        """
+        """The fast path's attention (``txl.model.plain.attention`` is the same equation plainly). x: (B, T, d)
+        segment; memory: (B, M, d) or None; mask: (T, K) True where a key is hidden (or (B, 1, T, K) with padding);
+        positions: this layer's (``build_positions``), or None; u, v: the model's shared biases (None: this layer's
+        own, untie_r); kv: the keys and values (B, K, H, D) of [memory; segment] already projected
+        (``kv_cache.cached_keys_values``), memory then None."""
         B, T, _ = x.shape
         H, D = self.n_head, self.d_head
         h = kernels.layer_norm(self.norm, x) if self.pre_ln else x  # pre-LN normalises what the projections read
-        # The fused q/k/v weight cast once (autocast) and sliced after: a slice of the parameter (the memory rows'
-        # W_kE, W_v) misses autocast's cache of cast weights and would be cast again.
+        # The fused q/k/v weight cast once and sliced after (a slice misses autocast's cache of cast weights)
         w = self.qkv.weight.to(kernels.compute_dtype(x))  # (3*H*D, d)
         if kv is None:
             # Segment rows: queries, keys and values in one matmul. Memory rows: keys and values alone, in a
@@ -145,9 +122,8 @@ class Attention(nn.Module):
             q = F.linear(h, w[:H * D]).view(B, T, H, D)  # (B, T, H, D)
             k, val = kv  # (B, K, H, D) each
         q, k = self.place(q, k)
-        # Unscaled: the kernels scale the products by 1/sqrt(D) in their matmuls (and the positional scores in
-        # the pass that realigns them), where scaling the queries was a pass over them.
-        # (a) + (c) read q + u, u in the queries' dtype: a 16-bit query (autocast) would be promoted to float32
+        # Unscaled: the kernels scale by 1/sqrt(D) in their matmuls. (a) + (c) read q + u, u in the queries' dtype
+        # (a 16-bit query would be promoted to float32)
         shift = self.content_bias(u)
         query = q + (shift.to(q.dtype) if isinstance(shift, torch.Tensor) else shift)  # (B, T, H, D)
         # (b) + (d): the positional scores made of small operands by the kernels (in backward again, to recompute)
@@ -190,19 +166,15 @@ class Attention(nn.Module):
         return None if operands is None else self.scores_of(*operands)
 
     def keys_values(self, rows: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each; ``weight``: W_kE and
-        W_v (2*H*D, d) already cast to the compute dtype (None: cast here).
-
-        The projection ``forward`` makes of memory rows (of LN(h) with pre-LN: the norm is per row), so keys
-        cached from here are the ones the uncached pass would compute.
-        """
+        """(B, N, d) layer inputs -> their keys W_kE h and values W_v h, (B, N, H, D) each, as ``forward`` projects
+        memory rows (so cached keys are the uncached pass's); ``weight``: W_kE and W_v (2*H*D, d) already cast to
+        the compute dtype (None: cast here)."""
         B, N, _ = rows.shape
         if weight is None:  # (2*H*D, d): W_kE and W_v, cast as the matmul runs
             weight = self.qkv.weight[self.n_head * self.d_head:].to(kernels.compute_dtype(rows))
         # pre-LN: LN(rows) (per row); else the rows in the weights' dtype, as autocast would cast them in the matmul
         h = self.norm(rows.to(self.norm.weight.dtype)) if self.pre_ln else rows.to(weight.dtype)  # (B, N, d)
-        k, val = F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
-        return k, val
+        return F.linear(h, weight).view(B, N, 2, self.n_head, self.d_head).unbind(2)  # (B, N, H, D) each
 
 
 class RelativeAttention(Attention):
@@ -216,23 +188,20 @@ class RelativeAttention(Attention):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        # W_kR: its own projection of the sinusoid, separate from W_kE inside qkv.
-        self.r_proj = nn.Linear(config.d_model, config.n_head * config.d_head, bias=False)
+        self.r_proj = nn.Linear(config.d_model, config.n_head * config.d_head, bias=False)  # W_kR (W_kE: in qkv)
         if config.untie_r:  # one pair of global biases per layer
             self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
             self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
 
     @classmethod
-    def shared_parameters(cls, config):
-        # u, v shared by all layers (section 3.3), unless each layer has its own (untie_r)
+    def shared_parameters(cls, config):  # u, v shared by all layers (section 3.3), unless untie_r
         return {} if config.untie_r else {"u": (config.n_head, config.d_head), "v": (config.n_head, config.d_head)}
 
     @classmethod
     def build_positions(cls, config, shared, klen, clamp_len, *, dtype, device, drop, table=()):
         if table and (clamp_len <= 0 or klen - 1 <= clamp_len):
-            # W_kR R depends on the distance alone, and no distance is clamped: the cache's table holds the farthest
-            # first, so distances K-1 .. 0 are its last K rows, a view (a gather of them cost most of a (1, 1)
-            # decoding step's time outside the matmuls on CPU).
+            # No distance clamped: the cache's table holds the farthest first, so distances K-1 .. 0 are its last K
+            # rows, a view (no gather)
             return [Positions(projected=t[t.size(0) - klen:]) for t in table]  # (K, H, D) each
         dist = relative_distances(klen, clamp_len, device)  # (K,): K-1 .. 0, clamped
         if table:  # clamped distances repeat the farthest row: index the cache's table (row n: distance N-1-n)
@@ -257,31 +226,23 @@ class RelativeAttention(Attention):
         """W_kR R: (N, d) encodings -> (N, H, D)."""
         return self.r_proj(r).view(-1, self.n_head, self.d_head)  # (N, H, D)
 
-    def position_keys(self, klen: int, positions: Positions, dtype: torch.dtype) -> torch.Tensor:
-        """W_kR R: (K, H, D) for distances K-1 .. 0, projected here or read from the cache's table."""
-        if positions.projected is not None:
-            return positions.projected.to(dtype)  # (K, H, D)
-        return self.project_positions(positions.encodings.to(dtype))  # (K, H, D)
-
     def positional_operands(self, q, klen, positions, v):
         qv = q + self.global_bias(v, "v").to(q.dtype)  # (B, T, H, D): 16-bit under autocast, as q
-        return qv, self.position_keys(klen, positions, q.dtype)  # (B, T, H, D), (K, H, D)
+        r = positions.projected  # W_kR R (K, H, D), distances K-1 .. 0: read from the cache's table, or projected
+        return qv, r.to(q.dtype) if r is not None else self.project_positions(positions.encodings.to(q.dtype))
 
     @staticmethod
     def scores_of(qv, r):
-        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R is shared by the batch, not copied
-        # B times); a bmm, not einsum: under CPU autocast einsum copied its (B, H, T, K) output twice
+        # (b) + (d): (q + v) . W_kR R, one matmul per head over all B*T queries (R shared by the batch, not copied);
+        # a bmm, not einsum, which copies its output under CPU autocast
         B, T, H, D = qv.shape
         scores = torch.bmm(qv.permute(2, 0, 1, 3).reshape(H, B * T, D), r.permute(1, 2, 0))  # (H, B*T, K)
         return scores.view(H, B, T, -1).transpose(0, 1)  # (B, H, T, K), laid out (H, B, T, K)
 
 
 class ShawAttention(Attention):
-    """Shaw et al. 2018 (the paper's Table 6 ablation): a learned embedding per relative distance.
-
-    As the original's attn_type 1: scores (q + u) . k + q . E_dist + b_dist, with E (P, H, D) and
-    b (P, H) indexed like R (row P-1 is distance 0); distances of P or more share row 0.
-    """
+    """Shaw et al. 2018 (the paper's Table 6 ablation), as the original's attn_type 1: scores (q + u) . k +
+    q . E_dist + b_dist, E (P, H, D) and b (P, H) learned per distance, indexed like R (row P-1: distance 0)."""
 
     attn_type = "shaw"
     title = "Shaw et al. (2018)"
@@ -352,13 +313,9 @@ class AlRfouAttention(Attention):
 
 
 class RotaryAttention(Attention):
-    """Rotary positions (RoFormer, Su et al. 2021; the default of modern models), beside the paper's: queries
-    and keys rotated by their index in [memory; segment] (``txl.model.rotary``), so q_i . k_j depends on the
-    content and the distance i - j alone. No positional term in the scores and no parameters beyond plain
-    attention's. The rotation happens here, at attention time, so memory rows and cached keys hold unrotated
-    W_k h and take the positions of the current window: they keep their distances to the current queries as
-    they move back (the coherence the paper's relative encoding gives, section 3.3), and a longer memory at
-    evaluation only adds keys at larger distances."""
+    """Rotary positions (RoFormer, Su et al. 2021), beside the paper's: queries and keys rotated by their index in
+    [memory; segment] at attention time (``txl.model.rotary``), so q_i . k_j depends on the content and i - j alone;
+    memory rows and cached keys hold unrotated W_k h. No positional term in the scores, no parameters."""
 
     attn_type = "rotary"
     title = "Rotary (Su et al. 2021)"
@@ -372,8 +329,7 @@ class RotaryAttention(Attention):
 def encoding(attn_type: str) -> type[Attention]:
     """The class of ``attn_type``: ask it for the encoding's traits (``relative``, ``cacheable``,
     ``clamps_distances``, ``title``) instead of listing attention types by hand."""
-    found = {}
-    todo = [Attention]
+    found, todo = {}, [Attention]
     while todo:  # every subclass, however deep
         cls = todo.pop()
         todo.extend(cls.__subclasses__())

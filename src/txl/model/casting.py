@@ -1,18 +1,10 @@
 """The layers' weights cast to autocast's dtype in one op per forward, and their gradients back in one.
 
-Under autocast every float32 weight a matmul reads is cast where it is used (one copy kernel per weight and
-bias), and backward casts each gradient back (one more): at NVIDIA's WikiText-103 shape 7 weights a layer, 16
-layers, ~224 small copy kernels a step. ``ComputeConfig.cast_weights='grouped'`` casts all of them in one
-``_foreach_copy_`` at the start of the forward and their gradients back in one in backward (CUDA's multi-tensor
-kernel: a few launches for all of them), with the same numbers: the same rounding to bf16 / fp16, the gradient
-in the compute dtype widened exactly to float32, contributions of one weight's several uses summed where they
-were (in the compute dtype).
-
-The trade-offs (``ComputeConfig.cast_weights``): all the layers' cast weights exist from the forward's start (under
-autocast each exists from its layer on, and both are kept for backward in training); every gradient reaches
-its float32 parameter at the end of backward, after the last layer's, so a data-parallel wrapper (DDP) that
-overlaps its all-reduce with backward would overlap nothing: 'auto' groups only outside a process group of
-more than one, and never parameters that are not plain tensors (FSDP's sharded ones).
+Under autocast each float32 weight is cast where a matmul reads it, and each gradient cast back: small copy kernels
+per weight and step. ``ComputeConfig.cast_weights='grouped'`` casts them all by one ``_foreach_copy_`` and their
+gradients back by one, with the same numbers (the win: benchmarks/README.md, "What the fast path keeps"). Every
+gradient then arrives at the end of backward, which would leave DDP's all-reduce nothing to overlap: 'auto' groups
+only outside a process group of more than one, and only plain (not FSDP's sharded) parameters.
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -31,25 +24,17 @@ def matmul_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def norm_weights(modules: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, name) of every weight and bias of the ``nn.LayerNorm`` modules in ``modules``: what a 16-bit residual
-    stream's norms read in its dtype (``kernels.layer_norm``: CUDA's kernel takes one dtype for all three)."""
+    """(module, name) of every weight and bias of the ``nn.LayerNorm`` modules in ``modules``: what a 16-bit
+    stream's norms read in its dtype (``kernels.layer_norm``)."""
     return [(m, n) for m in modules.modules() if isinstance(m, nn.LayerNorm)
             for n, p in m._parameters.items() if p is not None]
 
 
-def multi_process() -> bool:
-    """Whether a process group of more than one process is running (DDP, FSDP). Work grouped across layers
-    (one cast, one projection) gives its gradients only at the end of backward, where DDP reduces each layer's
-    while backward runs: under a group the layers keep their own ops."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def groupable(params: list[torch.Tensor], dtype: torch.dtype) -> bool:
     """Whether the grouped cast applies: float32 plain parameters (not FSDP's DTensors) under an autocast dtype
-    of their own, and no multi-process group (DDP would lose its overlap of all-reduce with backward)."""
-    if not params or dtype == params[0].dtype or multi_process():
+    of their own, and no process group of more than one (DDP would lose its overlap of all-reduce with backward)."""
+    if not params or dtype == params[0].dtype or (dist.is_available() and dist.is_initialized()
+                                                  and dist.get_world_size() > 1):
         return False
     return all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params)
 
@@ -73,6 +58,15 @@ Piece = tuple[int, int, int] | int
 """One block of rows of a ``cast_rows`` output: (parameter index, first row, end row), or a number of pad rows."""
 
 
+def _spans(layout: tuple[Piece, ...]) -> Iterator[tuple[int, int, Piece]]:
+    """(first row in the output, number of rows, piece) of each block of a layout."""
+    at = 0
+    for p in layout:
+        n = p if isinstance(p, int) else p[2] - p[1]
+        yield at, n, p
+        at += n
+
+
 class _CastRows(torch.autograd.Function):
     """Row blocks of parameters -> new tensors in ``dtype`` assembled from them (and pad rows), in one op; backward:
     each parameter's gradient assembled from its blocks' gradients and cast back, in one op."""
@@ -80,25 +74,21 @@ class _CastRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype: torch.dtype, layouts: tuple[tuple[Piece, ...], ...], pads: tuple[float, ...],
                 *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rows = [sum(p if isinstance(p, int) else p[2] - p[1] for p in layout) for layout in layouts]
-        out = [params[_first(layout)].new_empty(n, *params[_first(layout)].shape[1:], dtype=dtype)
-               for n, layout in zip(rows, layouts)]
-        dst, src = [], []
-        fills: dict[float, torch.Tensor] = {}  # each pad value's source: one flat float32 tensor, cut into views
-        for value in set(pads):
-            need = [p * params[_first(lay)][0].numel() for lay, v in zip(layouts, pads) if v == value
-                    for p in lay if isinstance(p, int)]
-            if need:
-                fills[value] = params[0].new_full((max(need),), value)
-        for o, layout, value in zip(out, layouts, pads):
-            at = 0
-            for p in layout:
-                n = p if isinstance(p, int) else p[2] - p[1]
-                dst.append(o[at:at + n])
-                # A pad block reads the first rows' worth of its value's flat tensor, shaped as the rows.
-                src.append(fills[value][: o[at:at + n].numel()].view_as(o[at:at + n]) if isinstance(p, int)
-                           else params[p[0]][p[1]:p[2]])
-                at += n
+        out, dst, src, pad_rows = [], [], [], {}
+        for layout, value in zip(layouts, pads):
+            spans = list(_spans(layout))
+            like = params[next(p[0] for _, _, p in spans if not isinstance(p, int))]  # the outputs' width and device
+            out.append(like.new_empty(sum(n for _, n, _ in spans), *like.shape[1:], dtype=dtype))
+            for at, n, p in spans:
+                if isinstance(p, int):
+                    pad_rows.setdefault(value, []).append(out[-1][at:at + n])
+                else:
+                    dst.append(out[-1][at:at + n])
+                    src.append(params[p[0]][p[1]:p[2]])
+        for value, blocks in pad_rows.items():  # each pad value's source: one flat float32 tensor, cut into views
+            fill = params[0].new_full((max(b.numel() for b in blocks),), value)
+            dst += blocks
+            src += [fill[:b.numel()].view_as(b) for b in blocks]
         # One copy kernel for every block (src all float32, dst all ``dtype``: CUDA's multi-tensor fast path).
         torch._foreach_copy_(dst, src)
         ctx.layouts, ctx.shapes = layouts, [(p.shape, p.dtype) for p in params]
@@ -107,45 +97,27 @@ class _CastRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        blocks: list[list[tuple[int, torch.Tensor, int, int]]] = [[] for _ in ctx.shapes]  # per parameter
+        blocks: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in ctx.shapes]  # per parameter
         for g, layout in zip(grads, ctx.layouts):
-            at = 0
-            for p in layout:
-                n = p if isinstance(p, int) else p[2] - p[1]
-                if g is not None and not isinstance(p, int):
-                    blocks[p[0]].append((at, g, p[1], p[2]))
-                at += n
-        out: list[torch.Tensor | None] = [None] * len(ctx.shapes)
+            for at, n, p in _spans(layout) if g is not None else ():
+                if not isinstance(p, int):
+                    blocks[p[0]].append((p[1], p[2], g[at:at + n]))
+        out: list[torch.Tensor | None] = [None] * len(ctx.shapes)  # None: no use of the parameter had a gradient
         dst, src = [], []
         for k, ((shape, dtype), have) in enumerate(zip(ctx.shapes, blocks)):
-            if not have:
-                continue  # no use of this parameter had a gradient: None, as an unused parameter's
-            covered = sum(stop - start for _, _, start, stop in have)
-            # Rows no used block covers get a zero gradient (what a split or slice backward fills them with).
-            make = torch.empty if covered == shape[0] else torch.zeros
-            out[k] = make(shape, dtype=dtype, device=have[0][1].device)
-            for at, g, start, stop in have:
-                dst.append(out[k][start:stop])
-                src.append(g[at:at + stop - start])
+            if have:  # rows no used block covers get a zero gradient (what a split or slice backward fills them with)
+                make = torch.empty if sum(stop - start for start, stop, _ in have) == shape[0] else torch.zeros
+                out[k] = make(shape, dtype=dtype, device=have[0][2].device)
+                dst += [out[k][start:stop] for start, stop, _ in have]
+                src += [g for _, _, g in have]
         if dst:
             torch._foreach_copy_(dst, src)
         return None, None, None, *out
 
 
-def _first(layout: tuple[Piece, ...]) -> int:
-    """The parameter a layout's first block is cut from (its outputs' width and device)."""
-    return next(p[0] for p in layout if not isinstance(p, int))
-
-
 def cast_rows(params: list[torch.Tensor], layouts: list[list[Piece]], pads: list[float],
               dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One output per layout in ``dtype``, its rows the listed blocks of ``params`` in order, a pad block filled with
-    its output's ``pads`` value; gradients flow back to ``params`` (float32 when ``groupable``).
-
-    The adaptive softmax's tied (V, e) table, its cluster rows and biases reach the compute dtype this way: one
-    copy kernel forward, one backward, where a cast of each parameter, a cat for the head and one per padded
-    cluster, and the split's cat and each cast back in backward took 12 launches at NVIDIA's shape (3 tail
-    clusters). The same numbers: the same rounding, the rows laid out as the cat made them; a parameter row that no
-    block of a used output covers gets a zero gradient, a parameter no used output reads gets None.
-    """
+    its output's ``pads`` value; gradients flow back to ``params`` (float32 when ``groupable``). The same numbers as
+    casts, cats and slices: a parameter row no used block covers gets a zero gradient, an unread parameter None."""
     return _CastRows.apply(dtype, tuple(tuple(lay) for lay in layouts), tuple(pads), *params)

@@ -6,39 +6,22 @@ Shape legend: B batch, T segment length, M memory length, C compressed slots, c 
 Transformer-XL drops the states that leave its memory of ``mem_len`` rows. The Compressive Transformer
 compresses them instead, c rows to one slot, into a second memory of ``cmem_len`` slots per layer (oldest
 slots dropped), and every layer attends over [compressed; memory; segment] (Rae et al. 2020, Algorithm 1).
-At a fixed size of mem_len + cmem_len slots per layer, one layer then reaches mem_len + c x cmem_len states
-back instead of mem_len + cmem_len.
 
-**The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both
-memories: 2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row
-first in each (``split_state``/``join_state``). Every caller that carries the memory from one call to the
-next (training and its checkpoints, evaluation, ``txl score``, generation) so carries both, unchanged. Left
-padding (``forward(padding=)``) is taken while nothing is or gets compressed (a generation keeps every row), refused
-otherwise; ``txl.export`` has a static, padded form of the eviction. ``txl serve`` carries both in a
-session (its rows batched only with rows of the same lengths). A KV cache holds the keys and values of the
-window [compressed; memory] (``Compressor.next_cache``): kept while the window only grows (a generation), rebuilt
-from the state after a compression.
+**The state.** A compressive model's memory (``forward(memory=)`` in, ``LMOutput.memory`` out) holds both:
+2L tensors, the L plain ones (B, M, d) first, then the L compressed ones (B, C, d), oldest row first in each
+(``split_state``). Left padding is taken while nothing is or gets compressed. A KV cache holds the keys and values
+of the window [compressed; memory]: kept while the window only grows, rebuilt after a compression.
 
-**Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment], the
-oldest floor((M + T - mem_len) / c) x c are compressed, and the memory keeps the rest (mem_len to
-mem_len + c - 1 rows), so no state is dropped unless it leaves the compressed memory. With segments and
-memory a multiple of c (training) the memory keeps exactly mem_len rows; a stream of (B, 1) steps
-compresses one group every c steps.
+**Eviction.** Rows leave the memory in whole groups of c: of the M + T rows of [memory; segment] the oldest
+floor((M + T - mem_len) / c) x c are compressed and the memory keeps the rest (mem_len to mem_len + c - 1 rows).
 
-**Positions.** The layers attend over the concatenation [compressed; memory; segment], and every encoding
-gives each row the position of its index in that window, as Rae et al.'s Algorithm 1 feeds the
-concatenation to Transformer-XL's relative attention: for the relative encoding compressed slot j of C
-is at distance C + M + i - j from query i, as if each slot were one token. The alternative, each slot at
-the distance of the c tokens it stands for, is not a function of i - j on the window's indices (the
-Toeplitz structure ``rel_shift``, the fused kernels and the KV cache's distance table rely on). Which
-encodings read a compressed memory is declared by each (``Attention.reads_compressed``).
+**Positions.** Each row takes the position of its index in the window, as Algorithm 1 feeds the concatenation to
+Transformer-XL's attention: compressed slot j of C is at distance C + M + i - j from query i (a function of i - j,
+which ``rel_shift``, the kernels and the KV cache's distance table rely on).
 
-**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019,
-eq. (1)): the language-model loss never reaches the compression function. Its parameters ('conv') are
-trained by the attention-reconstruction loss alone (Rae et al. 2020, section 3.2, Algorithm 2): per
-layer, the layer's content attention of the current segment over the rows leaving the memory against
-over their compression, || attn(h, old) - attn(h, f_c(old)) ||^2, with h, the old rows and the layer's
-weights all stop-gradient. The loss reaches the compression parameters only.
+**Training.** The compressed memory is built under a stop-gradient like the memory (Dai et al. 2019, eq. (1)); its
+parameters ('conv') are trained by the attention-reconstruction loss alone (Rae et al. 2020, Algorithm 2): per layer
+|| attn(h, old) - attn(h, f_c(old)) ||^2, with h, the old rows and the layer's weights stop-gradient.
 """
 
 from __future__ import annotations
@@ -51,7 +34,7 @@ from torch import nn
 
 from txl.config import ModelConfig
 from txl.model.kv_cache import KVCache
-from txl.model.memory import Memory, check_memory, memory_length
+from txl.model.memory import Memory, memory_length
 
 
 def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memory | None]:
@@ -66,40 +49,20 @@ def split_state(state: Memory | None, n_layer: int) -> tuple[Memory | None, Memo
     return tuple(state[:n_layer]), tuple(state[n_layer:])
 
 
-def join_state(memory: Memory, compressed: Memory) -> Memory:
-    """(memory, compressed) -> the 2L tensors of a compressive model's memory."""
-    return (*memory, *compressed)
-
-
-def check_state(state: Memory, *, n_layer: int, batch_size: int, d_model: int,
-                device: torch.device | None = None) -> None:
-    """Raise a ValueError naming what is wrong with a compressive model's memory passed in by a caller."""
-    memory, compressed = split_state(state, n_layer)
-    check_memory(memory, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
-    check_memory(compressed, n_layer=n_layer, batch_size=batch_size, d_model=d_model, device=device)
-
-
 def window(memory: Memory | None, compressed: Memory | None) -> Memory | None:
     """Per layer the rows the layer attends to before the segment: [compressed; memory] (B, C + M, d)."""
-    if memory is None:
-        return None
-    if not compressed or compressed[0].size(1) == 0:
+    if memory is None or not compressed or compressed[0].size(1) == 0:  # no compressed rows: the memory as is
         return memory
     return tuple(torch.cat([cm, m.to(cm.dtype)], dim=1) for cm, m in zip(compressed, memory))  # (B, C + M, d)
 
 
-def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int,
-          dtype: torch.dtype | None = None) -> tuple[Memory, list[torch.Tensor]]:
-    """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``.
-
-    Of [memory; segment] the oldest floor((M + T - mem_len) / rate) x rate rows leave; the rest stay (mem_len
-    to mem_len + rate - 1 rows). Gradient stopped and kept in ``dtype`` (None: the inputs' own), as
-    ``update_memory``.
-    """
+def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: int, rate: int
+          ) -> tuple[Memory, list[torch.Tensor]]:
+    """The memory for the next segment and, per layer, the rows leaving it (B, N, d), N a multiple of ``rate``
+    (the module docstring's eviction), gradient stopped."""
     kept, leaving = [], []
     with torch.no_grad():
         for l, h in enumerate(hiddens):
-            h = h if dtype is None else h.to(dtype)
             rows = h if not memory or memory[l].size(1) == 0 else torch.cat([memory[l].to(h.dtype), h], dim=1)
             n = max(0, rows.size(1) - mem_len) // rate * rate  # (B, M + T, d): the first n rows leave
             kept.append(rows[:, n:].detach().contiguous() if n else rows.detach())  # (B, M', d)
@@ -110,10 +73,7 @@ def evict(memory: Memory | None, hiddens: Sequence[torch.Tensor], *, mem_len: in
 def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch.Tensor, n_head: int,
                       norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
     """A layer's content attention (no positional term) of queries (B, T, d) over rows (B, N, d): (B, H, T, D).
-
-    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN layer norm (weight, bias,
-    eps), or None (post-LN: the projections read the rows as they are).
-    """
+    ``w_qkv`` (3 H D, d): the layer's fused W_q, W_kE, W_v; ``norm``: its pre-LN norm (weight, bias, eps) or None."""
     if norm is not None:
         queries = F.layer_norm(queries, queries.shape[-1:], norm[0], norm[1], norm[2])
         rows = F.layer_norm(rows, rows.shape[-1:], norm[0], norm[1], norm[2])
@@ -127,18 +87,14 @@ def content_attention(queries: torch.Tensor, rows: torch.Tensor, *, w_qkv: torch
 
 class Compressor(nn.Module):
     """The compression function f_c: (B, N, d) rows -> (B, N / c, d) slots, and the compressed memory's update.
-
-    'conv': a 1-D convolution of kernel and stride c (Rae et al. 2020 found it the best of their functions),
-    initialised to mean pooling so that it starts from 'mean' and the reconstruction loss improves on it;
-    'mean' and 'max': pooling over each group of c rows, no parameters (nothing to train).
-    """
+    'conv': a 1-D convolution of kernel and stride c (Rae et al. 2020's best), initialised to mean pooling;
+    'mean' and 'max': pooling over each group of c rows, no parameters."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.fn, self.rate, self.cmem_len = config.cmem_fn, config.cmem_rate, config.cmem_len
         d, c = config.d_model, config.cmem_rate
-        self.learns = config.cmem_fn == "conv"
-        """Whether f_c has parameters, trained by the reconstruction loss."""
+        self.learns = config.cmem_fn == "conv"  # f_c has parameters, trained by the reconstruction loss
         if self.learns:  # torch.empty, no random draw: the rest of the model initialises as without a compressor
             self.weight = nn.Parameter(torch.empty(d, d, c))  # (d_out, d_in, c): Conv1d's layout
             self.bias = nn.Parameter(torch.empty(d))
@@ -162,22 +118,16 @@ class Compressor(nn.Module):
         return groups.mean(2) if self.fn == "mean" else groups.amax(2)  # (B, N / c, d)
 
     def update(self, memory: Memory | None, compressed: Memory | None, hiddens: Sequence[torch.Tensor], *,
-               mem_len: int, layers: Sequence[nn.Module], train: bool, dtype: torch.dtype | None = None
-               ) -> tuple[Memory, torch.Tensor | None]:
-        """The next state (memory, then compressed memory: ``join_state``) and, with ``train``, the
-        attention-reconstruction loss (mean over layers of the mean squared error; None without parameters).
-
-        ``hiddens[l]``: layer l's input rows of this segment (B, T, d), also the reconstruction's queries;
-        ``layers``: each layer's attention (its q/k/v weights and pre-LN norm are read, gradient stopped);
-        ``dtype``: what both memories are kept in (None: the layer inputs' own).
-        """
-        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate, dtype=dtype)
+               mem_len: int, layers: Sequence[nn.Module], train: bool) -> tuple[Memory, torch.Tensor | None]:
+        """The next state (the L memory tensors, then the L compressed ones) and, with ``train``, the
+        attention-reconstruction loss (mean over layers; None without parameters). ``hiddens[l]``: layer l's input
+        rows (B, T, d), also the reconstruction's queries; ``layers``: each layer's attention (its weights read,
+        gradient stopped)."""
+        kept, leaving = evict(memory, hiddens, mem_len=mem_len, rate=self.rate)
         learn = train and self.learns and torch.is_grad_enabled()
         new, losses = [], []
         for l, old in enumerate(leaving):
             have = compressed[l] if compressed else old.new_empty(old.size(0), 0, old.size(2))  # (B, C, d)
-            if dtype is not None:
-                have = have.to(dtype)
             if old.size(1) == 0:
                 new.append(have)
                 continue
@@ -188,23 +138,19 @@ class Compressor(nn.Module):
             slots = slots.detach().to(have.dtype)
             cat = torch.cat([have, slots], dim=1) if have.size(1) else slots  # (B, C + N / c, d)
             new.append(cat[:, -self.cmem_len:].contiguous() if cat.size(1) > self.cmem_len else cat)
-        loss = None
-        if learn:
-            # Every step uses every compression parameter, also one that compressed nothing (the first segments of
-            # a stream): DDP's reducer then sees the same parameters used at every step.
-            loss = torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
-        return join_state(kept, tuple(new)), loss
+        if not learn:
+            return (*kept, *new), None
+        # Every step uses every compression parameter, also one that compressed nothing (the first segments of a
+        # stream): DDP's reducer then sees the same parameters used at every step.
+        return (*kept, *new), torch.stack(losses).mean() if losses else sum(p.sum() * 0.0 for p in self.parameters())
 
     @staticmethod
     def next_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], buffers: Sequence | None,
                    memory: Memory | None, state: Memory, T: int, *, positions, weights_version) -> KVCache:
         """The KV cache for the call after one that read T tokens over the window [compressed; ``memory``] with
-        ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None), ``state``
-        the state it returned. While nothing was compressed the next window is this one grown by the T rows, whose
-        keys these are (a generation, whose memory keeps every row, never compresses); once rows left the memory
-        the window changed (rows gone, new slots): an empty cache, which the next call fills from the state."""
-        L = len(keys)
-        if memory_length(state[:L]) != memory_length(memory) + T:
+        ``keys``, ``values`` (B, C + M + T, H, D) per layer (``buffers``: their RowBuffers, or None) and returned
+        ``state``: these keys while nothing was compressed (the window only grew), else an empty cache."""
+        if memory_length(state[:len(keys)]) != memory_length(memory) + T:  # rows left the memory: a new window
             return KVCache(positions=positions)
         return KVCache(keys=tuple(keys), values=tuple(values), positions=positions, weights_version=weights_version,
                        buffers=tuple((None, *b) for b in buffers) if buffers is not None else ())
@@ -229,5 +175,4 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-__all__ = ["Compressor", "check_state", "content_attention", "evict", "join_state", "split_state",
-           "window"]
+__all__ = ["Compressor", "content_attention", "evict", "split_state", "window"]

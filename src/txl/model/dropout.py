@@ -2,15 +2,9 @@
 
 ``Dropout`` draws the *gaps* between dropped elements where the model's plan says (``ComputePlan.gap_dropout``:
 ``dropout_impl='fast'`` on the CPU). In a row of independent Bernoulli(p) trials the gaps between successes are
-independent Geometric(p) variables, so drawing the gaps (``rare_positions``: one float64 uniform per dropped
-element, by the inverse CDF) gives exactly nn.Dropout's distribution, to float64 rounding, from p * n draws
-instead of n. Kept values are scaled by 1 / (1 - p) as ``nn.Dropout`` does. On the CPU this is 5x cheaper than
-``nn.Dropout``'s per-element Bernoulli sampler (a training step 1.17x at the small shape, 1.05x at base,
-benchmarks/README.md); both samplers' draws are serial, but here there are p * n of them and the passes over all
-n elements use every thread. Elsewhere ('torch', other devices, torch.compile) torch's own kernel runs: the draws
-``F.dropout`` makes from the same seed.
-
-tests/test_dropout.py checks the rates, the independence, the scale, the gradients and reproducibility.
+independent Geometric(p) variables, so drawing the gaps (``rare_positions``) gives nn.Dropout's distribution, to
+float64 rounding, from p * n draws instead of n (the win: benchmarks/README.md, "What the fast path keeps").
+Elsewhere ('torch', other devices, torch.compile) torch's own kernel runs.
 """
 
 from __future__ import annotations
@@ -25,12 +19,9 @@ from torch import nn
 def rare_positions(n: int, q: float, device: torch.device, *, first: int | None = None) -> torch.Tensor:
     """The sorted positions (int64) of the successes in n independent Bernoulli(q) trials, 0 < q <= 0.5.
 
-    Drawn as gaps: G = floor(log(1 - u) / log(1 - q)) + 1 for u uniform in [0, 1) is Geometric(q)
-    (P(G > g) = (1 - q)**g), and the successes sit at the running sums of the gaps, minus one. Draws come
-    in chunks of ``first`` (default: the mean count plus six standard deviations); the process has no
-    memory, so a chunk that ends before n is continued from its last success with the same formula, and the
-    positions depend only on the generator's stream, not on the chunk sizes.
-    """
+    Drawn as gaps: G = floor(log(1 - u) / log(1 - q)) + 1 for u uniform in [0, 1) is Geometric(q), and the
+    successes sit at the running sums of the gaps, minus one. Draws come in chunks of ``first`` (default: the mean
+    count plus six standard deviations), continued from the last success: the positions do not depend on them."""
     log_miss = math.log1p(-q)
     chunks, start = [], 0
     while True:
@@ -47,13 +38,9 @@ def rare_positions(n: int, q: float, device: torch.device, *, first: int | None 
 
 
 class _GapDropout(torch.autograd.Function):
-    """dropout(x), or dropout(relu(x)), from the positions of the rarer outcome (``rare_positions``).
-
-    ``dropped``: the positions are the dropped elements (p <= 0.5): out = x * scale with zeros written at
-    them; else the kept ones: out = zeros with x * scale written at them. Saved for backward: the positions
-    (about min(p, 1 - p) n of them), or with ``relu`` nothing of its own (the gradient passes where the
-    output, which the next linear layer keeps anyway, is positive).
-    """
+    """dropout(x), or dropout(relu(x)), from the positions of the rarer outcome (``rare_positions``): the dropped
+    elements (``dropped``, p <= 0.5: zeros written into x * scale) or the kept ones (x * scale written into zeros).
+    Saved for backward: the positions, or with ``relu`` the output (which the next linear layer keeps anyway)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, pos: torch.Tensor, scale: float, dropped: bool, relu: bool) -> torch.Tensor:
@@ -66,15 +53,9 @@ class _GapDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        if ctx.relu:
-            return _relu_scale_backward(grad, saved, ctx.scale), None, None, None, None
+        if ctx.relu:  # the gradient passes, scaled, where the output is positive (kept and x > 0): ReLU's backward
+            return torch.ops.aten.threshold_backward(grad, saved, 0).mul_(ctx.scale), None, None, None, None
         return _scatter_scaled(grad.contiguous(), saved, ctx.scale, ctx.dropped), None, None, None, None
-
-
-def _relu_scale_backward(grad: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
-    """The gradient of dropout(relu(x)) from its output: it passes, scaled, exactly where the output is positive
-    (kept and x > 0). threshold_backward(grad, out, 0) = grad where out > 0, else 0: ReLU's own backward."""
-    return torch.ops.aten.threshold_backward(grad, out, 0).mul_(scale)
 
 
 def _scatter_scaled(y: torch.Tensor, pos: torch.Tensor, scale: float, dropped: bool,
@@ -91,18 +72,10 @@ def _scatter_scaled(y: torch.Tensor, pos: torch.Tensor, scale: float, dropped: b
     return res
 
 
-def gap_dropout(x: torch.Tensor, p: float, *, relu: bool = False) -> torch.Tensor:
-    """dropout(x) (or dropout(relu(x))) in training with nn.Dropout's distribution, from gaps: 0 < p < 1."""
-    dropped = p <= 0.5  # draw the rarer outcome: the fewer positions, the fewer draws
-    pos = rare_positions(x.numel(), p if dropped else 1.0 - p, x.device)
-    return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - p), dropped, relu)
-
-
 class Dropout(nn.Dropout):
     """``nn.Dropout`` (same p field, same state dict), its training masks drawn from the gaps where ``gaps`` is set
-    (not the same draws as ``nn.Dropout``; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
-    step, where the gaps are drawn: no ReLU input or mask kept for backward; its input is a fresh tensor nothing
-    else reads (fc1's output), overwritten where no gradient needs it. Identity in evaluation."""
+    (other draws than ``nn.Dropout``'s; ``torch.manual_seed`` reproduces them). ``relu``: dropout(relu(x)) in one
+    step; its input (fc1's output, read by nothing else) is overwritten where no gradient needs it."""
 
     gaps: bool = True
     """Whether the gap sampler draws the masks; the model sets it from its plan (``txl.model.plan``)."""
@@ -114,6 +87,8 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:  # relu: in place where no gradient needs x (fc1's output, read once)
             return (torch.relu(x) if x.requires_grad else x.relu_()) if self.relu else x
-        if self.p < 1 and self.gaps and not torch.compiler.is_compiling():
-            return gap_dropout(x, self.p, relu=self.relu)
+        if self.p < 1 and self.gaps and not torch.compiler.is_compiling():  # the gaps, of the rarer outcome
+            dropped = self.p <= 0.5
+            pos = rare_positions(x.numel(), self.p if dropped else 1.0 - self.p, x.device)
+            return _GapDropout.apply(x.contiguous(), pos, 1.0 / (1.0 - self.p), dropped, self.relu)
         return F.dropout(torch.relu(x) if self.relu else x, self.p)  # torch's kernel (at p = 1: all dropped)

@@ -1,30 +1,22 @@
-"""Attention kernels on tensors: the fast paths, each tested against the plain path it replaces.
+"""Attention kernels on tensors: the default ('fused') path, each tested against ``txl.model.plain``.
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, A, C the two leading dims of a score block.
 
-A kernel takes tensors and plain numbers (a query, keys, values, a positional bias or the function that
-makes it from small inputs, a mask, the attention dropout, whether to recompute), never the module that
-calls it: it sits below ``txl.model.attention`` and never imports it. ``txl.model.plain`` is the paper's model
-term by term; ``ComputeConfig.attn_impl='fused'`` (the default) runs what is here, and tests/test_kernels.py and
-tests/test_plain.py compare the two (outputs, gradients of inputs and parameters, memories, every attention type,
-train and eval). Each custom autograd Function here stays for a measured win (benchmarks/README.md, "What the fast
-path keeps"):
+A kernel takes tensors and plain numbers, never the module that calls it (it sits below ``txl.model.attention``).
+Each custom autograd Function stays for a measured win (benchmarks/README.md, "What the fast path keeps"):
 
-* ``fused_attention``: the fused kernel ``scaled_dot_product_attention`` with the positional scores
-  as its additive mask (evaluation); in training ``explicit_attention``, which keeps the (B, H, T, K) probabilities
-  for backward (autograd), or ``_RecomputedAttention``, which recomputes them there (``recompute_attention``);
-* ``realign``: ``rel_shift`` as a strided view with the scale and the mask added in the same pass, and an exact
-  backward written straight into the scores' layout (``_Realign``);
+* ``fused_attention``: SDPA with the positional scores as its additive mask (evaluation); in training
+  ``explicit_attention`` (autograd keeps the probabilities) or ``_RecomputedAttention`` (``recompute_attention``);
+* ``realign``: ``rel_shift`` as a strided view, scale and mask added in the same pass, exact backward (``_Realign``);
 * ``positional_bias``: an encoding's positional scores (``Attention.scores_of``), realigned, scaled, masked.
 
-Under ``torch.compile`` the custom autograd Functions are not traced (they carry Python callables and in-place
-strided writes): the fused path then gives SDPA the positional scores built from ``rel_shift`` by ordinary ops;
-the compiler fuses those itself.
+Under ``torch.compile`` the Functions are not traced: ordinary ops take their place, which the compiler fuses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -42,14 +34,8 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; a 16-bit stream (the adaptive embedding's projection, or a model in a 16-bit dtype,
-    under autocast) is normalised in its own dtype, the norm's weight and bias cast to it.
-
-    The condition is the stream's dtype, not a mismatch with the weights: CUDA's layer norm takes one dtype for its
-    input and weights (the CPU's also takes float32 weights beside a 16-bit input, so a mismatch passes there and fails
-    only on a GPU), and CUDA's autocast runs layer norm in float32 whatever the weights are (it would cast x up and the
-    next matmul cast it down again). The kernel computes the statistics in float32 either way.
-    """
+    """``norm(x)``; a 16-bit stream normalised in its own dtype, the norm's weight and bias cast to it (CUDA's layer
+    norm takes one dtype for all three; its autocast would cast up and down again). Statistics in float32."""
     if x.dtype in (torch.float16, torch.bfloat16):
         with torch.autocast(x.device.type, enabled=False):
             return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
@@ -59,36 +45,26 @@ def layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 # -- rel_shift without the padded copy ------------------------------------------------------------
 
 def _shifted_view(x: torch.Tensor) -> torch.Tensor:
-    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view, no pad needed.
-
-    y[i, j] = x[i, T-1-i+j] sits at flat offset i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K)
-    block: rows of K read with a stride of K-1 from offset T-1. Row i's last entry is row i+1's first
-    (both a hidden future key for i < T-1); the last row ends at the block's last element.
-    """
+    """The ``rel_shift`` of contiguous (A, C, T, K) scores as a view: y[i, j] = x[i, T-1-i+j] sits at flat offset
+    i*K + T-1-i+j = (T-1) + i*(K-1) + j of its (T, K) block, so rows of K are read with a stride of K-1 from offset
+    T-1. Row i's last entry is row i+1's first (a hidden future key for i < T-1)."""
     A, C, T, K = x.shape
     return x.as_strided((A, C, T, K), (C * T * K, T * K, K - 1, 1), x.storage_offset() + T - 1)
 
 
 class _Realign(torch.autograd.Function):
-    """Forward: the key-aligned positional scores plus the additive mask, as a new (B, H, T, K) tensor.
-
-    Backward: the gradient is written straight into the layout of the scores with one strided copy,
-    instead of autograd's zero-filled buffer + scatter of ``as_strided`` (or the slice and pad copies of
-    ``rel_shift``). Within a (T, K) block each score feeds one output entry, except the T-1 shared by
-    the end of row i and the start of row i+1, whose two gradients are added, and the first T-1, which
-    feed none: this is the exact gradient.
-    """
+    """Forward: the key-aligned positional scores plus the additive mask, a new (B, H, T, K) tensor. Backward: the
+    gradient written straight into the scores' layout by one strided copy. Within a (T, K) block each score feeds
+    one output entry, except the T-1 shared by the end of row i and the start of row i+1 (their two gradients
+    added) and the first T-1, which feed none: the exact gradient."""
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, mask_bias: torch.Tensor, heads_first: bool, scale: float) -> torch.Tensor:
         shifted = _shifted_view(scores)  # (A, C, T, K)
         if heads_first:
             shifted = shifted.transpose(0, 1)  # (H, B, T, K) -> (B, H, T, K) view
-        ctx.heads_first, ctx.scale = heads_first, scale
-        ctx.scores_shape = scores.shape
+        ctx.heads_first, ctx.scale, ctx.scores_shape = heads_first, scale, scores.shape
         out = torch.empty(shifted.shape, dtype=scores.dtype, device=scores.device)  # (B, H, T, K)
-        if scale == 1.0:
-            return torch.add(shifted, mask_bias, out=out)
         return torch.add(mask_bias, shifted, alpha=scale, out=out)  # scaled in the same pass
 
     @staticmethod
@@ -103,36 +79,24 @@ class _Realign(torch.autograd.Function):
             buf.as_strided((A, C, 2, T - 1), (C * T * K, T * K, T * K - T + 1, 1), buf.storage_offset()).zero_()
         # Each row's first K-1 entries tile the rest of the block exactly ...
         rows = buf.as_strided((A, C, T, K - 1), (C * T * K, T * K, K - 1, 1), base)  # (A, C, T, K-1)
-        scale = ctx.scale
-        if scale == 1.0:
-            rows.copy_(g[..., :K - 1])
-        else:  # the forward's scale, applied as the gradient is written
-            torch.mul(g[..., :K - 1], scale, out=rows)
+        torch.mul(g[..., :K - 1], ctx.scale, out=rows)  # the forward's scale, applied as the gradient is written
         # ... the rows' last entries add onto the next row's first, and the last row's onto the zeroed last entry.
         last = buf.as_strided((A, C, T), (C * T * K, T * K, K - 1), base + K - 1)  # (A, C, T)
         if T > 1:
-            last.add_(g[..., K - 1], alpha=scale)
-        elif scale == 1.0:
-            last.copy_(g[..., K - 1])
+            last.add_(g[..., K - 1], alpha=ctx.scale)
         else:
-            torch.mul(g[..., K - 1], scale, out=last)
+            torch.mul(g[..., K - 1], ctx.scale, out=last)
         return buf.view(A, C, T, K), None, None, None
 
 
 def realign(scores: torch.Tensor, mask_bias: torch.Tensor, *, heads_first: bool, scale: float = 1.0) -> torch.Tensor:
     """Positional scores by encoding index -> (B, H, T, K) by key index (``rel_shift``), times ``scale``, mask added.
-
-    scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K); column p holds the score against
-    distance K-1-p. mask_bias: (T, K), 0 where query i may see key j and -inf elsewhere. Adding the
-    mask in the pass that realigns anyway spares a masked_fill over (B, H, T, K), a slower bool-mask
-    kernel on CPU. Against rel_shift's pad-and-view with the scale and mask as plain ops, a layer's positional
-    scores at the base shape: forward 2.2 against 7.5 ms, forward and backward 4.2 against 18.9 ms (5% of an
-    evaluation step, 4% of a training step; benchmarks/README.md, issue 45).
-    """
+    scores: contiguous (H, B, T, K) if heads_first else (B, H, T, K), column p against distance K-1-p; mask_bias:
+    (T, K), 0 where query i may see key j, else -inf (benchmarks/README.md, "What the fast path keeps")."""
     if torch.compiler.is_compiling():  # ordinary ops the compiler can trace and fuse
         shifted = rel_shift(scores)  # (A, C, T, K)
         shifted = shifted.transpose(0, 1) if heads_first else shifted  # (B, H, T, K)
-        return (shifted * scale + mask_bias if scale != 1.0 else shifted + mask_bias).contiguous()  # (B, H, T, K)
+        return (shifted * scale + mask_bias).contiguous()  # (B, H, T, K)
     return _Realign.apply(scores.contiguous(), mask_bias, heads_first, scale)
 
 
@@ -145,17 +109,13 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Tensor, mask_bias: torch.Tensor,
                     scale: float, index: torch.Tensor | None = None) -> torch.Tensor:
-    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance (``Attention.scores_of``)
-    realigned by key index, times ``scale``, the mask added: what the fused kernel reads as its additive bias.
-
-    ``index``: (T, K), the row of the positional table each (query, key) reads, for keys in any order (the rings of
-    ``txl.static_eval``): the scores against the table's N distances, (B, H, T, N), are gathered by it instead of
-    realigned (evaluation only: autograd does not go through it)."""
+    """An encoding's positional scores ``scores_of(*operands)`` (B, H, T, K) by distance realigned by key index,
+    times ``scale``, the mask added: the fused kernel's additive bias. ``index``: (T, K), the table row each (query,
+    key) reads, for keys in any order (``txl.static_eval``'s rings; evaluation only): gathered, not realigned."""
     scores = scores_of(*operands)  # (B, H, T, K), laid out (B, H, T, K) or (H, B, T, K); with index K = N
     if index is not None:
-        # gather of the expanded index: take_along_dim's broadcast made it ~5x slower on a CPU
-        B, H, T, _ = scores.shape
-        position = scores.gather(-1, index.expand(B, H, T, index.size(-1)))  # (B, H, T, K)
+        # gather of the expanded index (take_along_dim's broadcast is slower on a CPU)
+        position = scores.gather(-1, index.expand(*scores.shape[:3], index.size(-1)))  # (B, H, T, K)
         return torch.add(mask_bias, position, alpha=scale)  # (B, H, T, K)
     heads_first = not scores.is_contiguous() and scores.transpose(0, 1).is_contiguous()
     return realign(scores.transpose(0, 1) if heads_first else scores, mask_bias, heads_first=heads_first, scale=scale)
@@ -164,28 +124,16 @@ def positional_bias(scores_of: Callable[..., torch.Tensor], *operands: torch.Ten
 # -- attention: the fused kernel, pinned ----------------------------------------------------------
 
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""The SDPA kernels txl's attention may run on: every one but cuDNN's.
-
-Our scores carry a dense additive bias (the positional terms and the mask, (B, H, T, K)) and the key length
-K = M + T changes from call to call while the memory fills (and its stride with it). On sm90 torch tries cuDNN
-first for a dense bias, and cuDNN builds an execution plan for every new (shape, stride): 47 ms of host time
-in 16 calls per evaluation segment on an H200 (issue 34's profile), more than the segment's whole device time.
-The memory-efficient kernel takes the same bias with no plan to build (and returns its gradient under
-torch.compile); flash takes no bias at all, so it runs only where there is none; the CPU's fused kernel
-is its 'flash' one; math is the fallback everywhere."""
+"""The SDPA kernels txl's attention may run on: every one but cuDNN's, which builds an execution plan for every new
+(shape, stride) of the dense bias, and K = M + T changes while the memory fills (benchmarks/README.md, "What the
+fast path keeps"). Flash runs where there is no bias; math is the fallback."""
 
 
 def sdpa(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, attn_mask: torch.Tensor, scale: float = 1.0,
          pin: bool = True) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``.
-
-    ``pin`` is the model's plan (``ComputePlan.pin_sdpa``): on a CPU there is no cuDNN kernel to keep out, and the
-    backend context costs 20-40 us a call there, so the call is made as is; on any other device (CUDA; meta, where
-    the tests read the flags) inside the context.
-    """
-    if not pin:
-        return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
-    with sdpa_kernel(list(SDPA_BACKENDS)):
+    """``F.scaled_dot_product_attention(query, k, val, attn_mask=, scale=)``, on ``SDPA_BACKENDS`` with ``pin``
+    (``ComputePlan.pin_sdpa``: off on a CPU, which has no cuDNN and where the context costs time)."""
+    with sdpa_kernel(list(SDPA_BACKENDS)) if pin else contextlib.nullcontext():
         return F.scaled_dot_product_attention(query, k, val, attn_mask=attn_mask, scale=scale)
 
 
@@ -197,15 +145,9 @@ def _forward_autocast(device: torch.device) -> dict:
 
 class _RecomputedAttention(torch.autograd.Function):
     """softmax(scale * query k^T + bias) val for training (``recompute_attention``), keeping neither the (B, H, T, K)
-    bias nor the probabilities from forward to backward: base training peak RSS 2,005 -> 1,869 MiB for 6-7% of
-    its speed (benchmarks/README.md). torch's checkpoint around ``explicit_attention`` instead held 1,567-1,739 MB
-    against this one's 1,380-1,418 (two base training steps, issue 45), so this stays.
-
-    Forward: the fused kernel (SDPA). Backward: the bias recomputed from its small inputs (``bias_fn(*inputs)``,
-    e.g. (q + v) and W_kR R), the probabilities P from it, then as in FlashAttention's backward
-    dS = P * (dP - rowsum(dO * O)) with dP = dO val^T (rowsum(dO * O) a (B, H, T, D) product, not a pass over P).
-    dS is the bias gradient; autograd takes it on to the bias inputs.
-    """
+    bias nor the probabilities for backward: memory, not speed (benchmarks/README.md, "What the fast path keeps").
+    Backward recomputes the bias (``bias_fn(*inputs)``) and P, then as FlashAttention's backward
+    dS = P * (dP - rowsum(dO * O)), dP = dO val^T; autograd takes dS on to the bias inputs."""
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, scale: float, pin: bool, bias_fn,
@@ -244,70 +186,47 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def explicit_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, bias: torch.Tensor,
-                       dropout: Dropout | None = None, *, scale: float = 1.0) -> torch.Tensor:
+                       dropout: Callable[[torch.Tensor], torch.Tensor] | None = None, *, scale: float = 1.0
+                       ) -> torch.Tensor:
     """softmax(scale * query k^T + bias) val with the probabilities kept for backward (and dropped out by
-    ``dropout``): (B, H, T, D).
-
-    query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or (T, K), -inf where hidden (a
-    hidden key gets probability 0, hence zero gradient). The content scores accumulate into the bias in the matmul
-    (baddbmm); the softmax runs in float32.
-    """
-    B, T, H, D = query.shape
-    K = k.size(1)
-    qh = query.transpose(1, 2).reshape(B * H, T, D)  # (B*H, T, D)
-    kh = k.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
-    vh = val.transpose(1, 2).reshape(B * H, K, D)  # (B*H, K, D)
+    ``dropout``): (B, H, T, D). query: (B, T, H, D); k, val: (B, K, H, D); bias: (B, H, T, K), (B, 1, T, K) or
+    (T, K), -inf where hidden."""
+    (B, T, H, D), K = query.shape, k.size(1)
+    qh, kh, vh = (t.transpose(1, 2).reshape(B * H, -1, D) for t in (query, k, val))  # (B*H, T or K, D)
     if bias.dim() == 4:  # (B, H, T, K), or (B, 1, T, K) with padding: one per head
         bias = bias.expand(B, H, T, K).reshape(B * H, T, K)  # (B*H, T, K)
     score = torch.baddbmm(bias, qh, kh.transpose(1, 2), alpha=scale)  # (B*H, T, K)
-    # A 16-bit score's own softmax accumulates in float32 and rounds once: the float32 softmax's numbers, without
-    # its two (B*H, T, K) casts forward and two backward (~8% of a small bf16 CPU training step)
+    # A 16-bit score's own softmax accumulates in float32 and rounds once: the float32 softmax's numbers, no casts
     sixteen = score.dtype in (torch.float16, torch.bfloat16)
     prob = torch.softmax(score, -1) if sixteen else torch.softmax(score, -1, dtype=torch.float32).to(vh.dtype)
     prob = prob if dropout is None else dropout(prob)
     return torch.bmm(prob, vh).view(B, H, T, D)  # (B, H, T, D)
 
 
-Dropout = Callable[[torch.Tensor], torch.Tensor]
-"""The attention dropout: a module (``txl.model.dropout.Dropout``) applied to the probabilities."""
-BiasFn = Callable[..., torch.Tensor]
-"""``bias_fn(*bias_inputs, mask_bias=)`` -> (B, H, T, K) positional scores (scaled), realigned, mask added."""
-
-
 def fused_attention(query: torch.Tensor, k: torch.Tensor, val: torch.Tensor, *, mask: torch.Tensor,
-                    bias_fn: BiasFn | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
-                    dropout: Dropout | None = None, recompute: bool = True, scale: float = 1.0,
-                    pin: bool = True) -> torch.Tensor:
+                    bias_fn: Callable[..., torch.Tensor] | None = None, bias_inputs: tuple[torch.Tensor, ...] = (),
+                    dropout: Callable[[torch.Tensor], torch.Tensor] | None = None, recompute: bool = True,
+                    scale: float = 1.0, pin: bool = True) -> torch.Tensor:
     """softmax(scale * query k^T + positional scores, masked) val: (B, T, H, D) in, (B, H, T, D) out.
-
-    query: (B, T, H, D), content bias added; scale: what its products with the keys are multiplied by (1/sqrt(D)
-    for an unscaled query: in the matmul, no pass over the query); k, val: (B, K, H, D); mask: (T, K)
-    bool (or (B, 1, T, K) with padding), True where hidden. The positional
-    scores, when the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)``: small inputs (e.g. (q + v)
-    and W_kR R) and the function that makes the (B, H, T, K) scores of them, so training can recompute them in
-    backward.
-    dropout: applied to the probabilities (None: no attention dropout, as in evaluation or dropatt 0);
-    recompute: in training, recompute the scores in backward instead of keeping the probabilities; pin: SDPA on
-    ``SDPA_BACKENDS`` (``sdpa``). Which kernel runs depends on the autograd state and the dropout (below).
-    """
-    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
+    query: (B, T, H, D), content bias added; scale: multiplies its products with the keys (1/sqrt(D)); k, val:
+    (B, K, H, D); mask: (T, K) bool (or (B, 1, T, K) with padding), True where hidden. The positional scores, when
+    the encoding has them, are ``bias_fn(*bias_inputs, mask_bias=)`` (scaled, realigned, mask added), so training
+    can recompute them in backward. dropout: the attention dropout module (None: none); recompute: in training,
+    recompute the scores in backward instead of keeping the probabilities; pin: SDPA on ``SDPA_BACKENDS``."""
     # Heads are read as (B, H, ., D) views of the (B, ., H, D) projections; the kernels take the strides.
     qh, kh, vh = query.transpose(1, 2), k.transpose(1, 2), val.transpose(1, 2)  # (B, H, ., D)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
-    if dropout is not None:
-        # The probabilities are dropped: they must exist, and autograd keeps the dropped ones.
-        bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)
-        return explicit_attention(query, k, val, bias, dropout, scale=scale)
-    if bias_fn is None:  # no positional scores: the fused kernel, forward and backward
+    if bias_fn is None and dropout is None:  # no positional scores: the fused kernel, forward and backward
         return sdpa(qh, kh, vh, ~mask, scale, pin)  # (B, H, T, D)
-    if grad and not torch.compiler.is_compiling():
-        # The fused kernel cannot return the gradient of its additive mask (the positional term), so training
-        # keeps the probabilities (autograd), or recomputes what it needs in backward.
-        if recompute:
-            return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
-                                              *bias_inputs)
-        return explicit_attention(query, k, val, bias_fn(*bias_inputs, mask_bias=mask_bias), scale=scale)
-    # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too):
-    # the positional scores are the fused kernel's additive mask.
-    bias = bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
+    mask_bias = mask_to_bias(mask, query.dtype)  # (T, K) or (B, 1, T, K)
+    # The fused kernel cannot return the gradient of its additive mask (the positional term): training keeps the
+    # probabilities (autograd), or recomputes what it needs in backward; dropped probabilities must exist.
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qh, kh, vh, *bias_inputs))
+    explicit = dropout is not None or (grad and not torch.compiler.is_compiling())
+    if explicit and recompute and dropout is None:
+        return _RecomputedAttention.apply(qh, kh, vh, scale, pin, functools.partial(bias_fn, mask_bias=mask_bias),
+                                          *bias_inputs)
+    bias = mask_bias if bias_fn is None else bias_fn(*bias_inputs, mask_bias=mask_bias)  # (B, H, T, K)
+    if explicit:
+        return explicit_attention(query, k, val, bias, dropout, scale=scale)
+    # Evaluation, or training under torch.compile (whose SDPA decomposition differentiates the mask too).
     return sdpa(qh, kh, vh, bias, scale, pin)  # (B, H, T, D)

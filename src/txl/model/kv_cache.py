@@ -3,23 +3,12 @@
 Shape legend: B batch, M memory length, T segment length, K = M + T, H heads, D head width,
 N rows of the positional table, L layers.
 
-Without a cache every forward re-projects the keys and values of all M memory rows (W_kE h, W_v h,
-2 M d^2 per layer) and the K relative encodings (W_kR R, K d^2 per layer), although neither changes
-from one step to the next once the weights are fixed. A KVCache keeps both, so a (B, 1) step costs
-one position of projections plus attention over the cached rows.
-
-Like the memory, the cache goes into ``TransformerXL.forward(..., kv_cache=)`` and comes back as
-``LMOutput.kv_cache``; modules never hold it. It is valid only:
-
-* in eval mode without autograd (``torch.no_grad()``): the keys are detached, so gradients to W_kE and
-  W_v through memory rows would silently be lost, and dropout would make cached rows differ;
-* with the weights it was built with (checked through the parameters' version counters);
-* next to the memory it was returned with: same length and alignment, truncated in the same place
-  (``update_memory``);
-* for the encodings that declare themselves ``cacheable`` (``txl.model.attention``'s table).
-
-``position_table`` and ``cached_keys_values`` are the cache's projections: they take the layers'
-projection functions and tensors, not the attention modules, so this module sits below attention.
+Without a cache every forward projects again the keys and values of all M memory rows (W_kE h, W_v h) and the K
+relative encodings (W_kR R), although neither changes while the weights are fixed; a KVCache keeps both. Like the
+memory it goes into ``TransformerXL.forward(..., kv_cache=)`` and comes back as ``LMOutput.kv_cache``. It is valid
+only in eval mode without autograd (``torch.no_grad()``: cached keys are detached, and dropout would make them
+differ), with the weights it was built with (checked by the parameters' version counters), next to the memory it
+was returned with (same length and alignment), and for the ``cacheable`` encodings (``txl.model.attention``).
 """
 
 from __future__ import annotations
@@ -35,10 +24,8 @@ from txl.model.positions import sinusoid
 
 @dataclass(frozen=True)
 class KVCache:
-    """Per layer: the keys and values of exactly the memory rows, and W_kR R(n) for distances 0..N-1.
-
-    ``KVCache()`` is an empty cache to start with: it is filled from the memory passed with it.
-    """
+    """Per layer: the keys and values of exactly the memory rows, and W_kR R(n) for distances 0..N-1. ``KVCache()``
+    is an empty cache to start with: it is filled from the memory passed with it."""
 
     keys: tuple[torch.Tensor, ...] = ()
     """One (B, M, H, D) tensor per layer: W_kE h (W_kE LN(h) with pre-LN) of the memory rows."""
@@ -48,9 +35,8 @@ class KVCache:
     """Relative attention: one (N, H, D) tensor per layer, row n = W_kR R(N-1-n), the farthest distance first (the
     distances K-1 .. 0 a forward pass reads are its last K rows, a view); grown when K needs more."""
     buffers: tuple[tuple[RowBuffer, RowBuffer, RowBuffer], ...] = ()
-    """Per layer, the storage (``txl.model.memory.RowBuffer``) that the memory, keys and values returned with it
-    are views of: the next call appends its rows there in place instead of copying all M of them. () when they
-    are plain tensors (under torch.compile, with ext_len, or a cache put together by hand)."""
+    """Per layer, the ``RowBuffer``s the memory, keys and values returned with it are views of, which the next call
+    appends to in place; () when they are plain tensors (torch.compile, ext_len, a cache put together by hand)."""
     weights_version: int | None = None
     """Sum of the parameters' version counters when the cache was built: an optimiser step changes it
     (None: built under torch.compile, which cannot read them; not checked)."""
@@ -62,21 +48,13 @@ class KVCache:
 
 
 def weights_version(module: torch.nn.Module) -> int:
-    """Changes whenever a parameter is modified in place (optimiser steps, load_state_dict, copy_).
-
-    Parameters created under ``torch.inference_mode()`` have no version counter; they count as 0.
-
-    Read once per cached forward (a decoding step): the module tree is walked directly, since
-    ``Module.parameters()`` builds every name and a set of those seen, 4x slower (~90 us of CPU for a 4-layer
-    model, a few % of a (B, 1) step). A parameter shared by two modules counts twice: the sum still changes
-    whenever any parameter does, and it is only compared with itself.
-    """
+    """Changes whenever a parameter is modified in place (optimiser steps, load_state_dict, copy_); parameters made
+    under ``torch.inference_mode()`` count as 0. The module tree is walked directly (``parameters()`` builds names
+    and a set: slower, read at every decoding step); a shared parameter counts twice, which changes nothing."""
     total, todo = 0, [module]
     while todo:
         m = todo.pop()
-        if m is None:  # a submodule slot set to None
-            continue
-        todo.extend(m._modules.values())
+        todo.extend(c for c in m._modules.values() if c is not None)  # a submodule slot may be None
         for p in m._parameters.values():
             if p is not None and not p.is_inference():
                 total += p._version
@@ -86,19 +64,12 @@ def weights_version(module: torch.nn.Module) -> int:
 def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]], table: tuple[torch.Tensor, ...],
                    need: int, *, clamp_len: int, d_model: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per layer (N, H, D), row n = W_kR R(N-1-n) (the farthest first), with N >= need (the largest distance + 1).
-
-    ``projections``: each layer's W_kR, (N, d) -> (N, H, D). W_kR R depends on the distance alone, so a
-    cache projects each distance once. Grown by doubling, so a stream of (B, 1) steps projects each
-    distance once; clamp_len caps it. Farthest first because a pass over K keys reads distances K-1 .. 0 in
-    key order: the table's last K rows as they lie, where distance order needed a gather or a reversed copy per
-    layer and step (most of a (1, 1) step's time outside the matmuls on CPU).
-    """
+    """Per layer (N, H, D), row n = W_kR R(N-1-n) (the farthest first: a pass over K keys reads the last K rows), N >=
+    need; ``projections``: each layer's W_kR. Grown by doubling (clamp_len caps it): each distance projected once."""
     have = table[0].size(0) if table else 0
     if have >= need:
         return table
-    cap = clamp_len + 1 if clamp_len > 0 else None
-    size = max(need, 2 * have) if cap is None else min(max(need, 2 * have), cap)
+    size = max(need, 2 * have) if clamp_len <= 0 else min(max(need, 2 * have), clamp_len + 1)  # clamp_len caps it
     r = sinusoid(torch.arange(size - 1, have - 1, -1, device=device), d_model).to(dtype)  # (size-have, d), far first
     new = [project(r) for project in projections]  # (size-have, H, D) each
     return tuple(new) if not table else tuple(torch.cat([n, old]) for old, n in zip(table, new))
@@ -107,23 +78,15 @@ def position_table(projections: Sequence[Callable[[torch.Tensor], torch.Tensor]]
 def cached_keys_values(keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
                        memory: torch.Tensor | None, cache: KVCache, layer: int, *, grow: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[RowBuffer, RowBuffer] | None]:
-    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache``; and, with
-    ``grow``, the RowBuffers they are views of (the cache's own, extended in place where it can be).
-
-    ``keys_values``: the layer's projection of (B, N, d) rows to keys and values (B, N, H, D). Only the T
-    new rows are projected; an empty cache projects the memory rows once, here.
-    """
+    """The keys and values (B, K, H, D) of [memory; segment], the memory rows' read from ``cache`` (an empty one: the
+    memory rows projected once, here), and with ``grow`` the RowBuffers they are views of. ``keys_values``: the
+    layer's projection of (B, N, d) rows to keys and values (B, N, H, D)."""
     rows = x if cache.keys or memory is None else torch.cat([memory.to(x.dtype), x], dim=1)  # (B, T or K, d)
     k, val = keys_values(rows)  # (B, T or K, H, D) each
-    if not grow:
-        if cache.keys:
-            k = torch.cat([cache.keys[layer].to(k.dtype), k], dim=1)  # (B, K, H, D)
-            val = torch.cat([cache.values[layer].to(val.dtype), val], dim=1)  # (B, K, H, D)
-        return k, val, None
-    old_k = old_val = None  # an empty cache: the K rows projected here start the buffers
-    if cache.keys:
-        old_k, old_val = cache.keys[layer].to(k.dtype), cache.values[layer].to(val.dtype)  # (B, M, H, D) each
-    had = cache.buffers[layer] if cache.buffers else (None, None, None)
+    old_k, old_val = (cache.keys[layer].to(k.dtype), cache.values[layer].to(val.dtype)) if cache.keys else (None, None)
+    if not grow:  # (B, M, H, D) cached rows before the (B, T, H, D) new ones
+        return (k, val, None) if old_k is None else (torch.cat([old_k, k], 1), torch.cat([old_val, val], 1), None)
+    had = cache.buffers[layer] if cache.buffers else (None, None, None)  # an empty cache: new buffers
     k, k_buffer = append_rows(old_k, k, had[1])  # (B, K, H, D)
     val, val_buffer = append_rows(old_val, val, had[2])  # (B, K, H, D)
     return k, val, (k_buffer, val_buffer)

@@ -2,9 +2,9 @@
 
 Shapes: B batch, M memory length, T segment length, d d_model, L layers.
 
-A memory is a tuple with one (B, M, d) tensor per layer: the *input* hidden states of that layer for
-the M positions before the current segment. Memory goes in and comes out of the model explicitly;
-these pure functions are the only place where it is built, truncated and detached.
+A memory is a tuple with one (B, M, d) tensor per layer: the *input* hidden states of that layer for the M positions
+before the current segment. It goes in and comes out of the model explicitly; these pure functions are the only
+place where it is built, truncated and detached.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ Memory = tuple[torch.Tensor, ...]
 
 def zeros_memory(n_layer: int, batch_size: int, d_model: int, length: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Memory:
-    """A zero-filled memory of ``length`` positions that *is* attended to.
-
-    Hugging Face's TransfoXL and the original TensorFlow code start every stream this way; checkpoints
-    trained like that expect it, and parity with them needs it.
-    """
+    """A zero-filled memory of ``length`` positions that *is* attended to, as Hugging Face's TransfoXL and the
+    original TensorFlow code start every stream (their checkpoints expect it)."""
     return tuple(torch.zeros(batch_size, length, d_model, device=device, dtype=dtype) for _ in range(n_layer))
 
 
@@ -34,12 +31,8 @@ def memory_length(memory: Memory | None) -> int:
 def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int, ext_len: int = 0,
                   dtype: torch.dtype | None = None) -> Memory:
     """The memory for the next segment: the last ``mem_len`` layer inputs, gradient stopped, a copy in ``dtype``
-    (None: the inputs' own); the old memory stays valid.
-
-    ``hiddens[l]`` is the (B, T, d) input of layer l for the current segment. The last ``ext_len``
-    positions of a segment are fed again at the start of the next one (extended context), so they are
-    not written here.
-    """
+    (None: the inputs' own); the old memory stays valid. ``hiddens[l]``: the (B, T, d) input of layer l; its last
+    ``ext_len`` positions are fed again with the next segment (extended context), so they are not kept."""
     if mem_len == 0:
         return tuple(h.new_empty((h.size(0), 0, *h.shape[2:])) for h in hiddens)  # any trailing shape: KVCache too
     new = []
@@ -54,18 +47,10 @@ def update_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len
 
 
 class RowBuffer:
-    """Storage that rows are appended to in place: a sequence grown a few rows at a time (a generation's memory
-    and cached keys/values, one row per (B, 1) step) is not copied whole at every step.
-
-    Without it every step's ``torch.cat`` copies each layer's (B, M, ...) rows to add one: O(M) bytes per token
-    and most of a batched generation step's time (41-45% at B = 8-16 in the `txl serve` benchmarks).
-
-    ``data`` (B, C, ...) holds rows [0, ``end``); the tensors handed out are views of windows of it ending at
-    ``end``. Appending writes past ``end``, never into rows a view already covers, so every view handed out
-    keeps its values, as with ``torch.cat``. Only the view ending at ``end`` is extended in place: an older one
-    (a caller going back to an earlier memory) or one another caller already extended is copied into a new
-    buffer instead.
-    """
+    """Storage that rows are appended to in place, so a sequence grown a row per (B, 1) step (a generation's memory
+    and cached keys/values) is not copied whole at every step, as ``torch.cat`` would. ``data`` (B, C, ...) holds
+    rows [0, ``end``); views handed out end at ``end``. Appending writes past ``end``, so every view keeps its
+    values; only the view ending at ``end`` is extended in place, an older one is copied into a new buffer."""
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
@@ -81,20 +66,16 @@ class RowBuffer:
 
 
 def append_rows(old: torch.Tensor | None, new: torch.Tensor, buffer: RowBuffer | None, *,
-                headroom: int = 64, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, RowBuffer]:
+                headroom: int = 64) -> tuple[torch.Tensor, RowBuffer]:
     """[old; new] along dim 1 (B, n + T, ...), a view of ``buffer`` (extended in place when ``old`` is its last
-    window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer.
-
-    A (B, 1) step then copies the rows it keeps once every ``headroom`` steps instead of every step, and the
-    spare capacity stays small and fixed: doubling the capacity doubled a serving process's peak memory, and
-    room for T more rows made a segment-by-segment evaluation (T = M = 256, the base shape) hold 12% more.
-    """
+    window and there is room) or of a new buffer with room for ``headroom`` more rows; and the buffer. A small fixed
+    headroom, not doubling: a (B, 1) step copies once every ``headroom`` steps without doubling the peak memory."""
     n, T = (0 if old is None else old.size(1)), new.size(1)
     fits = (buffer is not None and old is not None and buffer.ends(old) and new.dtype == buffer.data.dtype
             and buffer.end + T <= buffer.data.size(1)
             and (torch.is_inference_mode_enabled() or not buffer.data.is_inference()))  # writable here
     if not fits:
-        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:], dtype=dtype))  # (B, C, ...)
+        buffer = RowBuffer(new.new_empty(new.size(0), n + T + headroom, *new.shape[2:]))  # (B, C, ...)
         if n:
             buffer.data[:, :n] = old
         buffer.end = n
@@ -109,14 +90,13 @@ def last_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def grow_memory(memory: Memory | None, hiddens: list[torch.Tensor], *, mem_len: int,
-                buffers: Sequence[RowBuffer | None], dtype: torch.dtype | None = None
-                ) -> tuple[Memory, tuple[RowBuffer, ...]]:
+                buffers: Sequence[RowBuffer | None]) -> tuple[Memory, tuple[RowBuffer, ...]]:
     """``update_memory`` (ext_len 0) with each layer's rows appended in place to its ``RowBuffer``: the memory
     is views of the buffers, returned with them. Under ``torch.no_grad()`` (the KVCache's condition)."""
     new, bufs = [], []
     for l, h in enumerate(hiddens):
         old = memory[l] if memory and memory[l].size(1) else None
-        rows, buffer = append_rows(old, h, buffers[l] if buffers else None, dtype=dtype)  # (B, M + T, d)
+        rows, buffer = append_rows(old, h, buffers[l] if buffers else None)  # (B, M + T, d)
         new.append(last_rows(rows, mem_len))
         bufs.append(buffer)
     return tuple(new), tuple(bufs)

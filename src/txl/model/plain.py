@@ -4,10 +4,8 @@ Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, 
 N = B*T tokens, V vocabulary, e_i the embedding width of cluster i.
 
 ``ComputeConfig.attn_impl='reference'`` runs this module: no custom autograd Function, no device test, no cast of
-its own (under autocast, autocast casts), no kernel switch. It is the oracle of the model: it equals the original
-(the Hugging Face 4.37.2 oracle, tests/test_parity_hf.py) and every faster path (``txl.model.transformer``'s
-default, ``txl.model.kernels``) is tested against it: forward, gradients, new memory, key/value cache,
-compressed memory (tests/test_plain.py, tests/test_kernels.py).
+its own. It equals the original (tests/test_parity_hf.py) and is the oracle every faster path is tested against
+(tests/test_plain.py, tests/test_kernels.py).
 
 One segment, as section 3.2 of the paper reads it:
 
@@ -59,8 +57,7 @@ class LMOutput:
     nll: torch.Tensor | None = None
     """(B, T) per-token NLL; labels[:, t] is the target at position t; 0 where ignored."""
     tokens: torch.Tensor | None = None
-    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over (a trainer's token count
-    without counting again: a step launches its kernels once)."""
+    """() int64: how many labels are scored (not IGNORE_INDEX), what ``loss`` averages over."""
     log_probs: torch.Tensor | None = None
     """(B, T, V) log-probabilities of the next token (float32)."""
     kv_cache: KVCache | None = None
@@ -125,12 +122,10 @@ def nll(sm: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tens
 def attention(attn: nn.Module, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor,
               pos: Positions | None, u: torch.Tensor | None, v: torch.Tensor | None, p: float, p_att: float,
               training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Relative multi-head attention over [memory; segment], residual, layer norm (section 3.3).
-
-    x: (B, T, d); memory: (B, M, d) or None; mask: (T, K) or (B, 1, T, K), True where a key is hidden; pos: the
-    layer's positions; u, v: the shared global biases (None: the layer's own, untie_r). Returns the layer's
-    output (B, T, d), and the keys and values (B, K, H, D) of [memory; segment] (what a KVCache keeps).
-    """
+    """Relative multi-head attention over [memory; segment], residual, layer norm (section 3.3). x: (B, T, d);
+    memory: (B, M, d) or None; mask: (T, K) or (B, 1, T, K), True where a key is hidden; pos: the layer's positions;
+    u, v: the shared global biases (None: the layer's own, untie_r). Returns the layer's output (B, T, d), and the
+    keys and values (B, K, H, D) of [memory; segment] (what a KVCache keeps)."""
     B, T, _ = x.shape
     H, D = attn.n_head, attn.d_head
     rows = x if memory is None else torch.cat([memory, x], dim=1)  # (B, K, d)
@@ -179,9 +174,8 @@ def segment_mask(T: int, M: int, ctx: Context, padding: torch.Tensor | None, dev
 def read_memory(model: nn.Module, memory: Memory | None) -> tuple[Memory | None, Memory | None, list, int]:
     """The memory passed in -> (its own rows, the compressed ones (cmem_len > 0), per layer the M rows attended to
     before the segment with the gradient stopped (eq. (1): SG(memory)) or None, M)."""
-    own, compressed = memory, None
-    if model.compressor is not None:  # Rae et al. 2020: every layer attends over [compressed; memory; segment]
-        own, compressed = split_state(memory, model.config.n_layer)
+    # Rae et al. 2020: a compressive model's layers attend over [compressed; memory; segment]
+    own, compressed = (memory, None) if model.compressor is None else split_state(memory, model.config.n_layer)
     rows = window(own, compressed)
     M = memory_length(rows)
     return own, compressed, [m.detach() for m in rows] if M else [None] * model.config.n_layer, M
@@ -211,9 +205,8 @@ def next_state(model: nn.Module, out: LMOutput, own: Memory | None, compressed: 
         return
     out.memory = update_memory(own, hiddens, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
     if kv:  # the keys and values of exactly the rows kept
-        out.kv_cache = KVCache(keys=update_memory(None, keys, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                               values=update_memory(None, values, mem_len=ctx.mem_len, ext_len=ctx.ext_len),
-                               positions=table, weights_version=version)
+        keep = functools.partial(update_memory, None, mem_len=ctx.mem_len, ext_len=ctx.ext_len)
+        out.kv_cache = KVCache(keys=keep(keys), values=keep(values), positions=table, weights_version=version)
 
 
 def predict(out: LMOutput, labels: torch.Tensor | None, return_log_probs: bool | None, score, log_prob) -> LMOutput:

@@ -1,37 +1,19 @@
-"""How the model computes on a device type, decided anywhere: every choice that depends on the device, in one table.
+"""How the model computes on a device type: every choice that depends on the device, in one table (``CHOICES``).
 
-A few ``ComputeConfig`` fields (and ``TrainConfig.precision``) leave a choice to the device the model runs on: 'auto'
-values, and one default ('fast' dropout) whose sampler exists only on the CPU. A model resolves its compute config once
-for the device its parameters live on (``compute_plan``, when it is built or moved) and its forward reads that
-``ComputePlan``, never the device; a GPU and a CPU resolve from the same table. The ``ModelConfig`` (what the model
-is, what a checkpoint stores) takes no part: a checkpoint loads under any plan.
+A few ``ComputeConfig`` fields (and ``TrainConfig.precision``, ``TrainConfig.graphs``) leave a choice to the device:
+'auto' values, and 'fast' dropout, whose sampler exists only on the CPU. A model resolves its compute config once for
+the device its parameters live on (``compute_plan``, when it is built or moved) and its forward reads that
+``ComputePlan``, never the device. The ``ModelConfig`` (what a checkpoint stores) takes no part: a checkpoint loads
+under any plan.
 
-``resolve(compute, device_type)`` replaces each of those values by what ``device_type`` would pick, so a model built
-with the result takes that device's path wherever its tensors are: ``resolve(compute, "cuda")`` on the CPU runs
-the static-shape adaptive softmax, the padded softmax widths and torch's dropout kernel
-that CUDA runs (tests/test_cuda_rules.py runs it under CUDA's operand rules, ``txl.testing.cuda_rules``). Nothing
-in a resolved config is 'auto' any more, except what does not depend on the device (below).
+``resolve(compute, device_type)`` replaces each of those values by what ``device_type`` picks, so a model built with
+the result takes that device's path anywhere: ``resolve(compute, "cuda")`` on the CPU runs CUDA's adaptive softmax,
+padding and dropout (tests/test_cuda_rules.py). ``resolved(field, value, device_type)`` resolves one value;
+``resolve_precision`` and ``fsdp_mixed_precision`` read ``TrainConfig.precision``.
 
-The interface (stable; other modules build on it):
-
-* ``CHOICES``: the table, one ``Choice`` per device-dependent field value;
-* ``resolved(field, value, device_type)``: one field's value as ``device_type`` resolves it (any other value as is);
-* ``resolve(compute, device_type) -> ComputeConfig``: a validated copy with every device-dependent value resolved;
-* ``resolve_precision(precision, device_type)``: ``TrainConfig.precision`` likewise ('auto' -> 'bf16' or 'fp32');
-* ``compute_plan(compute, device_type) -> ComputePlan``: what a model's forward reads (the compute config with the
-  table's choices made, and the SDPA pin below), resolved once for the device its parameters live on.
-* ``fsdp_mixed_precision(precision, device_type)``: whether FSDP2 gathers bf16 parameters (``txl.parallel.shard``);
-* ``resolved("graphs", "auto", device_type)``: ``TrainConfig.graphs`` ('auto' -> 'step' on CUDA, else 'off').
-
-Not in the table, because the device does not decide them:
-
-* ``cast_weights='auto'``: 'grouped' except in a process group of more than one (DDP's overlap of all-reduce and
-  backward) or with parameters that are not plain tensors (FSDP's); decided per forward by the wrapper around the
-  model, the same on every device, so ``resolve`` keeps it.
-* ``cluster_rows`` under torch.compile: 'capacity' for 'selected' on every device (``nonzero``'s data-dependent
-  shape breaks a graph).
-* which SDPA kernel runs (``kernels.SDPA_BACKENDS``): a kernel choice inside one op, not an operand dtype; the CPU
-  calls the op without the backend context only because the context costs time there (``ComputePlan.pin_sdpa``).
+Not in the table, because the device does not decide them: ``cast_weights='auto'`` (decided per forward, the same on
+every device: ``txl.model.casting``), ``cluster_rows`` under torch.compile ('capacity' for 'selected' everywhere), and
+which SDPA kernel runs (``ComputePlan.pin_sdpa`` only skips the backend context where it costs time: the CPU).
 """
 
 from __future__ import annotations
@@ -65,50 +47,37 @@ class Choice:
 
 CHOICES = (
     Choice("cluster_rows", "auto", cpu="selected", cuda="capacity", other="capacity",
-           why="'selected' is the least work but a host sync per cluster (nonzero) off the CPU; 'capacity' keeps "
-               "shapes static (no sync, what CUDA graphs need) at about the same work"),
+           why="'selected' is the least work but a host sync per cluster off the CPU; 'capacity' keeps shapes static"),
     Choice("softmax_pad", 0, cpu=1, cuda=64, other=1,
            why="tensor-core kernels need widths that are multiples of 64; on the CPU padding only adds work"),
     Choice("dropout_impl", "fast", cpu="fast", cuda="torch", other="torch",
            why="the gap sampler pays on the CPU only; elsewhere 'fast' runs torch's own kernel, which is 'torch'"),
     Choice("fsdp_mixed_precision", "bf16", cpu=False, cuda=True, other=False,
-           why="TrainConfig.precision 'bf16' under FSDP2 (parallel.shard): bf16 parameters gathered and float32 "
-               "gradients reduced on CUDA; elsewhere float32 parameters sharded, autocast casting them"),
+           why="FSDP2 with bf16: bf16 parameters gathered, float32 gradients reduced on CUDA; elsewhere autocast"),
     Choice("precision", "auto", cpu="fp32", cuda="bf16", other="fp32",
-           why="bf16 autocast on a GPU that has bf16 tensor cores (Ampere and later: runtime.resolve_precision "
-               "checks, else fp32); on a CPU bf16 pays only with AVX512_BF16 or AMX, so 'auto' never picks it"),
+           why="bf16 on a GPU with bf16 tensor cores (runtime.resolve_precision checks); a CPU gains only with AMX"),
     Choice("graphs", "auto", cpu="off", cuda="step", other="off",
-           why="TrainConfig.graphs: a CUDA graph replays the whole training step in one launch where the host "
-               "otherwise launches every kernel (host-bound on a GPU); a CPU has no graphs to replay"),
+           why="a CUDA graph replays the training step in one launch (a GPU step is host-bound); a CPU has none"),
 )
 """Every device-dependent value, with its resolution per device type (the one place the forward reads them)."""
 
 _BY_FIELD = {(c.field, c.value): c for c in CHOICES}
 
 
-def _check_device_type(device_type: str) -> None:
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)} (a "
-                         "device's .type, e.g. torch.device('cuda:1').type == 'cuda')")
-
-
 def resolved(field: str, value: Any, device_type: str) -> Any:
-    """``field``'s ``value`` as a ``device_type`` device resolves it; a value that does not depend on the device, as is.
-
-    What the forward calls with its tensors' ``device.type``: a type the table does not name ('meta', where tests
-    read shapes) resolves as 'other'."""
+    """``field``'s ``value`` as a ``device_type`` device resolves it (a type the table does not name, e.g. 'meta', as
+    'other'); a value that does not depend on the device, as is."""
     choice = _BY_FIELD.get((field, value))
     return value if choice is None else choice.on(device_type)
 
 
 def resolve(compute: ComputeConfig, device_type: str) -> ComputeConfig:
-    """A copy of ``compute`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``).
-
-    Build a model with it to run ``device_type``'s path on any device. ``resolve(resolve(c, d), e) == resolve(c, d)``
-    for every d but 'cpu' (a config resolved for it no longer depends on the device); the CPU's gap sampler has no
-    name of its own, so its resolution keeps 'fast', which means torch's kernel elsewhere.
-    """
-    _check_device_type(device_type)
+    """A copy of ``compute`` with every device-dependent value replaced by what ``device_type`` picks (``CHOICES``):
+    build a model with it to run ``device_type``'s path on any device. Resolving again changes nothing, except after
+    'cpu', whose gap sampler has no name of its own: it keeps 'fast', which is torch's kernel elsewhere."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)} (a "
+                         "device's .type, e.g. torch.device('cuda:1').type == 'cuda')")
     if not isinstance(compute, ComputeConfig):  # a ModelConfig has none of the fields: it would resolve to itself
         raise TypeError(f"plan.resolve takes a ComputeConfig, not a {type(compute).__name__}: build the model with "
                         "TransformerXL(config, plan.resolve(ComputeConfig(), device_type))")
@@ -130,10 +99,8 @@ def resolve_precision(precision: str, device_type: str) -> str:
 
 @dataclass(frozen=True)
 class ComputePlan:
-    """How a model computes on the device type its parameters live on: resolved once, when the model is built or
-    moved (``TransformerXL._apply``), from its ``ComputeConfig`` and ``CHOICES``, and read by the forward, which tests
-    no device. The ``ModelConfig`` says what the model is (and is what a checkpoint stores); the plan only how, so a
-    checkpoint loads under any plan and computes the same numbers up to rounding."""
+    """How a model computes on the device type its parameters live on: resolved when the model is built or moved
+    (``TransformerXL._apply``) from its ``ComputeConfig`` and ``CHOICES``, and read by the forward."""
 
     device_type: str
     """The device type it was resolved for (a type the table does not name resolves as 'other')."""
@@ -148,11 +115,9 @@ class ComputePlan:
     softmax_pad: int
     """The multiple each output matmul's width of the softmax is padded to (1: none)."""
     gap_dropout: bool
-    """Dropout draws the gaps between dropped elements (``dropout_impl='fast'`` where it pays: the CPU); else
-    torch's kernel."""
+    """Dropout draws the gaps between dropped elements (``dropout_impl='fast'`` on the CPU), else torch's kernel."""
     pin_sdpa: bool
-    """SDPA runs inside the backend context that keeps cuDNN out (``kernels.SDPA_BACKENDS``); on the CPU, where
-    there is no cuDNN and the context costs 20-40 us a call, the op is called as is."""
+    """SDPA runs inside the backend context that keeps cuDNN out (``kernels.SDPA_BACKENDS``); not on the CPU."""
 
 
 def compute_plan(compute: ComputeConfig, device_type: str) -> ComputePlan:

@@ -2,10 +2,6 @@
 
 Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads,
 D head width, d d_model.
-
-The bottom of ``txl.model``: pure functions of shapes and tensors, importing torch only. The attention
-encodings (``txl.model.attention``) build their positional inputs from these; the kernels
-(``txl.model.kernels``) realign scores with them.
 """
 
 from __future__ import annotations
@@ -16,15 +12,12 @@ import torch
 import torch.nn.functional as F
 
 
-def inverse_frequencies(d_model: int, device: torch.device | None = None) -> torch.Tensor:
-    """(d/2,) float32 1 / 10000^(2i/d): the sinusoid's frequencies (Vaswani et al. 2017), R's columns."""
-    # reciprocal(): what 1.0 / x runs, without its multiply by 1.0 (the same numbers, one kernel fewer).
-    return (10000 ** (torch.arange(0, d_model, 2, device=device, dtype=torch.float32) / d_model)).reciprocal()
-
-
 def sinusoid(distances: torch.Tensor, d_model: int) -> torch.Tensor:
-    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters)."""
-    angles = distances.float()[:, None] * inverse_frequencies(d_model, distances.device)[None, :]  # (K, d/2)
+    """R: (K,) distances -> (K, d_model) encodings, [sin | cos] halves as the original (no parameters), at the
+    frequencies 1 / 10000^(2i/d) (Vaswani et al. 2017)."""
+    inv_freq = (10000 ** (torch.arange(0, d_model, 2, device=distances.device, dtype=torch.float32) / d_model)
+                ).reciprocal()  # (d/2,): 1.0 / x's numbers in one kernel
+    angles = distances.float()[:, None] * inv_freq[None, :]  # (K, d/2)
     return torch.cat([angles.sin(), angles.cos()], dim=-1)  # (K, d)
 
 
@@ -37,22 +30,18 @@ def relative_distances(klen: int, clamp_len: int, device: torch.device | None = 
 def rel_shift(x: torch.Tensor) -> torch.Tensor:
     """Realign (..., T, K) scores from "encoding index p" to "key index j" (the original's pad-and-view form).
 
-    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j
-    is at distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column
-    in front and reading the flat (T, K+1) buffer from offset T in rows of K (one less than the padded
-    row) shifts row i left by T-1-i. Entries with j > M+i (future keys, always masked) are meaningless.
-    ``kernels.realign`` is the same shift without the padded copy.
-    """
+    Column p of row i holds the score against distance K-1-p. Query i sits at key index M+i, so key j is at
+    distance M+i-j, i.e. p = T-1-i+j: the result is x[..., i, T-1-i+j]. Padding one zero column in front and reading
+    the flat (T, K+1) buffer from offset T in rows of K (one less than the padded row) shifts row i left by T-1-i.
+    Entries with j > M+i (future keys, always masked) are meaningless; ``kernels.realign`` needs no padded copy."""
     *lead, T, K = x.shape
     padded = F.pad(x, (1, 0)).reshape(*lead, T * (K + 1))  # (..., T*(K+1))
     return padded[..., T:].view(*lead, T, K)  # (..., T, K)
 
 
 class Positions(NamedTuple):
-    """What one layer's attention gets of the positions in a forward pass, for key index 0..K-1.
-
-    Each encoding (``txl.model.attention``) builds its own and sets what it uses; the rest stay None.
-    """
+    """What one layer's attention gets of the positions in a forward pass, for key index 0..K-1: each encoding sets
+    what it uses, the rest stay None."""
 
     encodings: torch.Tensor | None = None
     """(K, d) the sinusoids R of distances K-1 .. 0 (clamped), dropout applied: relative attention
@@ -68,12 +57,9 @@ class Positions(NamedTuple):
 
 def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, style: str,
                    device: torch.device | None = None) -> torch.Tensor:
-    """(T, K) bool, True where query i may not see key j.
-
-    Causal: query i (key index M+i) sees keys j <= M+i. With same_length every query sees the same
-    number of keys, the far ones hidden: mem_len keys in the original PyTorch / Hugging Face convention,
-    mem_len + 1 in the original TensorFlow / NVIDIA one (which also keeps the query's own position).
-    """
+    """(T, K) bool, True where query i may not see key j. Causal: query i (key index M+i) sees keys j <= M+i. With
+    same_length every query sees the same number of keys, the far ones hidden: mem_len keys in the original PyTorch /
+    Hugging Face convention, mem_len + 1 in the original TensorFlow / NVIDIA one (the query's own position too)."""
     klen = mlen + qlen
     ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
     mask = torch.triu(ones, diagonal=1 + mlen)
@@ -85,10 +71,8 @@ def attention_mask(qlen: int, mlen: int, *, mem_len: int, same_length: bool, sty
 
 
 def padding_mask(mask: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """(T, K) causal mask and (B, K) bool pads -> (B, 1, T, K): no real query sees a pad key.
-
-    A pad query keeps its causal keys (pads, being on the left), so no softmax row is empty.
-    """
+    """(T, K) causal mask and (B, K) bool pads -> (B, 1, T, K): no real query sees a pad key; a pad query keeps its
+    causal keys (pads, being on the left), so no softmax row is empty."""
     T = mask.size(0)
     hide = padding[:, None, :] & ~padding[:, -T:, None]  # (B, T, K)
     return (mask | hide)[:, None]  # (B, 1, T, K)

@@ -1,17 +1,12 @@
 """Rotary position embedding (RoFormer, Su et al. 2021) over the [memory; segment] window: pure functions.
 
-Shape legend: B batch, T query (segment) length, M memory length, K = M + T key length, H heads, D head
-width (even), N rows being rotated.
+Shape legend: B batch, T query (segment) length, M memory length, K = M + T, H heads, D head width (even), N rows.
 
 Each pair of channels (x[..., c], x[..., c + D/2]) of a query or key at position n is rotated by the angle
-n * theta_c, theta_c = base^(-2c/D) (the half-split pairing of GPT-NeoX / Llama). A rotation by a and a
-rotation by b give a dot product that depends on b - a only, so q_i . k_j depends on the content and on
-the distance i - j, never on where the window starts: positions need only be consistent within one
-forward pass. Here they are the key indices 0..K-1 of [memory; segment], and query i of the segment sits
-at index M + i. Keys are rotated at attention time, not when they are computed, so memory rows and
-cached keys (``KVCache``) hold unrotated W_k h and get the positions of the current window: as for the
-paper's relative encoding (Dai et al. 2019, section 3.3), cached states stay coherent when they move
-back one segment, and a longer memory at evaluation only adds keys at larger distances.
+n * theta_c, theta_c = base^(-2c/D) (the half-split pairing of GPT-NeoX / Llama), so q_i . k_j depends on the
+content and the distance i - j alone. Positions are the key indices 0..K-1 of [memory; segment] (query i at M + i),
+applied at attention time: memory rows and cached keys hold unrotated W_k h and stay coherent as they move back a
+segment, as with the paper's relative encoding (Dai et al. 2019, section 3.3).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The Transformer-XL language model (Dai et al. 2019).
 
-Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, V vocabulary,
-L layers, P learned positions.
+Shape legend: B batch, T segment length, M memory length, K = M + T, d d_model, V vocabulary, L layers.
 
-A forward pass reads one segment of token ids with the memory of earlier segments, and returns the
-per-token loss (or log-probabilities) and the memory for the next segment:
+A forward pass reads one segment of token ids with the memory of earlier segments, and returns the per-token loss
+(or log-probabilities) and the memory for the next segment (memory_l: the inputs of layer l for the M previous
+positions, section 3.2):
 
     embed -> dropout -> [layer_l(h, memory_l) for l in 0..L-1] -> dropout -> adaptive softmax
-
-where memory_l holds the inputs of layer l for the M previous positions (section 3.2).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from txl.labels import IGNORE_INDEX
 from txl.model import casting, kernels, plain, plan
 from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.model.attention import Attention, build_attention, encoding
-from txl.model.compressive import Compressor, check_state, split_state
+from txl.model.compressive import Compressor, split_state
 from txl.model.dropout import Dropout
 from txl.model.kv_cache import KVCache, cached_keys_values, weights_version
 from txl.model.memory import Memory, check_memory, grow_memory, last_rows, memory_length, zeros_memory
@@ -77,18 +75,14 @@ class TransformerXL(nn.Module):
 
     kv_cache: the previous output's kv_cache (or ``KVCache()`` to start one, filled from ``memory``)
     for incremental decoding: the memory rows' keys and values are read from it instead of being
-    projected again, with the same result. Eval mode under ``torch.no_grad()`` only; see
-    ``txl.model.kv_cache``.
+    projected again, with the same result. Eval mode under ``torch.no_grad()`` only (``txl.model.kv_cache``).
 
     padding: (B, M + T) bool, True at pad positions of the memory rows and the segment (left-padded
-    prompts of different lengths read as one batch). No other position attends to a pad, so each row
-    computes what it would alone; relative attention makes the shift of its positions irrelevant.
-    Pads see only earlier pads (each other), so no softmax is empty; their outputs are meaningless.
-    A compressive model takes padding while nothing is or gets compressed (``txl.model.compressive``).
+    prompts of different lengths read as one batch): each row computes what it would alone (with a relative
+    encoding); pads' outputs are meaningless. A compressive model takes it while nothing is or gets compressed.
 
-    ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``), the oracle of the default one; how
-    the model computes on its device is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the
-    defaults) where the model is built and again wherever it moves.
+    ``compute.attn_impl='reference'`` runs the plain path (``txl.model.plain``); how the model computes on its device
+    is ``self.plan`` (``txl.model.plan``), resolved from ``compute`` (None: the defaults) where it is built or moved.
     """
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
@@ -104,9 +98,7 @@ class TransformerXL(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         self.softmax = AdaptiveLogSoftmax(c)
-        # Rae et al. 2020: the second, compressed memory's function; none at cmem_len 0 (today's model exactly).
-        if c.cmem_len and not self.encoding.reads_compressed:
-            raise ValueError(f"attn_type={c.attn_type!r} cannot read a compressed memory; set cmem_len 0")
+        # Rae et al. 2020: the second, compressed memory's function (every encoding positions rows by window index)
         self.compressor = Compressor(c) if c.cmem_len else None
         self.tie_weights()
         self.reset_parameters()
@@ -125,12 +117,9 @@ class TransformerXL(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The original initialisation, one method dispatching on types.
-
-        Linear and embedding weights, cluster weights, biases u and v and learned positions:
-        normal(0, init_std); embedding and softmax projections: normal(0, proj_init_std);
-        LayerNorm weights normal(1, init_std); every bias 0.
-        """
+        """The original initialisation, one method dispatching on types: linear and embedding weights, cluster
+        weights, biases u and v and learned positions normal(0, init_std); embedding and softmax projections
+        normal(0, proj_init_std); LayerNorm weights normal(1, init_std); every bias 0."""
         c = self.config
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -168,8 +157,7 @@ class TransformerXL(nn.Module):
                 module.gaps = compute.gap_dropout
 
     def _apply(self, fn, recurse=True):
-        """``nn.Module._apply`` (what ``to``, ``cuda``, ``to_empty`` run), then the plan made again for the device
-        the model now lives on."""
+        """``nn.Module._apply`` (``to``, ``cuda``, ``to_empty``), then the plan made again for the model's device."""
         super()._apply(fn, recurse)
         device = next(self.parameters()).device
         if getattr(self, "plan", None) is not None and self.plan.device_type != device.type:
@@ -179,18 +167,15 @@ class TransformerXL(nn.Module):
     # -- memory ---------------------------------------------------------------------------------
     def init_memory(self, batch_size: int, length: int = 0) -> Memory:
         """An empty memory (length 0), or a zero-filled one that is attended to (Hugging Face style)."""
-        p = next(self.parameters())
-        memory = zeros_memory(self.config.n_layer, batch_size, self.config.d_model, length,
-                              device=p.device, dtype=p.dtype)
+        p, c = next(self.parameters()), self.config
+        memory = zeros_memory(c.n_layer, batch_size, c.d_model, length, device=p.device, dtype=p.dtype)
         if self.compressor is not None:  # and an empty compressed memory
-            memory += zeros_memory(self.config.n_layer, batch_size, self.config.d_model, 0, device=p.device,
-                                   dtype=p.dtype)
+            memory += zeros_memory(c.n_layer, batch_size, c.d_model, 0, device=p.device, dtype=p.dtype)
         return memory
 
     def start_kv_cache(self) -> KVCache | None:
         """An empty KVCache to pass with the first segment of an evaluation, or None where this model's keys
-        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step); a
-        compressive model's cache holds the keys and values of its window, [compressed; memory]."""
+        cannot be cached ('absolute' and 'al_rfou' add to each memory row a position that shifts every step)."""
         return KVCache() if self.encoding.cacheable else None
 
     # -- forward --------------------------------------------------------------------------------
@@ -213,16 +198,14 @@ class TransformerXL(nn.Module):
         own, compressed, mems, M = plain.read_memory(self, memory)
         mask = plain.segment_mask(T, M, ctx, padding, input_ids.device)  # (T, K), or (B, 1, T, K) with padding
         h = self.drop(self.embed(input_ids))  # (B, T, d)
-        attns = [layer.attn for layer in self.layers]
         table = () if kv_cache is None else self.encoding.grow_table(  # the cache's W_kR R, grown to K
-            attns, kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model, dtype=h.dtype, device=h.device)
+            [layer.attn for layer in self.layers], kv_cache.positions, M + T, ctx.clamp_len, d_model=c.d_model,
+            dtype=h.dtype, device=h.device)
         positions = plain.layer_positions(self, M + T, ctx.clamp_len, h.dtype, self.drop, table)
-        # With a cache (no autograd), the memory, keys and values grow in place into the cache's RowBuffers instead
-        # of a torch.cat of all M rows every call; not under torch.compile, nor with ext_len (rows fed again).
+        # With a cache the memory, keys and values grow in place into its RowBuffers (not with ext_len: rows fed again)
         grow = kv_cache is not None and ctx.mem_len > 0 and ctx.ext_len == 0 and not torch.compiler.is_compiling()
         hiddens, keys, values, buffers = [], [], [], []
-        # Under autocast the layers' weights cast by one grouped op (ComputeConfig.cast_weights); a 16-bit input (the
-        # adaptive embedding's projection) is normalised in its own dtype, the norms' weights cast with them.
+        # Under autocast the layers' weights cast by one grouped op (``casting``), the norms' too for a 16-bit input
         with self._cast_weights(kernels.compute_dtype(h), with_norms=h.dtype in (torch.float16, torch.bfloat16)):
             u, v = getattr(self, "u", None), getattr(self, "v", None)
             for l, layer in enumerate(self.layers):
@@ -259,22 +242,18 @@ class TransformerXL(nn.Module):
                                weights_version=version)
 
     def _cast_weights(self, dtype: torch.dtype, *, with_norms: bool) -> contextlib.AbstractContextManager:
-        """Where the layers read their matmul weights (and the layer norms' ``with_norms``, for a 16-bit stream) cast
-        to ``dtype`` by one grouped op (``ComputeConfig.cast_weights``, ``txl.model.casting``); a no-op without autocast
-        or with 'per_use'."""
+        """Where the layers read their matmul weights (and with ``with_norms`` the norms') cast to ``dtype`` by one
+        grouped op (``txl.model.casting``); a no-op without autocast or with 'per_use'."""
         mode = self.plan.cast_weights
         if mode == "per_use" or torch.compiler.is_compiling():  # a compiled graph fuses the casts itself
             return contextlib.nullcontext()
         first = next(self.layers.parameters(), None)
         if first is None or first.dtype == dtype:  # no autocast (the usual float32 run): nothing to walk or cast
             return contextlib.nullcontext()
-        slots = casting.matmul_weights(self.layers)
-        if with_norms:
-            slots += casting.norm_weights(self.layers)
+        slots = casting.matmul_weights(self.layers) + (casting.norm_weights(self.layers) if with_norms else [])
         params = [m._parameters[n] for m, n in slots]
-        if mode == "auto" and not casting.groupable(params, dtype):
-            return contextlib.nullcontext()
-        if not params or any(p.dtype == dtype for p in params):  # nothing to cast ('grouped' without autocast)
+        if not params or any(p.dtype == dtype for p in params) or mode == "auto" and not casting.groupable(
+                params, dtype):  # nothing to cast, or 'auto' keeps the casts per use (``casting.groupable``)
             return contextlib.nullcontext()
         return casting.cast_in_place(slots, dtype)
 
@@ -282,39 +261,52 @@ class TransformerXL(nn.Module):
                      memory: Memory | None = None, kv_cache: KVCache | None = None,
                      context: Context | None = None, *, version: int | None = None,
                      padding: torch.Tensor | None = None) -> None:
-        """Raise a ValueError naming what is wrong with the arguments of ``forward``.
-
-        ``forward`` calls it, except under torch.compile. The range checks of token ids and labels run on
-        host (CPU) tensors only: on a GPU they would read values back from the device, a host sync inside every
-        step (and a graph break), so callers check their data on the host before it moves (``check_token_ids``).
-        ``version``: ``weights_version(self)`` when the caller has read it already (None: read here).
-        """
+        """Raise a ValueError naming what is wrong with the arguments of ``forward`` (which calls it, except under
+        torch.compile). Token ids and labels are range-checked on host tensors only (on a GPU a read is a host sync):
+        callers check their data before it moves (``check_token_ids``). ``version``: ``weights_version(self)`` when
+        the caller has read it already (None: read here)."""
         c = self.config
         ctx = c.context() if context is None else context
         if not isinstance(ctx, Context):
             raise ValueError(f"context must be a txl.Context (model.config.context(mem_len=...)), "
                              f"got {type(ctx).__name__}")
-        self._check_inputs(input_ids, labels, ctx)
-        B = input_ids.size(0)
-        if memory is not None:
-            check = check_memory if self.compressor is None else check_state
-            check(memory, n_layer=c.n_layer, batch_size=B, d_model=c.d_model, device=self.embed.layers[0].weight.device)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
+                             f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty: pass at least one token")
+        on_host = reads_values(input_ids)  # values are read on the host only (the docstring)
+        if on_host:
+            check_token_ids(input_ids, c.vocab_size)
+        B, T = input_ids.shape
+        if ctx.ext_len and ctx.ext_len >= T:
+            raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({T} tokens); lower ext_len "
+                             "or feed longer segments")
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                                 f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
+            valid = labels[labels != IGNORE_INDEX] if on_host else labels[:0]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
+                raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
+                                 f"(use {IGNORE_INDEX} to ignore a position)")
+            if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
+                self.softmax.check_rows(labels)
+        if memory is not None:  # a compressive model's holds two (split_state checks that it does)
+            for part in (memory,) if self.compressor is None else split_state(memory, c.n_layer):
+                check_memory(part, n_layer=c.n_layer, batch_size=B, d_model=c.d_model,
+                             device=self.embed.layers[0].weight.device)
         if self.compressor is not None and (ctx.same_length or ctx.ext_len or not ctx.mem_len):
             raise ValueError("a compressive model (cmem_len > 0) reads with mem_len >= 1, same_length false and "
                              "ext_len 0: with mem_len 0 nothing is kept to compress from (ModelConfig refuses it too), "
                              "same_length would hide the compressed slots, ext_len feed rows twice")
-        if kv_cache is not None:  # a compressive model's cache covers its window, [compressed; memory]
-            rows = memory_length(memory) if self.compressor is None else sum(map(memory_length, split_state(
-                memory, c.n_layer)))
-            self._check_kv_cache(kv_cache, rows, B, version)
-        if padding is not None:
-            self._check_padding(padding, memory, B, input_ids.size(1), ctx)
-
-    def _check_padding(self, padding: torch.Tensor, memory: Memory | None, B: int, T: int, ctx: Context) -> None:
-        """Raise a ValueError saying why ``padding`` does not cover this call's memory rows and segment."""
-        c = self.config
+        # The rows attended to before the segment: a compressive model's window, [compressed; memory].
         own, compressed = (memory, None) if self.compressor is None else split_state(memory, c.n_layer)
         M = memory_length(own) + memory_length(compressed)
+        if kv_cache is not None:
+            self._check_kv_cache(kv_cache, M, B, version)
+        if padding is None:
+            return
         if self.compressor is not None and (memory_length(compressed) or M + T - ctx.mem_len >= c.cmem_rate):
             # Pads lead each row; compressed slots before a padded memory would sit after the pads (their
             # distances shifted), and rows leaving would compress pads with real states.
@@ -351,32 +343,6 @@ class TransformerXL(nn.Module):
         if cache.weights_version not in (None, weights_version(self) if version is None else version):
             raise ValueError("kv_cache was built with other weights (a parameter changed since): its keys are "
                              "stale; pass KVCache() to rebuild it from the memory")
-
-    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, ctx: Context) -> None:
-        c = self.config
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be a (B, T) integer tensor; got {input_ids.dtype} of shape "
-                             f"{tuple(input_ids.shape)} (add a batch dimension with .unsqueeze(0))")
-        if input_ids.numel() == 0:
-            raise ValueError("input_ids is empty: pass at least one token")
-        # Values are read on the host only: on a GPU each read is a host sync inside the step. Callers that move
-        # data check it before it moves (txl.train, txl.evaluate: check_token_ids on the corpus arrays).
-        on_host = reads_values(input_ids)
-        if on_host:
-            check_token_ids(input_ids, c.vocab_size)
-        if ctx.ext_len and ctx.ext_len >= input_ids.size(1):
-            raise ValueError(f"ext_len={ctx.ext_len} must be shorter than the segment ({input_ids.size(1)} "
-                             "tokens); lower ext_len or feed longer segments")
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape "
-                                 f"{tuple(input_ids.shape)}; labels[:, t] is the token after input_ids[:, t]")
-            valid = labels[labels != IGNORE_INDEX] if on_host else labels[:0]
-            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= c.vocab_size):
-                raise ValueError(f"a label is out of range for vocab_size={c.vocab_size} "
-                                 f"(use {IGNORE_INDEX} to ignore a position)")
-            if on_host:  # 'capacity' rows: a tail holding more labels than its rows, named here (NaN on a device)
-                self.softmax.check_rows(labels)
 
 
 def reads_values(t: torch.Tensor) -> bool:
