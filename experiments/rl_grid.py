@@ -66,8 +66,9 @@ LONG = {"mem_len": 32, "num_steps": 128, "seq_len": 32}
 # nothing in 200k steps: the policy's entropy stays at log(27). Two changes, the same for txl, gtrxl and the MLP:
 # RecurrentPPO's update count (10 epochs of minibatches of 128 steps, 160 gradient steps a rollout where LONG takes
 # 16), and the episode-index ('absolute') encoding, since a count is a fraction of the steps seen times their number,
-# and attention over relative distances is handed no number of steps (relative -0.86, absolute -0.63 at equal
-# settings, docs/rl.md). RepeatPreviousEasy keeps LONG: 10 epochs there ended lower in a trial (0.89 against 0.94).
+# and attention over relative distances is handed no number of steps (at COUNT's update count relative -0.86,
+# absolute -0.63; the absolute encoding alone -0.74; docs/rl.md). RepeatPreviousEasy keeps LONG: 10 epochs there
+# ended lower in a trial (0.89 against 0.94).
 COUNT = {**LONG, "update_epochs": 10, "num_minibatches": 16, "attn_type": "absolute"}
 GRID = (
     # The horizon: inside (8, 16) and beyond (24, 32) 2 x M = 16, txl and the MLP first; then its edge, 17 (the cue
