@@ -1,6 +1,7 @@
 """experiments/rl_grid.py: the grid's bookkeeping and report (no training here), and the LSTM baseline's resume."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,6 +56,7 @@ def test_grid_is_sized_and_ordered():
         # Equal steps for every agent: a whole number of our rollouts and of RecurrentPPO's (16 x 128).
         assert task.steps % (rl_grid.NUM_ENVS * task.ppo.get("num_steps", 64)) == 0, task.name
         assert task.steps % (rl_grid.NUM_ENVS * 128) == 0, task.name
+        rl_grid.ppo_args(Path("runs"), task, "txl", 0)  # the task's settings are valid Args (minibatches divide)
 
 
 @pytest.mark.slow
