@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import Counting, tiny_config
+from conftest import Counting, assert_training_equal, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import txl
@@ -24,9 +24,14 @@ from txl.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def grad_tol(want: torch.Tensor) -> dict:
+    """A gradient's tolerance: relative, and absolute at 1e-6 of its largest entry."""
+    return dict(rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 def assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+        torch.testing.assert_close(a, b, **grad_tol(b))
 
 
 def with_rows(model: torch.nn.Module, rows: str) -> torch.nn.Module:
@@ -96,20 +101,7 @@ def test_static_rows_equal_selected_rows_in_the_whole_model(changes):
     capacity.load_state_dict(selected.state_dict())
     assert max(capacity.softmax.capacities(240)) < 240
     tokens = zipf(48 * 16, 61, seed=1).view(48, 16)
-    memories = [None, None]
-    for s in range(3):
-        x, y = tokens[:, 5 * s:5 * s + 5], tokens[:, 5 * s + 1:5 * s + 6]
-        outs = []
-        for i, model in enumerate((capacity.train(), selected.train())):
-            model.zero_grad()
-            out = model(x, labels=y, memory=memories[i])
-            out.loss.backward()
-            memories[i] = out.memory
-            outs.append(out)
-        torch.testing.assert_close(outs[0].nll, outs[1].nll, rtol=1e-6, atol=1e-6)
-        for a, b in zip(*memories, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-        assert_grads_close([p.grad for p in capacity.parameters()], [q.grad for q in selected.parameters()])
+    assert_training_equal(capacity, selected, tokens, dict(rtol=1e-6, atol=1e-6), grad_tol=grad_tol)
 
 
 def test_labels_beyond_a_tails_rows_are_an_error_on_the_host_and_nan_on_a_device():
