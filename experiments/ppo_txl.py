@@ -6,7 +6,8 @@ Collects with the step path (each of N environments acts one step at a time, its
 episode), learns with the sequence path (the rollout cut into sequences of seq_len steps, each with the memory it
 started from, no gradient into that memory), clipped PPO with GAE, an entropy bonus and a value loss, minibatches of
 whole sequences. Agents: 'txl' (Transformer-XL, post-LN), 'gtrxl' (GTrXL: identity-map reordering and GRU gates),
-'mlp' (no memory). Tasks: txl.rl.envs.make_task ('corridor-L' needs only numpy; MiniGrid and POPGym the rl extra).
+'txl-i' (the reordering without the gates, GTrXL's "TrXL-I" ablation), 'mlp' (no memory). Tasks:
+txl.rl.envs.make_task ('corridor-L' needs only numpy; MiniGrid and POPGym the rl extra).
 
 The run directory holds progress.csv (one row per iteration), checkpoint.pt (written atomically every
 --checkpoint-every iterations and at the end: model, optimiser, generator, the environments themselves, their current
@@ -47,7 +48,7 @@ class Args:
     run_dir: str
     """Where progress.csv, checkpoint.pt and return.png go (outside git: runs/rl/...)."""
     task: str = "corridor-8"
-    agent: Literal["txl", "gtrxl", "mlp"] = "txl"
+    agent: Literal["txl", "gtrxl", "txl-i", "mlp"] = "txl"
     attn_type: str = "relative"
     """The core's positional encoding (txl.rl.core)."""
     seed: int = 0
@@ -73,6 +74,8 @@ class Args:
     n_head: int = 4
     d_inner: int = 128
     mem_len: int = 8
+    gate_bias: float = 2.0
+    """GTrXL's b_g (the 'gtrxl' agent): its update gates start at sigmoid(-b_g)."""
     checkpoint_every: int = 10
     """Iterations between checkpoints (and one at the end)."""
     tensorboard: bool = False
@@ -80,6 +83,8 @@ class Args:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        if self.agent not in ("txl", "gtrxl", "txl-i", "mlp"):
+            raise ValueError(f"agent={self.agent!r}: choose 'txl', 'gtrxl', 'txl-i' or 'mlp'")
         if self.num_steps % self.seq_len:
             raise ValueError(f"seq_len={self.seq_len} must divide num_steps={self.num_steps}")
         if (self.num_envs * self.num_steps // self.seq_len) % self.num_minibatches:
@@ -91,6 +96,10 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2)) -> nn.Linear:
     nn.init.orthogonal_(layer.weight, std)
     nn.init.zeros_(layer.bias)
     return layer
+
+
+LAYERS = {"txl": "plain", "gtrxl": "gated", "txl-i": "pre_ln"}
+"""The core's layer (AgentConfig.layer) of each agent with memory."""
 
 
 class Agent(nn.Module):
@@ -106,7 +115,8 @@ class Agent(nn.Module):
         else:
             self.core = TransformerXLCore(AgentConfig(
                 d_input=obs_dim, d_model=d, n_layer=args.n_layer, n_head=args.n_head, d_inner=args.d_inner,
-                mem_len=args.mem_len, attn_type=args.attn_type, layer="gated" if args.agent == "gtrxl" else "plain"))
+                mem_len=args.mem_len, attn_type=args.attn_type, layer=LAYERS[args.agent],
+                gate_bias=args.gate_bias))
         self.actor = layer_init(nn.Linear(d, n_actions), std=0.01)
         self.critic = layer_init(nn.Linear(d, 1), std=1.0)
 

@@ -1,8 +1,8 @@
 """The memory-task grid of docs/rl.md: Transformer-XL, GTrXL, an LSTM and a memoryless MLP on memory tasks.
 
-    python experiments/rl_grid.py run [--only corridor] [--runs runs/rl]   # runs (or continues) every unfinished run
-    python experiments/rl_grid.py report [--runs runs/rl]                  # docs/rl.md's tables and docs/rl/*.png
-    python experiments/rl_grid.py speed --task popgym-RepeatPreviousEasy   # env steps/s, ours vs RecurrentPPO
+    python -m experiments.rl_grid run [--only corridor] [--runs runs/rl]   # runs (or continues) every unfinished run
+    python -m experiments.rl_grid report [--runs runs/rl]                  # docs/rl.md's tables and docs/rl/*.png
+    python -m experiments.rl_grid speed --task popgym-RepeatPreviousEasy   # env steps/s, ours vs RecurrentPPO
 
 Each run lives in runs/rl/<task>/<agent>-s<seed>/ (progress.csv and a checkpoint); ``run`` skips finished runs and
 continues stopped ones where they stopped (ours exactly, from checkpoint.pt; the LSTM from its last model.zip with
@@ -82,6 +82,7 @@ GRID = (
     Task("corridor-1", 20 * 2048, CORRIDOR, agents=("mlp",), metric="success", group="horizon"),
     # The side-by-side table.
     Task("corridor-16", STEPS_CORRIDOR, CORRIDOR, agents=("gtrxl", "lstm"), metric="success", group="horizon"),
+    Task("corridor-48", STEPS_LONG, LONG, metric="success"),
     Task("popgym-RepeatPreviousEasy", STEPS_LONG, LONG),
     Task("popgym-CountRecallEasy", STEPS_LONG, COUNT),
     Task("MiniGrid-MemoryS7-v0", STEPS_LONG, LONG, seeds=(0, 1)),

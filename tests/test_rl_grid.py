@@ -1,6 +1,9 @@
 """experiments/rl_grid.py: the grid's bookkeeping and report (no training here), and the LSTM baseline's resume."""
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +60,20 @@ def test_grid_is_sized_and_ordered():
         assert task.steps % (rl_grid.NUM_ENVS * task.ppo.get("num_steps", 64)) == 0, task.name
         assert task.steps % (rl_grid.NUM_ENVS * 128) == 0, task.name
         rl_grid.ppo_args(Path("runs"), task, "txl", 0)  # the task's settings are valid Args (minibatches divide)
+
+
+def test_the_documented_commands_start_from_a_fresh_shell():
+    """docs/rl.md's commands as a user types them, from the repository root with no PYTHONPATH: each prints its help
+    (`python experiments/rl_grid.py` could not import `experiments`)."""
+    root = Path(rl_grid.__file__).resolve().parent.parent
+    commands = set(re.findall(r"^(python (?:-m experiments\.rl_grid|experiments/ppo_txl\.py)) ",
+                              (root / "docs" / "rl.md").read_text(), re.M))
+    assert commands == {"python -m experiments.rl_grid", "python experiments/ppo_txl.py"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for command in sorted(commands):
+        argv = [sys.executable, *command.split()[1:], "--help"]
+        done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage" in done.stdout, (command, done.stderr[-2000:])
 
 
 @pytest.mark.slow

@@ -93,6 +93,12 @@ def test_resume_refuses_other_settings(tmp_path):
 def test_args_are_checked():
     with pytest.raises(ValueError, match="seq_len=5 must divide num_steps=16"):
         ppo_txl.Args(run_dir="x", num_steps=16, seq_len=5)
+    with pytest.raises(ValueError, match="agent='lstm': choose 'txl', 'gtrxl', 'txl-i' or 'mlp'"):
+        ppo_txl.Args(run_dir="x", agent="lstm")
+    # Each agent with memory builds its layer.
+    for agent, layer in ppo_txl.LAYERS.items():
+        net = ppo_txl.Agent(3, 2, ppo_txl.Args(run_dir="x", agent=agent, gate_bias=1.5))
+        assert net.core.config.layer == layer and net.core.config.gate_bias == 1.5
 
 
 @pytest.mark.slow
