@@ -327,7 +327,7 @@ def train(args: Args, stop_after: int | None = None) -> Run:
         if state["args"] != dataclasses.asdict(args):
             changed = {k: (v, dataclasses.asdict(args)[k]) for k, v in state["args"].items()
                        if dataclasses.asdict(args).get(k) != v}
-            if set(changed) - {"total_steps", "checkpoint_every", "quiet", "tensorboard"}:
+            if set(changed) - {"run_dir", "total_steps", "checkpoint_every", "quiet", "tensorboard"}:  # where, not what
                 raise ValueError(f"{ckpt} was written with other settings {changed}: use another --run-dir")
         run.load_state_dict(state)
     rows = [r for r in read_progress(progress) if int(r["iteration"]) <= run.iteration]

@@ -88,6 +88,9 @@ def test_resume_refuses_other_settings(tmp_path):
     ppo_txl.train(small_args(tmp_path, "a"), stop_after=1)
     with pytest.raises(ValueError, match="other settings .*'mem_len': \\(4, 5\\)"):
         ppo_txl.train(small_args(tmp_path, "a", mem_len=5))
+    # A run directory moved elsewhere is the same run: it continues there.
+    (tmp_path / "a").rename(tmp_path / "b")
+    assert ppo_txl.train(small_args(tmp_path, "b")).iteration == 4
 
 
 def test_args_are_checked():
