@@ -62,10 +62,11 @@ STEPS_CORRIDOR = 74 * 2048  # 151,552
 STEPS_LONG = 98 * 2048  # 200,704
 LONG = {"mem_len": 32, "num_steps": 128, "seq_len": 32}
 # The corridor rewards one decision per episode: 64 in a rollout of corridor-16 (16 x 64 steps), 43 in one of
-# corridor-48 (16 x 128). With 4 epochs of 4 minibatches (16 gradient steps a rollout) the plain layer found corridor-48's cue in one
-# seed of three (0.93, 0.50, 0.51), and corridor-16's gated seed 2 lost the solved task in one update (0.84 ± 0.23).
-# RecurrentPPO's update count, 10 epochs (here of 8 minibatches), squeezes more out of each rollout: with it seeds 1
-# and 2 of corridor-48 solve it, and corridor-16 ends at 1.00 for every seed of both layers (docs/rl.md).
+# corridor-48 (16 x 128). With 4 epochs of 4 minibatches (16 gradient steps a rollout) the plain layer found
+# corridor-48's cue in one seed of three (0.93, 0.50, 0.51), and corridor-16's gated seed 2 lost the solved task in
+# one update (0.84 ± 0.23). RecurrentPPO's update count, 10 epochs (here of 8 minibatches), squeezes more out of each
+# rollout: with it seeds 1 and 2 of corridor-48 solve it, and corridor-16 ends at 1.00 for every seed of both layers
+# (docs/rl.md).
 UPDATES = {"update_epochs": 10, "num_minibatches": 8}
 CORRIDOR = {"mem_len": 8, "num_steps": 64, "seq_len": 16, **UPDATES}
 SPARSE = {**LONG, **UPDATES}
