@@ -43,6 +43,10 @@ CSV_FIELDS = ("iteration", "global_step", "episodes", "return_mean", "length_mea
               "entropy", "approx_kl", "clipfrac", "sps", "wall_s")
 
 
+LAYERS = {"txl": "plain", "gtrxl": "gated", "txl-i": "pre_ln"}
+"""The core's layer (AgentConfig.layer) of each agent with memory."""
+
+
 @dataclass(kw_only=True)
 class Args:
     run_dir: str
@@ -83,8 +87,8 @@ class Args:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        if self.agent not in ("txl", "gtrxl", "txl-i", "mlp"):
-            raise ValueError(f"agent={self.agent!r}: choose 'txl', 'gtrxl', 'txl-i' or 'mlp'")
+        if self.agent != "mlp" and self.agent not in LAYERS:
+            raise ValueError(f"agent={self.agent!r}: choose {', '.join(map(repr, LAYERS))} or 'mlp'")
         if self.num_steps % self.seq_len:
             raise ValueError(f"seq_len={self.seq_len} must divide num_steps={self.num_steps}")
         if (self.num_envs * self.num_steps // self.seq_len) % self.num_minibatches:
@@ -96,10 +100,6 @@ def layer_init(layer: nn.Linear, std: float = math.sqrt(2)) -> nn.Linear:
     nn.init.orthogonal_(layer.weight, std)
     nn.init.zeros_(layer.bias)
     return layer
-
-
-LAYERS = {"txl": "plain", "gtrxl": "gated", "txl-i": "pre_ln"}
-"""The core's layer (AgentConfig.layer) of each agent with memory."""
 
 
 class Agent(nn.Module):
@@ -324,9 +324,9 @@ def train(args: Args, stop_after: int | None = None) -> Run:
     run = Run(args)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        if state["args"] != dataclasses.asdict(args):
-            changed = {k: (v, dataclasses.asdict(args)[k]) for k, v in state["args"].items()
-                       if dataclasses.asdict(args).get(k) != v}
+        now = dataclasses.asdict(args)
+        if state["args"] != now:
+            changed = {k: (v, now.get(k)) for k, v in state["args"].items() if now.get(k) != v}
             if set(changed) - {"run_dir", "total_steps", "checkpoint_every", "quiet", "tensorboard"}:  # where, not what
                 raise ValueError(f"{ckpt} was written with other settings {changed}: use another --run-dir")
         run.load_state_dict(state)
