@@ -144,7 +144,7 @@ def test_a_padded_plain_softmax_gives_the_same_log_probs_and_nll():
 
 def test_padded_softmax_widths_are_multiples_of_the_pad():
     model = tiny_model(vocab_size=267, cutoffs=[20, 40, 200], softmax_pad=64)
-    widths = [w.size(0) for w, _, _ in model.softmax._clusters(torch.float32, torch.device("cpu"))]
+    widths = [w.size(0) for w, _, _ in model.softmax._clusters(torch.float32)]
     assert widths == [64, 64, 192, 128]  # 20 + 3 cluster logits, 20, 160, 67, each up to a multiple of 64
 
 

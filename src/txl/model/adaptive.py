@@ -131,7 +131,7 @@ class AdaptiveLogSoftmax(nn.Module):
                 self.layers.append(nn.Linear(width, self.bounds[i + 1] - self.bounds[i]))
                 self.projs.append(nn.Parameter(torch.zeros(config.d_model, width)))
 
-    def _clusters(self, dtype: torch.dtype, device: torch.device) -> list[Cluster]:
+    def _clusters(self, dtype: torch.dtype) -> list[Cluster]:
         """Every cluster's weight, bias and projection (0 = head), in ``dtype``, padded (``softmax_pad``): each
         parameter cast once and sliced after (slices miss autocast's cache of cast weights)."""
         params = [p for layer in self.layers for p in (layer.weight, layer.bias)]  # _cast_clusters's order
@@ -183,7 +183,7 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d) -> (N, V) log-probabilities over the whole vocabulary (float32)."""
-        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype, hidden.device)  # autocast's
+        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype)  # autocast's
         head, *tails = [self._log_softmax(hidden, cluster) for cluster in clusters]  # (N, W_i) each
         parts = [head[:, : self.shortlist]]
         for i in range(1, self.n_clusters + 1):
@@ -194,7 +194,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def nll(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,) negative log-likelihood in token order; 0 where target is IGNORE_INDEX (in no tail).
         The head's term is ``F.nll_loss``, a tail's log-probability subtracted: -h - t is -(h + t) exactly."""
-        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype, hidden.device)  # cast once
+        hidden, clusters = hidden.to(dtype := compute_dtype(hidden)), self._clusters(dtype)  # cast once
         head = self._log_softmax(hidden, clusters[0])  # (N, W_0)
         if not self.n_clusters:  # a plain softmax: the head alone
             return F.nll_loss(head, target, reduction="none", ignore_index=IGNORE_INDEX)  # (N,)
